@@ -1,0 +1,199 @@
+#include "checks.h"
+
+#include "lossagg.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+namespace lossagg {
+
+namespace {
+
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::strcmp(v, "") != 0 && std::strcmp(v, "0") != 0;
+}
+
+std::atomic<bool>& device_checks_flag() {
+  static std::atomic<bool> flag{env_flag("LOSSAGG_CHECK_INPUTS")};
+  return flag;
+}
+
+bool is_mask_dtype(c10::ScalarType t) {
+  return t == c10::kBool || t == c10::kByte || c10::isFloatingType(t);
+}
+
+bool is_values_dtype(c10::ScalarType t) {
+  return t == c10::kFloat || t == c10::kDouble || t == c10::kHalf || t == c10::kBFloat16;
+}
+
+bool wants_data_checks(const at::Tensor& t) {
+  return t.device().is_cpu() || device_checks_enabled();
+}
+
+void check_same_device(const char* op, const char* name, const at::Tensor& t, const at::Tensor& like, const char* like_name) {
+  TORCH_CHECK_VALUE(
+      t.device() == like.device(),
+      "lossagg.", op, ": ", name, " must be on the same device as ", like_name, " (", like.device(), "), got ",
+      t.device());
+}
+
+void check_cu_seqlens_meta(const char* op, const at::Tensor& cu, const at::Tensor& like) {
+  TORCH_CHECK_TYPE(
+      cu.scalar_type() == c10::kInt || cu.scalar_type() == c10::kLong,
+      "lossagg.", op, ": cu_seqlens must have dtype int32 or int64, got ", cu.scalar_type());
+  TORCH_CHECK_VALUE(
+      cu.dim() == 1 && cu.size(0) >= 1,
+      "lossagg.", op, ": cu_seqlens must be a 1-D [B+1] tensor with at least one element, got shape ", cu.sizes());
+  check_same_device(op, "cu_seqlens", cu, like, "the token tensors");
+}
+
+}  // namespace
+
+void set_device_checks(bool enabled) {
+  device_checks_flag().store(enabled);
+}
+
+bool device_checks_enabled() {
+  return device_checks_flag().load();
+}
+
+bool built_with_cuda() {
+#ifdef LOSSAGG_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+TokenLayout check_token_layout(
+    const char* op,
+    const at::Tensor& values,
+    const at::Tensor& mask,
+    const std::optional<at::Tensor>& cu_seqlens,
+    bool allow_metric_dim) {
+  TORCH_CHECK_TYPE(
+      is_values_dtype(values.scalar_type()),
+      "lossagg.", op, ": values must have dtype float32, bfloat16, float16 or float64, got ", values.scalar_type());
+  TORCH_CHECK_TYPE(
+      is_mask_dtype(mask.scalar_type()),
+      "lossagg.", op, ": mask must have dtype bool, uint8 or a floating dtype, got ", mask.scalar_type());
+  check_same_device(op, "mask", mask, values, "values");
+
+  TokenLayout layout{};
+  layout.packed = cu_seqlens.has_value();
+  const int64_t token_dims = layout.packed ? 1 : 2;
+  const char* token_shape = layout.packed ? "[T]" : "[B, T]";
+  const char* metric_shape = layout.packed ? "[K, T]" : "[K, B, T]";
+  const bool ok_dim = values.dim() == token_dims || (allow_metric_dim && values.dim() == token_dims + 1);
+  if (allow_metric_dim) {
+    TORCH_CHECK_VALUE(
+        ok_dim, "lossagg.", op, ": values must be ", token_shape, " or ", metric_shape,
+        layout.packed ? " when cu_seqlens is given (packed layout)" : " when cu_seqlens is None (padded layout)",
+        ", got shape ", values.sizes());
+  } else {
+    TORCH_CHECK_VALUE(
+        ok_dim, "lossagg.", op, ": values must be ", token_shape,
+        layout.packed ? " when cu_seqlens is given (packed layout)" : " when cu_seqlens is None (padded layout)",
+        ", got shape ", values.sizes());
+  }
+  layout.has_metric_dim = values.dim() == token_dims + 1;
+  layout.num_metrics = layout.has_metric_dim ? values.size(0) : 1;
+  auto token_sizes = values.sizes().slice(layout.has_metric_dim ? 1 : 0);
+  TORCH_CHECK_VALUE(
+      mask.sizes() == token_sizes, "lossagg.", op, ": mask must have the token shape of values ", token_sizes,
+      ", got shape ", mask.sizes());
+
+  if (layout.packed) {
+    check_cu_seqlens_meta(op, *cu_seqlens, values);
+    layout.num_segments = cu_seqlens->size(0) - 1;
+    layout.num_tokens = token_sizes[0];
+    layout.row_len = 0;
+  } else {
+    layout.num_segments = token_sizes[0];
+    layout.row_len = token_sizes[1];
+    layout.num_tokens = token_sizes[0] * token_sizes[1];
+  }
+  return layout;
+}
+
+TokenLayout check_mask_layout(
+    const char* op,
+    const at::Tensor& mask,
+    const std::optional<at::Tensor>& cu_seqlens,
+    int64_t num_metrics,
+    bool has_metric_dim) {
+  TORCH_CHECK_TYPE(
+      is_mask_dtype(mask.scalar_type()),
+      "lossagg.", op, ": mask must have dtype bool, uint8 or a floating dtype, got ", mask.scalar_type());
+  TokenLayout layout{};
+  layout.packed = cu_seqlens.has_value();
+  layout.has_metric_dim = has_metric_dim;
+  layout.num_metrics = num_metrics;
+  if (layout.packed) {
+    TORCH_CHECK_VALUE(
+        mask.dim() == 1, "lossagg.", op, ": mask must be [T] when cu_seqlens is given (packed layout), got shape ",
+        mask.sizes());
+    check_cu_seqlens_meta(op, *cu_seqlens, mask);
+    layout.num_segments = cu_seqlens->size(0) - 1;
+    layout.num_tokens = mask.size(0);
+  } else {
+    TORCH_CHECK_VALUE(
+        mask.dim() == 2, "lossagg.", op, ": mask must be [B, T] when cu_seqlens is None (padded layout), got shape ",
+        mask.sizes());
+    layout.num_segments = mask.size(0);
+    layout.row_len = mask.size(1);
+    layout.num_tokens = mask.size(0) * mask.size(1);
+  }
+  return layout;
+}
+
+void check_sample_denoms(const char* op, const at::Tensor& sample_denoms, const TokenLayout& layout, const at::Tensor& like) {
+  TORCH_CHECK_TYPE(
+      c10::isFloatingType(sample_denoms.scalar_type()),
+      "lossagg.", op, ": sample_denoms must have a floating dtype, got ", sample_denoms.scalar_type());
+  TORCH_CHECK_VALUE(
+      sample_denoms.dim() == 1 && sample_denoms.size(0) == layout.num_segments,
+      "lossagg.", op, ": sample_denoms must be a 1-D tensor of length B = ", layout.num_segments,
+      " (one denominator per sample), got shape ", sample_denoms.sizes());
+  check_same_device(op, "sample_denoms", sample_denoms, like, "the token tensors");
+}
+
+void check_cu_seqlens_data(const char* op, const std::optional<at::Tensor>& cu_seqlens, const TokenLayout& layout) {
+  if (!cu_seqlens.has_value() || !wants_data_checks(*cu_seqlens)) {
+    return;
+  }
+  const at::Tensor cu = cu_seqlens->to(at::kCPU, at::kLong).contiguous();
+  const int64_t* p = cu.const_data_ptr<int64_t>();
+  const int64_t n = cu.size(0);
+  TORCH_CHECK_VALUE(p[0] == 0, "lossagg.", op, ": cu_seqlens[0] must be 0, got ", p[0]);
+  for (int64_t i = 1; i < n; ++i) {
+    TORCH_CHECK_VALUE(
+        p[i] >= p[i - 1], "lossagg.", op, ": cu_seqlens must be non-decreasing, got cu_seqlens[", i, "] = ", p[i],
+        " < cu_seqlens[", i - 1, "] = ", p[i - 1]);
+  }
+  TORCH_CHECK_VALUE(
+      p[n - 1] == layout.num_tokens, "lossagg.", op, ": cu_seqlens[-1] must equal the number of tokens T = ",
+      layout.num_tokens, ", got ", p[n - 1]);
+}
+
+void check_sample_denoms_data(const char* op, const at::Tensor& sample_denoms) {
+  if (!wants_data_checks(sample_denoms)) {
+    return;
+  }
+  const at::Tensor d = sample_denoms.to(at::kCPU, at::kDouble).contiguous();
+  const double* p = d.const_data_ptr<double>();
+  for (int64_t i = 0; i < d.size(0); ++i) {
+    TORCH_CHECK_VALUE(
+        std::isfinite(p[i]) && p[i] > 0.0, "lossagg.", op,
+        ": sample_denoms must be finite and > 0, got sample_denoms[", i, "] = ", p[i]);
+  }
+}
+
+}  // namespace lossagg

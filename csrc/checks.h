@@ -1,0 +1,47 @@
+// Input validation shared by every backend. Messages name the op, the argument, what
+// was expected and what was given.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace lossagg {
+
+// What the token layout of a call looks like once its shapes are checked.
+struct TokenLayout {
+  bool packed;          // cu_seqlens given (THD) or padded [B, T] rows
+  int64_t num_segments; // B
+  int64_t num_tokens;   // size of the token index space: T (packed) or B*T (padded)
+  int64_t row_len;      // padded T; 0 when packed
+  int64_t num_metrics;  // K; 1 without a leading metric dimension
+  bool has_metric_dim;
+};
+
+// Checks values/mask/cu_seqlens shapes, dtypes and devices (no data access).
+// allow_metric_dim: segment_sum accepts a leading K dimension on values.
+TokenLayout check_token_layout(
+    const char* op,
+    const at::Tensor& values,
+    const at::Tensor& mask,
+    const std::optional<at::Tensor>& cu_seqlens,
+    bool allow_metric_dim);
+
+// Same as check_token_layout but for backward ops, which see the mask and the
+// incoming gradient instead of values.
+TokenLayout check_mask_layout(
+    const char* op,
+    const at::Tensor& mask,
+    const std::optional<at::Tensor>& cu_seqlens,
+    int64_t num_metrics,
+    bool has_metric_dim);
+
+void check_sample_denoms(const char* op, const at::Tensor& sample_denoms, const TokenLayout& layout, const at::Tensor& like);
+
+// Data checks: run always for CPU tensors, for CUDA tensors only when
+// device_checks_enabled() (they copy to the host and synchronise).
+void check_cu_seqlens_data(const char* op, const std::optional<at::Tensor>& cu_seqlens, const TokenLayout& layout);
+void check_sample_denoms_data(const char* op, const at::Tensor& sample_denoms);
+
+}  // namespace lossagg

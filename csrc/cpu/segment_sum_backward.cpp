@@ -1,0 +1,63 @@
+// lossagg::segment_sum_backward on the CPU: broadcast each segment's gradient to its
+// tokens, weighted by the mask.
+#include "../checks.h"
+#include "../common.h"
+#include "segment_kernels.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+namespace lossagg::cpu {
+namespace {
+
+at::Tensor segment_sum_backward(
+    const at::Tensor& grad,
+    const at::Tensor& mask,
+    const std::optional<at::Tensor>& cu_seqlens,
+    at::ScalarType values_dtype) {
+  TORCH_CHECK_VALUE(
+      grad.dim() == 1 || grad.dim() == 2,
+      "lossagg.segment_sum_backward: grad must be [B] or [K, B], got shape ", grad.sizes());
+  const bool has_metric_dim = grad.dim() == 2;
+  const TokenLayout layout =
+      check_mask_layout("segment_sum_backward", mask, cu_seqlens, has_metric_dim ? grad.size(0) : 1, has_metric_dim);
+  TORCH_CHECK_VALUE(
+      grad.size(-1) == layout.num_segments, "lossagg.segment_sum_backward: grad must have B = ", layout.num_segments,
+      " entries in its last dimension, got shape ", grad.sizes());
+  TORCH_CHECK_VALUE(
+      grad.device() == mask.device(), "lossagg.segment_sum_backward: grad must be on the device of mask (",
+      mask.device(), "), got ", grad.device());
+  check_cu_seqlens_data("segment_sum_backward", cu_seqlens, layout);
+
+  const at::Tensor m = mask.contiguous();
+  const std::optional<at::Tensor> cu =
+      cu_seqlens.has_value() ? std::optional<at::Tensor>(cu_seqlens->contiguous()) : std::nullopt;
+  std::vector<int64_t> out_shape(mask.sizes().begin(), mask.sizes().end());
+  if (has_metric_dim) {
+    out_shape.insert(out_shape.begin(), layout.num_metrics);
+  }
+  at::Tensor out = at::empty(out_shape, mask.options().dtype(values_dtype));
+
+  dispatch_values_dtype(values_dtype, [&]<typename S>(type_tag<S>) {
+    using acc_t = acc_t_of<S>;
+    const at::Tensor g = grad.to(acc_scalar_type(values_dtype)).contiguous();
+    const acc_t* gp = g.const_data_ptr<acc_t>();
+    const int64_t B = layout.num_segments;
+    dispatch_mask_dtype(m.scalar_type(), [&]<typename M>(type_tag<M>) {
+      dispatch_segments(cu, layout.row_len, [&](auto seg) {
+        expand_to_tokens<S, acc_t>(
+            out.mutable_data_ptr<S>(), m.const_data_ptr<M>(), layout.num_metrics, layout.num_tokens, seg, B,
+            [&](int64_t k, int64_t s) { return gp[k * B + s]; });
+      });
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(lossagg, CPU, m) {
+  m.impl("segment_sum_backward", &segment_sum_backward);
+}
+
+}  // namespace lossagg::cpu

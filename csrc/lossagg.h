@@ -1,0 +1,17 @@
+// Public C++ surface of lossagg for libtorch users. The ops themselves are reached
+// through the dispatcher (torch::ops / c10::Dispatcher) as lossagg::<name>.
+#pragma once
+
+namespace lossagg {
+
+// Data-dependent input checks (cu_seqlens monotone and ending at T, sample_denoms
+// finite and > 0) need the data on the host. On the CPU they always run. On CUDA they
+// would cost a device-to-host copy and a sync, so they are off unless enabled here or
+// with the environment variable LOSSAGG_CHECK_INPUTS=1 at load time.
+void set_device_checks(bool enabled);
+bool device_checks_enabled();
+
+// True when the library was compiled with its CUDA kernels.
+bool built_with_cuda();
+
+}  // namespace lossagg

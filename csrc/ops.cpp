@@ -1,0 +1,18 @@
+// Every lossagg op schema, in one place. Backends register their kernels under
+// TORCH_LIBRARY_IMPL in csrc/cpu/ and csrc/cuda/; fake kernels and autograd live in
+// lossagg/ops.py.
+#include <torch/library.h>
+
+TORCH_LIBRARY(lossagg, m) {
+  // Per-segment masked sums: [T] or [K, T] packed (with cu_seqlens), [B, T] or [K, B, T]
+  // padded -> [B] or [K, B]; float32 (float64 for float64 values).
+  m.def("segment_sum(Tensor values, Tensor mask, Tensor? cu_seqlens) -> Tensor");
+  // Gradient of segment_sum: grad [B] or [K, B] -> token layout of values.
+  m.def("segment_sum_backward(Tensor grad, Tensor mask, Tensor? cu_seqlens, ScalarType values_dtype) -> Tensor");
+  // sum_i segment_sum(values)[i] / sample_denoms[i] -> 0-dim tensor.
+  m.def("reduce(Tensor values, Tensor mask, Tensor? cu_seqlens, Tensor sample_denoms) -> Tensor");
+  // Gradient of reduce in values: grad * mask / sample_denoms[segment of the token].
+  m.def(
+      "reduce_backward(Tensor grad, Tensor mask, Tensor? cu_seqlens, Tensor sample_denoms, "
+      "ScalarType values_dtype) -> Tensor");
+}

@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import lossagg  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available() and lossagg.built_with_cuda()
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device or CUDA kernels not built")),
+]
+
+
+def pytest_report_header(config):
+    return (
+        f"lossagg: torch {torch.__version__}, built_with_cuda={lossagg.built_with_cuda()}, "
+        f"cuda available={torch.cuda.is_available()}"
+    )
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param

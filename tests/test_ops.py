@@ -1,0 +1,139 @@
+"""The native ops against the float64 reference, over device x dtype x layout x mask dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from batches import LAYOUTS, MASK_DTYPES, VALUE_DTYPES, make_batch
+from reference import ref_reduce, ref_reduce_grad, ref_segment_sum
+
+import lossagg
+
+# Results accumulate in float32 from inputs that the reference reads exactly, so the
+# forward error is float32 accumulation error whatever the input dtype.
+FWD_TOL = {torch.float64: dict(rtol=1e-12, atol=1e-12)}
+FWD_TOL_DEFAULT = dict(rtol=2e-5, atol=2e-5)
+# Gradients are returned in the values dtype: one rounding of m / d.
+GRAD_TOL = {
+    torch.float32: dict(rtol=1e-6, atol=1e-7),
+    torch.float64: dict(rtol=1e-12, atol=1e-14),
+    torch.bfloat16: dict(rtol=8e-3, atol=1e-5),
+    torch.float16: dict(rtol=1e-3, atol=1e-6),
+}
+
+
+def fwd_tol(dtype):
+    return FWD_TOL.get(dtype, FWD_TOL_DEFAULT)
+
+
+def acc_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@pytest.mark.parametrize("mask_dtype", MASK_DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", VALUE_DTYPES)
+@pytest.mark.parametrize("num_metrics", [None, 3])
+def test_segment_sum_matches_reference(device, dtype, layout, mask_dtype, num_metrics):
+    b = make_batch(layout, dtype=dtype, mask_dtype=mask_dtype, num_metrics=num_metrics, device=device)
+    out = lossagg.segment_sum(b.values, b.mask, b.cu_seqlens)
+    expected = ref_segment_sum(b.values.cpu(), b.mask.cpu(), None if b.cu_seqlens is None else b.cu_seqlens.cpu())
+    assert out.dtype == acc_dtype(dtype)
+    assert out.shape == expected.shape
+    assert out.device.type == device
+    torch.testing.assert_close(out.cpu().double(), expected, **fwd_tol(dtype))
+
+
+@pytest.mark.parametrize("mask_dtype", MASK_DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", VALUE_DTYPES)
+def test_reduce_and_grad_match_reference(device, dtype, layout, mask_dtype):
+    b = make_batch(layout, dtype=dtype, mask_dtype=mask_dtype, device=device, requires_grad=True)
+    out = lossagg.reduce(b.values, b.mask, b.sample_denoms, b.cu_seqlens)
+    cu = None if b.cu_seqlens is None else b.cu_seqlens.cpu()
+    expected = ref_reduce(b.values.detach().cpu(), b.mask.cpu(), b.sample_denoms.cpu(), cu)
+    assert out.dim() == 0 and out.dtype == acc_dtype(dtype)
+    torch.testing.assert_close(out.detach().cpu().double(), expected, **fwd_tol(dtype))
+
+    out.backward()
+    assert b.values.grad.dtype == dtype and b.values.grad.shape == b.values.shape
+    expected_grad = ref_reduce_grad(b.mask.cpu(), b.sample_denoms.cpu(), cu)
+    torch.testing.assert_close(b.values.grad.cpu().double(), expected_grad, **GRAD_TOL[dtype])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_segment_sum_grad_matches_reference(device, dtype, layout):
+    b = make_batch(layout, dtype=dtype, num_metrics=2, device=device, requires_grad=True)
+    out = lossagg.segment_sum(b.values, b.mask, b.cu_seqlens)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(device)
+    (out * upstream).sum().backward()
+    cu = None if b.cu_seqlens is None else b.cu_seqlens.cpu()
+    values64 = b.values.detach().cpu().double().requires_grad_(True)
+    (ref_segment_sum(values64, b.mask.cpu(), cu) * upstream.cpu().double()).sum().backward()
+    torch.testing.assert_close(b.values.grad.cpu().double(), values64.grad, **GRAD_TOL[dtype])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gradcheck_float64(device, layout):
+    b = make_batch(layout, dtype=torch.float64, mask_dtype=torch.float64, device=device, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda v: lossagg.reduce(v, b.mask, b.sample_denoms.double(), b.cu_seqlens), (b.values,)
+    )
+    bk = make_batch(layout, dtype=torch.float64, num_metrics=2, device=device, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda v: lossagg.segment_sum(v, bk.mask, bk.cu_seqlens), (bk.values,))
+
+
+def sample_inputs(device, requires_grad):
+    """Inputs for opcheck: every op, both layouts, a few dtypes."""
+    cases = []
+    for layout in ("packed32", "padded"):
+        for dtype in (torch.float32, torch.bfloat16):
+            b = make_batch(layout, dtype=dtype, device=device, requires_grad=requires_grad)
+            bk = make_batch(layout, dtype=dtype, num_metrics=2, device=device, requires_grad=requires_grad)
+            cases.append((torch.ops.lossagg.segment_sum.default, (b.values, b.mask, b.cu_seqlens)))
+            cases.append((torch.ops.lossagg.segment_sum.default, (bk.values, bk.mask, bk.cu_seqlens)))
+            cases.append((torch.ops.lossagg.reduce.default, (b.values, b.mask, b.cu_seqlens, b.sample_denoms)))
+            grad = torch.tensor(1.5, device=device)
+            cases.append(
+                (
+                    torch.ops.lossagg.reduce_backward.default,
+                    (grad, b.mask, b.cu_seqlens, b.sample_denoms, dtype),
+                )
+            )
+            seg_grad = torch.randn(2, b.num_segments, device=device)
+            cases.append(
+                (torch.ops.lossagg.segment_sum_backward.default, (seg_grad, b.mask, b.cu_seqlens, dtype))
+            )
+    return cases
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck(device, requires_grad):
+    for op, args in sample_inputs(device, requires_grad):
+        if requires_grad and op in (
+            torch.ops.lossagg.reduce_backward.default,
+            torch.ops.lossagg.segment_sum_backward.default,
+        ):
+            continue
+        torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("layout", ["packed32", "padded"])
+def test_torch_compile_fullgraph(device, layout):
+    b = make_batch(layout, dtype=torch.float32, device=device, requires_grad=True)
+
+    def loss_fn(values, mask, denoms, cu):
+        per_token = values * 2.0 - 1.0
+        return lossagg.reduce(per_token, mask, denoms, cu)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+    out = compiled(b.values, b.mask, b.sample_denoms, b.cu_seqlens)
+    out.backward()
+    grad_compiled = b.values.grad.clone()
+    b.values.grad = None
+    eager = loss_fn(b.values, b.mask, b.sample_denoms, b.cu_seqlens)
+    eager.backward()
+    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close(grad_compiled, b.values.grad)
