@@ -82,10 +82,12 @@ def _extension():
     sources = rel(
         glob.glob(os.path.join(ROOT, "csrc", "*.cpp")) + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp"))
     )
-    cxx = ["-O3", "-std=c++20", "-fvisibility=hidden"]
+    cxx = ["-O3", "-std=c++20", "-fvisibility=hidden", "-fopenmp"]  # OpenMP: at::parallel_for
     if not _want_cuda():
         print("lossagg: building the CPU kernels only", file=sys.stderr)
-        return CppExtension("lossagg._C", sources, extra_compile_args={"cxx": cxx})
+        return CppExtension(
+            "lossagg._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"]
+        )
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
     print(
         f"lossagg: building CPU and CUDA kernels (CUDA_HOME={_cuda_home}, "
@@ -99,6 +101,7 @@ def _extension():
         sources,
         define_macros=[("LOSSAGG_WITH_CUDA", None)],
         extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+        extra_link_args=["-fopenmp"],
     )
 
 

@@ -39,8 +39,8 @@ struct Segments {
   }
 };
 
-// The weight a mask element gives its token: bool/uint8 -> 0 or its value, floating ->
-// its value. Tokens whose weight is 0 are selected out (never multiplied), so a NaN or
+// The weight a mask element gives its token: its value (bool masks are read as uint8_t
+// 0/1). Tokens whose weight is 0 are selected out (never multiplied), so a NaN or
 // inf loss under a zero mask contributes exactly 0.
 template <typename acc_t, typename mask_t>
 LOSSAGG_HD acc_t mask_weight(mask_t m) {
@@ -51,12 +51,8 @@ LOSSAGG_HD double mask_weight<double, double>(double m) {
   return m;
 }
 template <>
-LOSSAGG_HD float mask_weight<float, bool>(bool m) {
-  return m ? 1.0f : 0.0f;
-}
-template <>
-LOSSAGG_HD double mask_weight<double, bool>(bool m) {
-  return m ? 1.0 : 0.0;
+LOSSAGG_HD float mask_weight<float, uint8_t>(uint8_t m) {
+  return static_cast<float>(m);
 }
 
 // Accumulation type: float32 for every value dtype except float64.
@@ -94,8 +90,8 @@ void dispatch_values_dtype(c10::ScalarType t, F&& f) {
 template <typename F>
 void dispatch_mask_dtype(c10::ScalarType t, F&& f) {
   switch (t) {
-    case c10::kBool:
-      return f(type_tag<bool>{});
+    case c10::kBool:  // stored as bytes holding 0/1; read as uint8_t, which converts without branches
+      return f(type_tag<uint8_t>{});
     case c10::kByte:
       return f(type_tag<uint8_t>{});
     case c10::kFloat:

@@ -33,7 +33,7 @@ at::Tensor reduce(
     std::vector<acc_t> sums(static_cast<size_t>(B));
     dispatch_mask_dtype(m.scalar_type(), [&]<typename M>(type_tag<M>) {
       dispatch_segments(cu, layout.row_len, [&](auto seg) {
-        segment_sums<acc_t>(v.const_data_ptr<S>(), m.const_data_ptr<M>(), 1, layout.num_tokens, seg, B, sums.data());
+        segment_sums<acc_t>(v.const_data_ptr<S>(), static_cast<const M*>(m.const_data_ptr()), 1, layout.num_tokens, seg, B, sums.data());
       });
     });
     // Fixed order over samples: deterministic whatever the thread count.

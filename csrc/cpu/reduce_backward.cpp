@@ -39,7 +39,7 @@ at::Tensor reduce_backward(
     dispatch_mask_dtype(m.scalar_type(), [&]<typename M>(type_tag<M>) {
       dispatch_segments(cu, layout.row_len, [&](auto seg) {
         expand_to_tokens<S, acc_t>(
-            out.mutable_data_ptr<S>(), m.const_data_ptr<M>(), 1, layout.num_tokens, seg, layout.num_segments,
+            out.mutable_data_ptr<S>(), static_cast<const M*>(m.const_data_ptr()), 1, layout.num_tokens, seg, layout.num_segments,
             [&](int64_t, int64_t s) { return g / d[s]; });
       });
     });

@@ -8,33 +8,87 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <bit>
+#include <type_traits>
 #include <cstdint>
 #include <vector>
 
 namespace lossagg::cpu {
 
 constexpr int64_t kPieceTokens = 16384;
-constexpr int kLanes = 8;
 
-// Masked sum of v[lo, hi) with fixed lanes: lane l takes tokens lo+l, lo+l+kLanes, ...;
-// the tail goes to lane 0; lanes are combined pairwise. Lanes are independent, so the
-// compiler vectorises the loop without reordering any addition.
+// x where w != 0, else +0.0 (also when x is NaN or inf). Done on the bits so the loops
+// below have no control flow and vectorise.
+template <typename acc_t>
+inline acc_t select_kept(acc_t x, acc_t w) {
+  using bits_t = std::conditional_t<sizeof(acc_t) == 8, uint64_t, uint32_t>;
+  const bits_t keep = bits_t(0) - static_cast<bits_t>(w != acc_t(0));
+  return std::bit_cast<acc_t>(static_cast<bits_t>(std::bit_cast<bits_t>(x) & keep));
+}
+
+constexpr int kBlock = 64;  // tokens converted per step
+constexpr int kLanes = 16;  // independent accumulators
+
+// Masked sum of v[lo, hi). Tokens are converted a block at a time into a small buffer
+// (a loop without a reduction, which vectorises), then added into kLanes fixed lanes:
+// lane l takes tokens lo+l, lo+l+kLanes, ...; the tail goes to lane 0; lanes are
+// combined in a fixed order. The summation order depends only on (lo, hi), so the
+// AVX2 and the baseline builds of this loop give the same bits.
+#define LOSSAGG_MASKED_SUM_BODY                                         \
+  acc_t lane[kLanes] = {};                                              \
+  int64_t i = lo;                                                       \
+  for (; i + kBlock <= hi; i += kBlock) {                               \
+    acc_t t[kBlock];                                                    \
+    for (int j = 0; j < kBlock; ++j) {                                  \
+      const acc_t w = mask_weight<acc_t>(m[i + j]);                     \
+      t[j] = select_kept(static_cast<acc_t>(v[i + j]), w) * w;          \
+    }                                                                   \
+    for (int j = 0; j < kBlock; j += kLanes) {                          \
+      for (int l = 0; l < kLanes; ++l) {                                \
+        lane[l] += t[j + l];                                            \
+      }                                                                 \
+    }                                                                   \
+  }                                                                     \
+  for (; i < hi; ++i) {                                                 \
+    const acc_t w = mask_weight<acc_t>(m[i]);                           \
+    lane[0] += select_kept(static_cast<acc_t>(v[i]), w) * w;            \
+  }                                                                     \
+  for (int width = kLanes / 2; width > 0; width /= 2) {                 \
+    for (int l = 0; l < width; ++l) {                                   \
+      lane[l] += lane[l + width];                                       \
+    }                                                                   \
+  }                                                                     \
+  return lane[0];
+
+template <typename acc_t, typename scalar_t, typename mask_t>
+acc_t masked_sum_baseline(const scalar_t* __restrict v, const mask_t* __restrict m, int64_t lo, int64_t hi) {
+  LOSSAGG_MASKED_SUM_BODY
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define LOSSAGG_HAVE_AVX2_PATH 1
+// The same loop compiled for AVX2 (no FMA: a fused multiply-add would round differently
+// from the baseline build), picked at run time.
+template <typename acc_t, typename scalar_t, typename mask_t>
+__attribute__((target("avx2,f16c"))) acc_t
+masked_sum_avx2(const scalar_t* __restrict v, const mask_t* __restrict m, int64_t lo, int64_t hi) {
+  LOSSAGG_MASKED_SUM_BODY
+}
+
+inline bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return has;
+}
+#endif
+
 template <typename acc_t, typename scalar_t, typename mask_t>
 acc_t masked_sum(const scalar_t* v, const mask_t* m, int64_t lo, int64_t hi) {
-  acc_t lane[kLanes] = {};
-  int64_t i = lo;
-  for (; i + kLanes <= hi; i += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
-      const acc_t w = mask_weight<acc_t>(m[i + l]);
-      const acc_t x = static_cast<acc_t>(v[i + l]);
-      lane[l] += (w != acc_t(0)) ? x * w : acc_t(0);
-    }
+#ifdef LOSSAGG_HAVE_AVX2_PATH
+  if (cpu_has_avx2()) {
+    return masked_sum_avx2<acc_t>(v, m, lo, hi);
   }
-  for (; i < hi; ++i) {
-    const acc_t w = mask_weight<acc_t>(m[i]);
-    lane[0] += (w != acc_t(0)) ? static_cast<acc_t>(v[i]) * w : acc_t(0);
-  }
-  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+#endif
+  return masked_sum_baseline<acc_t>(v, m, lo, hi);
 }
 
 // piece_offsets[s] .. piece_offsets[s+1] are the pieces of segment s.
@@ -99,6 +153,37 @@ void segment_sums(
   });
 }
 
+// o[t] = mask_weight(m[t]) * c for t in [lo, hi) (0 where the mask is 0), in the values
+// dtype. Baseline and AVX2 builds of the same loop, as for masked_sum.
+#define LOSSAGG_FILL_BODY                                   \
+  for (int64_t i = lo; i < hi; ++i) {                       \
+    const acc_t w = mask_weight<acc_t>(m[i]);               \
+    o[i] = static_cast<scalar_t>(select_kept(c, w) * w);    \
+  }
+
+template <typename scalar_t, typename acc_t, typename mask_t>
+void masked_fill_baseline(scalar_t* __restrict o, const mask_t* __restrict m, acc_t c, int64_t lo, int64_t hi) {
+  LOSSAGG_FILL_BODY
+}
+
+#ifdef LOSSAGG_HAVE_AVX2_PATH
+template <typename scalar_t, typename acc_t, typename mask_t>
+__attribute__((target("avx2,f16c"))) void
+masked_fill_avx2(scalar_t* __restrict o, const mask_t* __restrict m, acc_t c, int64_t lo, int64_t hi) {
+  LOSSAGG_FILL_BODY
+}
+#endif
+
+template <typename scalar_t, typename acc_t, typename mask_t>
+void masked_fill(scalar_t* o, const mask_t* m, acc_t c, int64_t lo, int64_t hi) {
+#ifdef LOSSAGG_HAVE_AVX2_PATH
+  if (cpu_has_avx2()) {
+    return masked_fill_avx2(o, m, c, lo, hi);
+  }
+#endif
+  masked_fill_baseline(o, m, c, lo, hi);
+}
+
 // out[k * ntok + t] = mask_weight(m[t]) * coef(k, s) for t in segment s (0 where the mask
 // is 0), written in the values dtype.
 template <typename scalar_t, typename acc_t, typename mask_t, typename offset_t, typename Coef>
@@ -113,12 +198,7 @@ void expand_to_tokens(
   const std::vector<int64_t> pieces = plan_pieces(seg, num_segments);
   for_each_piece(seg, pieces, [&](int64_t s, int64_t, int64_t lo, int64_t hi) {
     for (int64_t k = 0; k < num_metrics; ++k) {
-      const acc_t c = coef(k, s);
-      scalar_t* o = out + k * num_tokens;
-      for (int64_t i = lo; i < hi; ++i) {
-        const acc_t w = mask_weight<acc_t>(m[i]);
-        o[i] = static_cast<scalar_t>((w != acc_t(0)) ? c * w : acc_t(0));
-      }
+      masked_fill<scalar_t, acc_t>(out + k * num_tokens, m, coef(k, s), lo, hi);
     }
   });
 }

@@ -28,7 +28,7 @@ at::Tensor segment_sum(const at::Tensor& values, const at::Tensor& mask, const s
     dispatch_mask_dtype(m.scalar_type(), [&]<typename M>(type_tag<M>) {
       dispatch_segments(cu, layout.row_len, [&](auto seg) {
         segment_sums<acc_t>(
-            v.const_data_ptr<S>(), m.const_data_ptr<M>(), layout.num_metrics, layout.num_tokens, seg,
+            v.const_data_ptr<S>(), static_cast<const M*>(m.const_data_ptr()), layout.num_metrics, layout.num_tokens, seg,
             layout.num_segments, out.mutable_data_ptr<acc_t>());
       });
     });

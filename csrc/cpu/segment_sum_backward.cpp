@@ -46,7 +46,7 @@ at::Tensor segment_sum_backward(
     dispatch_mask_dtype(m.scalar_type(), [&]<typename M>(type_tag<M>) {
       dispatch_segments(cu, layout.row_len, [&](auto seg) {
         expand_to_tokens<S, acc_t>(
-            out.mutable_data_ptr<S>(), m.const_data_ptr<M>(), layout.num_metrics, layout.num_tokens, seg, B,
+            out.mutable_data_ptr<S>(), static_cast<const M*>(m.const_data_ptr()), layout.num_metrics, layout.num_tokens, seg, B,
             [&](int64_t k, int64_t s) { return gp[k * B + s]; });
       });
     });

@@ -1,0 +1,125 @@
+"""One test per kind of bad input: the error names the argument, the expectation and what was given."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lossagg
+
+
+def packed(device, n=10):
+    values = torch.randn(n, device=device)
+    mask = torch.ones(n, dtype=torch.bool, device=device)
+    cu = torch.tensor([0, 4, n], dtype=torch.int32, device=device)
+    denoms = torch.ones(2, device=device)
+    return values, mask, cu, denoms
+
+
+@pytest.fixture(autouse=True)
+def _device_checks_on():
+    # Data checks are always on for CPU tensors; on CUDA they are opt-in.
+    old = lossagg.device_checks_enabled()
+    lossagg.set_device_checks(True)
+    yield
+    lossagg.set_device_checks(old)
+
+
+CASES = {
+    "values_dtype": (TypeError, ["values", "float32", "Long"]),
+    "values_dim_packed": (ValueError, ["values", "[T]", "[2, 5, 2]"]),
+    "values_dim_reduce_metric": (ValueError, ["values", "[T]", "[2, 10]"]),
+    "values_dim_padded": (ValueError, ["values", "[B, T]", "[10]"]),
+    "mask_shape": (ValueError, ["mask", "token shape", "[9]"]),
+    "mask_dtype": (TypeError, ["mask", "bool", "Int"]),
+    "cu_dtype": (TypeError, ["cu_seqlens", "int32", "Float"]),
+    "cu_dim": (ValueError, ["cu_seqlens", "1-D", "[1, 3]"]),
+    "cu_empty": (ValueError, ["cu_seqlens", "at least one", "[0]"]),
+    "cu_first": (ValueError, ["cu_seqlens[0]", "0", "1"]),
+    "cu_decreasing": (ValueError, ["cu_seqlens", "non-decreasing", "cu_seqlens[2] = 3"]),
+    "cu_last": (ValueError, ["cu_seqlens[-1]", "T = 10", "got 9"]),
+    "denoms_length": (ValueError, ["sample_denoms", "length B = 2", "[3]"]),
+    "denoms_dtype": (TypeError, ["sample_denoms", "floating", "Long"]),
+    "denoms_zero": (ValueError, ["sample_denoms", "> 0", "sample_denoms[1] = 0"]),
+    "denoms_negative": (ValueError, ["sample_denoms", "> 0", "-2"]),
+    "denoms_nan": (ValueError, ["sample_denoms", "finite", "nan"]),
+    "denoms_inf": (ValueError, ["sample_denoms", "finite", "inf"]),
+    "backward_grad_shape": (ValueError, ["grad", "0-dim", "[2]"]),
+    "segment_backward_grad_length": (ValueError, ["grad", "B = 2", "[3]"]),
+}
+
+
+def call(case, device):
+    v, m, cu, d = packed(device)
+    ops = torch.ops.lossagg
+    if case == "values_dtype":
+        return lossagg.reduce(v.long(), m, d, cu)
+    if case == "values_dim_packed":
+        return lossagg.segment_sum(v.reshape(2, 5, 1).expand(2, 5, 2), m, cu)
+    if case == "values_dim_reduce_metric":
+        return lossagg.reduce(torch.stack([v, v]), m, d, cu)
+    if case == "values_dim_padded":
+        return lossagg.reduce(v, m, d, None)
+    if case == "mask_shape":
+        return lossagg.reduce(v, m[:9], d, cu)
+    if case == "mask_dtype":
+        return lossagg.reduce(v, m.int(), d, cu)
+    if case == "cu_dtype":
+        return lossagg.reduce(v, m, d, cu.float())
+    if case == "cu_dim":
+        return lossagg.reduce(v, m, d, cu.reshape(1, 3))
+    if case == "cu_empty":
+        return lossagg.segment_sum(v, m, cu[:0])
+    if case == "cu_first":
+        return lossagg.reduce(v, m, d, torch.tensor([1, 4, 10], device=device))
+    if case == "cu_decreasing":
+        return lossagg.segment_sum(v, m, torch.tensor([0, 4, 3, 10], device=device))
+    if case == "cu_last":
+        return lossagg.reduce(v, m, d, torch.tensor([0, 4, 9], device=device))
+    if case == "denoms_length":
+        return lossagg.reduce(v, m, torch.ones(3, device=device), cu)
+    if case == "denoms_dtype":
+        return lossagg.reduce(v, m, torch.ones(2, dtype=torch.long, device=device), cu)
+    if case == "denoms_zero":
+        return lossagg.reduce(v, m, torch.tensor([1.0, 0.0], device=device), cu)
+    if case == "denoms_negative":
+        return lossagg.reduce(v, m, torch.tensor([-2.0, 1.0], device=device), cu)
+    if case == "denoms_nan":
+        return lossagg.reduce(v, m, torch.tensor([1.0, float("nan")], device=device), cu)
+    if case == "denoms_inf":
+        return lossagg.reduce(v, m, torch.tensor([float("inf"), 1.0], device=device), cu)
+    if case == "backward_grad_shape":
+        return ops.reduce_backward(torch.ones(2, device=device), m, cu, d, torch.float32)
+    if case == "segment_backward_grad_length":
+        return ops.segment_sum_backward(torch.ones(3, device=device), m, cu, torch.float32)
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_is_named(device, case):
+    exc_type, fragments = CASES[case]
+    with pytest.raises(exc_type) as info:
+        call(case, device)
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def test_device_mismatch_is_named():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device to put one argument elsewhere")
+    v, m, cu, d = packed("cuda")
+    with pytest.raises(ValueError, match="sample_denoms must be on the same device"):
+        lossagg.reduce(v, m, d.cpu(), cu)
+    with pytest.raises(ValueError, match="cu_seqlens must be on the same device"):
+        lossagg.reduce(v, m, d, cu.cpu())
+    with pytest.raises(ValueError, match="mask must be on the same device"):
+        lossagg.reduce(v, m.cpu(), d, cu)
+
+
+def test_nothing_is_computed_on_bad_input_with_grad():
+    v, m, cu, _ = packed("cpu")
+    v.requires_grad_(True)
+    with pytest.raises(ValueError):
+        lossagg.reduce(v, m, torch.tensor([1.0, -1.0]), cu)
+    assert v.grad is None

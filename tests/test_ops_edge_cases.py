@@ -1,0 +1,131 @@
+"""Determinism, masked NaN/inf, empty batches, zero-length segments, offsets dtypes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from batches import make_batch
+from reference import ref_reduce, ref_segment_sum
+
+import lossagg
+
+
+def long_batch(device, dtype=torch.float32, seed=0):
+    # Segments longer than one CPU work piece (16384 tokens) and many short ones, so the
+    # fixed piece split and the cross-piece combine are exercised.
+    lengths = [70_001, 3, 0, 40_000, 129, 16_384, 16_385, 1]
+    return make_batch("packed64", lengths=lengths, dtype=dtype, device=device, seed=seed, requires_grad=True)
+
+
+def run_once(b):
+    b.values.grad = None
+    out = lossagg.reduce(b.values, b.mask, b.sample_denoms, b.cu_seqlens)
+    out.backward()
+    sums = lossagg.segment_sum(b.values.detach(), b.mask, b.cu_seqlens)
+    return out.detach().clone(), b.values.grad.clone(), sums
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bitwise_deterministic_across_reruns(device, dtype):
+    b = long_batch(device, dtype)
+    first = run_once(b)
+    for _ in range(3):
+        again = run_once(b)
+        for x, y in zip(first, again):
+            assert torch.equal(x, y)
+
+
+def test_bitwise_deterministic_across_thread_counts():
+    b = long_batch("cpu")
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run_once(b)
+        torch.set_num_threads(2)
+        two = run_once(b)
+        torch.set_num_threads(max(old, 3))
+        more = run_once(b)
+    finally:
+        torch.set_num_threads(old)
+    for x, y, z in zip(one, two, more):
+        assert torch.equal(x, y) and torch.equal(x, z)
+
+
+def test_long_segments_match_reference(device):
+    b = long_batch(device)
+    out = lossagg.reduce(b.values.detach(), b.mask, b.sample_denoms, b.cu_seqlens)
+    expected = ref_reduce(b.values.detach().cpu(), b.mask.cpu(), b.sample_denoms.cpu(), b.cu_seqlens.cpu())
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["packed32", "padded"])
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.uint8, torch.float32])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_masked_nan_and_inf_do_not_leak(device, layout, mask_dtype, bad):
+    b = make_batch(layout, mask_dtype=mask_dtype, device=device, requires_grad=False)
+    values = b.values.detach().clone()
+    values[b.mask == 0] = bad
+    values.requires_grad_(True)
+    out = lossagg.reduce(values, b.mask, b.sample_denoms, b.cu_seqlens)
+    out.backward()
+    sums = lossagg.segment_sum(values.detach(), b.mask, b.cu_seqlens)
+    assert torch.isfinite(out) and torch.isfinite(sums).all()
+    assert torch.isfinite(values.grad).all()
+    assert (values.grad[b.mask == 0] == 0).all()
+    cu = None if b.cu_seqlens is None else b.cu_seqlens.cpu()
+    clean = torch.where(b.mask.cpu() != 0, values.detach().cpu(), torch.zeros(()))
+    torch.testing.assert_close(
+        out.detach().cpu().double(), ref_reduce(clean, b.mask.cpu(), b.sample_denoms.cpu(), cu), rtol=2e-5, atol=2e-5
+    )
+
+
+@pytest.mark.parametrize("offsets_dtype", [torch.int32, torch.int64])
+def test_empty_batch_packed(device, offsets_dtype):
+    values = torch.zeros(0, device=device, requires_grad=True)
+    mask = torch.zeros(0, dtype=torch.bool, device=device)
+    cu = torch.zeros(1, dtype=offsets_dtype, device=device)
+    denoms = torch.zeros(0, device=device)
+    out = lossagg.reduce(values, mask, denoms, cu)
+    assert out.item() == 0.0
+    out.backward()
+    assert values.grad.shape == (0,)
+    assert lossagg.segment_sum(values.detach(), mask, cu).shape == (0,)
+    assert lossagg.segment_sum(torch.zeros(4, 0, device=device), mask, cu).shape == (4, 0)
+
+
+def test_empty_batch_padded(device):
+    values = torch.zeros(0, 7, device=device, requires_grad=True)
+    mask = torch.zeros(0, 7, dtype=torch.bool, device=device)
+    out = lossagg.reduce(values, mask, torch.zeros(0, device=device))
+    assert out.item() == 0.0
+    out.backward()
+    assert values.grad.shape == (0, 7)
+    # rows of zero tokens are segments too
+    values = torch.zeros(3, 0, device=device)
+    assert lossagg.segment_sum(values, torch.zeros(3, 0, device=device)).tolist() == [0.0, 0.0, 0.0]
+
+
+def test_zero_length_segments_and_fully_masked(device):
+    cu = torch.tensor([0, 0, 3, 3, 3, 6, 6], device=device)
+    values = torch.arange(6, dtype=torch.float32, device=device)
+    mask = torch.tensor([1, 1, 1, 0, 0, 0], dtype=torch.bool, device=device)
+    sums = lossagg.segment_sum(values, mask, cu)
+    assert sums.tolist() == [0.0, 3.0, 0.0, 0.0, 0.0, 0.0]
+    denoms = torch.ones(6, device=device)
+    assert lossagg.reduce(values, mask, denoms, cu).item() == 3.0
+
+
+def test_non_contiguous_inputs(device):
+    b = make_batch("padded", num_metrics=2, device=device)
+    values_t = b.values.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
+    assert not values_t.is_contiguous()
+    torch.testing.assert_close(lossagg.segment_sum(values_t, b.mask), lossagg.segment_sum(b.values, b.mask))
+    expected = ref_segment_sum(b.values[0].cpu(), b.mask.cpu())
+    torch.testing.assert_close(lossagg.segment_sum(b.values[0], b.mask).cpu().double(), expected, rtol=2e-5, atol=2e-5)
+
+
+def test_float64_denominators_and_mixed_float_mask(device):
+    b = make_batch("packed32", dtype=torch.bfloat16, mask_dtype=torch.float32, device=device)
+    out = lossagg.reduce(b.values, b.mask.to(torch.bfloat16), b.sample_denoms.double(), b.cu_seqlens)
+    expected = ref_reduce(b.values.cpu(), b.mask.to(torch.bfloat16).cpu(), b.sample_denoms.cpu(), b.cu_seqlens.cpu())
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-5, atol=2e-5)
