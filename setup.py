@@ -3,14 +3,14 @@
 The CPU kernels are always built. The CUDA kernels in ``csrc/cuda`` are built when a
 CUDA toolkit is found and the installed torch is a CUDA build; set
 ``LOSSAGG_BUILD_CUDA=0`` to skip them or ``=1`` to require them. Without
-``TORCH_CUDA_ARCH_LIST`` the CUDA kernels target ``DEFAULT_CUDA_ARCHS``.
+``TORCH_CUDA_ARCH_LIST`` the CUDA kernels target the visible GPU, or
+``DEFAULT_CUDA_ARCHS`` when none is visible.
 """
 
 from __future__ import annotations
 
 import glob
 import os
-import shutil
 import sys
 
 # A CUDA build for sm_80 (A100), sm_90 (H100/H200), sm_100 (B200) plus PTX for newer
@@ -18,39 +18,10 @@ import sys
 DEFAULT_CUDA_ARCHS = "8.0;9.0;10.0+PTX"
 
 
-def _toolkit_root(nvcc: str) -> str | None:
-    """The toolkit folder of an nvcc, seeing through symlinks and small wrapper scripts."""
-    nvcc = os.path.realpath(nvcc)
-    root = os.path.dirname(os.path.dirname(nvcc))
-    if os.path.exists(os.path.join(root, "include", "cuda_runtime.h")):
-        return root
-    try:  # a wrapper script that execs the real nvcc
-        with open(nvcc, encoding="utf-8", errors="replace") as f:
-            text = f.read(4096)
-    except OSError:
-        return None
-    for token in text.split():
-        if token.endswith("/bin/nvcc") and os.path.exists(token):
-            return _toolkit_root(token)
-    return None
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
+from find_cuda_home import find_cuda_home  # noqa: E402
 
-
-def _find_cuda_home() -> str | None:
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(var):
-            return os.environ[var]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        root = _toolkit_root(nvcc)
-        if root:
-            return root
-    for candidate in ["/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"), reverse=True)]:
-        if os.path.exists(os.path.join(candidate, "bin", "nvcc")):
-            return candidate
-    return None
-
-
-_cuda_home = _find_cuda_home()
+_cuda_home = find_cuda_home()
 if _cuda_home:
     # torch.utils.cpp_extension reads CUDA_HOME when it is imported.
     os.environ["CUDA_HOME"] = _cuda_home
@@ -88,10 +59,12 @@ def _extension():
         return CppExtension(
             "lossagg._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"]
         )
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+    if "TORCH_CUDA_ARCH_LIST" not in os.environ and not torch.cuda.is_available():
+        # With a GPU visible torch builds for it; without one, for the default list.
+        os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCHS
     print(
         f"lossagg: building CPU and CUDA kernels (CUDA_HOME={_cuda_home}, "
-        f"TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']})",
+        f"TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', 'the visible GPU')})",
         file=sys.stderr,
     )
     sources += rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))

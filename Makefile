@@ -1,0 +1,26 @@
+# The commands people type. `make demo` and `make test` do all the set-up themselves.
+PY ?= python3
+
+.PHONY: demo test setup bench lint cmake clean
+
+demo: setup
+	$(PY) -m lossagg demo
+
+test:
+	bash scripts/test.sh
+
+setup:
+	bash scripts/setup.sh
+
+bench: setup
+	$(PY) benchmarks/bench_reduce.py
+
+cmake: setup
+	bash scripts/cmake_build.sh
+
+lint:
+	$(PY) -m ruff check lossagg tests benchmarks examples
+	clang-format --dry-run --Werror csrc/*.h csrc/*.cpp csrc/cpu/* csrc/cuda/*
+
+clean:
+	rm -rf build lossagg/_C*.so *.egg-info

@@ -1,0 +1,345 @@
+// CUDA engine shared by the segmented ops.
+//
+// The token index space is cut into fixed tiles of kTileTokens tokens, one warp each,
+// whatever the segment lengths: RL micro-batches hold few, long and uneven sequences,
+// so giving a warp or block to each sequence would leave most of the GPU idle. A warp
+// finds its tile's first segment by binary search in cu_seqlens and walks the segments
+// that overlap the tile. Segments inside one tile are written directly; a segment that
+// crosses tiles leaves one partial per tile, combined afterwards by a small fix-up
+// kernel in tile order. Every addition happens in an order fixed by the input alone
+// (lanes, warp butterfly, tile order): results are bitwise reproducible, with no float
+// atomics, no host synchronisation and nothing that breaks CUDA-graph capture.
+#pragma once
+
+#include "../common.h"
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace lossagg::cuda {
+
+constexpr int kWarp = 32;
+constexpr int kWarpsPerBlock = 8;
+constexpr int kThreads = kWarp * kWarpsPerBlock;
+constexpr int64_t kTileTokens = 1024;
+constexpr int kSegmentsPerWarp = 8;  // fix-up kernel
+constexpr int kSegmentsPerBlock = kSegmentsPerWarp * kWarpsPerBlock;
+
+inline int64_t num_tiles(int64_t num_tokens) {
+  return (num_tokens + kTileTokens - 1) / kTileTokens;
+}
+
+template <typename T>
+__device__ __forceinline__ T warp_sum(T x) {
+  // Butterfly: every lane ends with the same, order-fixed total.
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+    x += __shfl_xor_sync(0xffffffffu, x, offset);
+  }
+  return x;
+}
+
+// x where w != 0, else +0.0 (also for NaN/inf x): a bit select, no branch.
+__device__ __forceinline__ float select_kept(float x, float w) {
+  return __uint_as_float(__float_as_uint(x) & (0u - static_cast<unsigned>(w != 0.0f)));
+}
+__device__ __forceinline__ double select_kept(double x, double w) {
+  return __longlong_as_double(
+      __double_as_longlong(x) & static_cast<long long>(0ull - static_cast<unsigned long long>(w != 0.0)));
+}
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T x[N];
+};
+
+// Tokens per vector access: 16 bytes of values.
+template <typename scalar_t>
+constexpr int vec_width() {
+  return 16 / static_cast<int>(sizeof(scalar_t));
+}
+
+// Element phase of a pointer within a VEC-element vector (-1 if not element-aligned).
+template <int VEC, typename T>
+__device__ __forceinline__ int vec_phase(const T* p) {
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
+  if (addr % sizeof(T) != 0) {
+    return -1;
+  }
+  return static_cast<int>((addr / sizeof(T)) % VEC);
+}
+
+// Segment holding token x (x < num_tokens): the last s with begin(s) <= x.
+template <typename offset_t>
+__device__ __forceinline__ int64_t segment_of(const Segments<offset_t>& seg, int64_t num_segments, int64_t x) {
+  if (seg.cu == nullptr) {
+    return x / seg.row_len;
+  }
+  int64_t lo = 0;
+  int64_t hi = num_segments - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (static_cast<int64_t>(seg.cu[mid]) <= x) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// This lane's share of the masked sum of tokens [a, b). `vec_ok`: values and mask share
+// the same phase, so indices with (i + phase) % VEC == 0 are aligned for both.
+template <typename acc_t, typename scalar_t, typename mask_t>
+__device__ __forceinline__ acc_t lane_masked_sum(
+    const scalar_t* __restrict__ v, const mask_t* __restrict__ m, int64_t a, int64_t b, int lane, int phase) {
+  constexpr int VEC = vec_width<scalar_t>();
+  acc_t acc = acc_t(0);
+  int64_t body_begin = b;
+  int64_t body_end = b;
+  if (phase >= 0) {
+    body_begin = a + (VEC - (a + phase) % VEC) % VEC;
+    body_end = body_begin + (b > body_begin ? (b - body_begin) / VEC * VEC : 0);
+    if (body_begin > b) {
+      body_begin = body_end = b;
+    }
+  }
+  for (int64_t i = a + lane; i < body_begin; i += kWarp) {
+    const acc_t w = mask_weight<acc_t>(m[i]);
+    acc += select_kept(static_cast<acc_t>(v[i]), w) * w;
+  }
+  for (int64_t i = body_begin + static_cast<int64_t>(lane) * VEC; i < body_end; i += static_cast<int64_t>(kWarp) * VEC) {
+    const Pack<scalar_t, VEC> xv = *reinterpret_cast<const Pack<scalar_t, VEC>*>(v + i);
+    const Pack<mask_t, VEC> mv = *reinterpret_cast<const Pack<mask_t, VEC>*>(m + i);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const acc_t w = mask_weight<acc_t>(mv.x[j]);
+      acc += select_kept(static_cast<acc_t>(xv.x[j]), w) * w;
+    }
+  }
+  for (int64_t i = body_end + lane; i < b; i += kWarp) {
+    const acc_t w = mask_weight<acc_t>(m[i]);
+    acc += select_kept(static_cast<acc_t>(v[i]), w) * w;
+  }
+  return acc;
+}
+
+// Pass 1 of segment sums. grid: (ceil(tiles / kWarpsPerBlock), K).
+// out[k, s] for segments inside one tile; first_partial / last_partial [K, tiles] for the
+// tile's first segment (if it starts before the tile or ends after it) and for its last
+// segment (if it ends after the tile).
+template <typename acc_t, typename scalar_t, typename mask_t, typename offset_t>
+__global__ void __launch_bounds__(kThreads) segment_sum_tiles_kernel(
+    const scalar_t* __restrict__ values,
+    const mask_t* __restrict__ mask,
+    Segments<offset_t> seg,
+    int64_t num_segments,
+    int64_t num_tokens,
+    int64_t tiles,
+    acc_t* __restrict__ out,
+    acc_t* __restrict__ first_partial,
+    acc_t* __restrict__ last_partial) {
+  constexpr int VEC = vec_width<scalar_t>();
+  const int lane = threadIdx.x % kWarp;
+  const int64_t tile = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+  if (tile >= tiles) {
+    return;
+  }
+  const int64_t k = blockIdx.y;
+  const scalar_t* v = values + k * num_tokens;
+  const int64_t lo = tile * kTileTokens;
+  const int64_t hi = lo + kTileTokens < num_tokens ? lo + kTileTokens : num_tokens;
+  const int pv = vec_phase<VEC>(v);
+  const int phase = (pv >= 0 && pv == vec_phase<VEC>(mask)) ? pv : -1;
+
+  const int64_t s0 = segment_of(seg, num_segments, lo);
+  for (int64_t s = s0; s < num_segments; ++s) {
+    const int64_t sb = seg.begin(s);
+    const int64_t se = seg.end(s);
+    if (sb >= hi) {
+      break;
+    }
+    const int64_t a = sb > lo ? sb : lo;
+    const int64_t b = se < hi ? se : hi;
+    if (a >= b) {
+      continue;  // empty segments are written by the fix-up kernel
+    }
+    const acc_t sum = warp_sum(lane_masked_sum<acc_t>(v, mask, a, b, lane, phase));
+    if (lane == 0) {
+      if (sb >= lo && se <= hi) {
+        out[k * num_segments + s] = sum;
+      } else {
+        if (s == s0) {
+          first_partial[k * tiles + tile] = sum;
+        }
+        if (se > hi) {
+          last_partial[k * tiles + tile] = sum;
+        }
+      }
+    }
+  }
+}
+
+// Total of segment s across tiles, for a segment that crosses tiles, computed by one
+// warp in a fixed order: last_partial[ta] + (sum of first_partial over the middle tiles)
+// + first_partial[tb].
+template <typename acc_t>
+__device__ __forceinline__ acc_t combine_tiles(
+    const acc_t* __restrict__ first_partial, const acc_t* __restrict__ last_partial, int64_t ta, int64_t tb, int lane) {
+  acc_t middle = acc_t(0);
+  for (int64_t t = ta + 1 + lane; t < tb; t += kWarp) {
+    middle += first_partial[t];
+  }
+  middle = warp_sum(middle);
+  return (last_partial[ta] + middle) + first_partial[tb];
+}
+
+// Pass 2 (fix-up). grid: (ceil(B / kSegmentsPerBlock), K). Completes out[k, s] for
+// empty segments and segments that cross tiles. With kReduce (K == 1) it also computes
+// sum_s out[s] / denoms[s]: each block sums its segments in order, and the last block
+// to finish (an integer counter) adds the block sums in block order into *result.
+template <bool kReduce, typename acc_t, typename denom_t, typename offset_t>
+__global__ void __launch_bounds__(kThreads) segment_sum_fixup_kernel(
+    Segments<offset_t> seg,
+    int64_t num_segments,
+    int64_t tiles,
+    acc_t* __restrict__ out,
+    const acc_t* __restrict__ first_partial,
+    const acc_t* __restrict__ last_partial,
+    const denom_t* __restrict__ denoms,
+    acc_t* __restrict__ block_sums,
+    unsigned int* __restrict__ counter,
+    acc_t* __restrict__ result) {
+  __shared__ acc_t weighted[kSegmentsPerBlock];
+  __shared__ bool is_last_block;
+  const int lane = threadIdx.x % kWarp;
+  const int warp = threadIdx.x / kWarp;
+  const int64_t k = blockIdx.y;
+  const int64_t block_first = static_cast<int64_t>(blockIdx.x) * kSegmentsPerBlock;
+  acc_t* out_k = out + k * num_segments;
+
+  for (int j = 0; j < kSegmentsPerWarp; ++j) {
+    const int slot = warp * kSegmentsPerWarp + j;
+    const int64_t s = block_first + slot;
+    acc_t value = acc_t(0);
+    if (s < num_segments) {
+      const int64_t sb = seg.begin(s);
+      const int64_t se = seg.end(s);
+      if (se > sb) {
+        const int64_t ta = sb / kTileTokens;
+        const int64_t tb = (se - 1) / kTileTokens;
+        if (ta != tb) {
+          value = combine_tiles(first_partial + k * tiles, last_partial + k * tiles, ta, tb, lane);
+          if (lane == 0) {
+            out_k[s] = value;
+          }
+        } else {
+          value = out_k[s];
+        }
+      } else if (lane == 0) {
+        out_k[s] = acc_t(0);
+      }
+      if constexpr (kReduce) {
+        value = value / static_cast<acc_t>(denoms[s]);
+      }
+    }
+    if constexpr (kReduce) {
+      if (lane == 0) {
+        weighted[slot] = value;
+      }
+    }
+  }
+  if constexpr (kReduce) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      acc_t block_total = acc_t(0);
+      for (int i = 0; i < kSegmentsPerBlock; ++i) {
+        block_total += weighted[i];
+      }
+      block_sums[blockIdx.x] = block_total;
+      __threadfence();
+      const unsigned int done = atomicAdd(counter, 1u);
+      is_last_block = done == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (is_last_block && threadIdx.x == 0) {
+      __threadfence();
+      acc_t total = acc_t(0);
+      for (unsigned int i = 0; i < gridDim.x; ++i) {
+        total += __ldcg(block_sums + i);
+      }
+      *result = total;
+      *counter = 0u;  // leaves the workspace reusable
+    }
+  }
+}
+
+// Backward: out[k, t] = mask_weight(m[t]) * coef(k, s(t)), 0 where the mask is 0.
+// grid: (ceil(tiles / kWarpsPerBlock), K).
+template <typename scalar_t, typename acc_t, typename mask_t, typename offset_t, typename Coef>
+__global__ void __launch_bounds__(kThreads) expand_tiles_kernel(
+    scalar_t* __restrict__ out,
+    const mask_t* __restrict__ mask,
+    Segments<offset_t> seg,
+    int64_t num_segments,
+    int64_t num_tokens,
+    int64_t tiles,
+    Coef coef) {
+  constexpr int VEC = vec_width<scalar_t>();
+  const int lane = threadIdx.x % kWarp;
+  const int64_t tile = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+  if (tile >= tiles) {
+    return;
+  }
+  const int64_t k = blockIdx.y;
+  scalar_t* o = out + k * num_tokens;
+  const int64_t lo = tile * kTileTokens;
+  const int64_t hi = lo + kTileTokens < num_tokens ? lo + kTileTokens : num_tokens;
+  const int po = vec_phase<VEC>(o);
+  const int phase = (po >= 0 && po == vec_phase<VEC>(mask)) ? po : -1;
+
+  for (int64_t s = segment_of(seg, num_segments, lo); s < num_segments; ++s) {
+    const int64_t sb = seg.begin(s);
+    if (sb >= hi) {
+      break;
+    }
+    const int64_t se = seg.end(s);
+    const int64_t a = sb > lo ? sb : lo;
+    const int64_t b = se < hi ? se : hi;
+    if (a >= b) {
+      continue;
+    }
+    const acc_t c = coef(k, s);
+    int64_t body_begin = b;
+    int64_t body_end = b;
+    if (phase >= 0) {
+      body_begin = a + (VEC - (a + phase) % VEC) % VEC;
+      body_end = body_begin + (b > body_begin ? (b - body_begin) / VEC * VEC : 0);
+      if (body_begin > b) {
+        body_begin = body_end = b;
+      }
+    }
+    for (int64_t i = a + lane; i < body_begin; i += kWarp) {
+      const acc_t w = mask_weight<acc_t>(mask[i]);
+      o[i] = static_cast<scalar_t>(select_kept(c, w) * w);
+    }
+    for (int64_t i = body_begin + static_cast<int64_t>(lane) * VEC; i < body_end;
+         i += static_cast<int64_t>(kWarp) * VEC) {
+      const Pack<mask_t, VEC> mv = *reinterpret_cast<const Pack<mask_t, VEC>*>(mask + i);
+      Pack<scalar_t, VEC> ov;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const acc_t w = mask_weight<acc_t>(mv.x[j]);
+        ov.x[j] = static_cast<scalar_t>(select_kept(c, w) * w);
+      }
+      *reinterpret_cast<Pack<scalar_t, VEC>*>(o + i) = ov;
+    }
+    for (int64_t i = body_end + lane; i < b; i += kWarp) {
+      const acc_t w = mask_weight<acc_t>(mask[i]);
+      o[i] = static_cast<scalar_t>(select_kept(c, w) * w);
+    }
+  }
+}
+
+}  // namespace lossagg::cuda

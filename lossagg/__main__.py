@@ -1,0 +1,5 @@
+import sys
+
+from lossagg.cli import main
+
+sys.exit(main())

@@ -1,0 +1,176 @@
+"""Step planning: the contributions of any split sum to J, gradients match; known values; bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lossagg
+from lossagg import LossAggregationConfig, StepPlan, gradient_scale
+from lossagg.testing import check_split_invariance, reference_loss
+
+MODES = {
+    "sample_mean": {},
+    "prompt_mean": {},
+    "token_mean": {},
+    "constant": {"divisor": 64.0},
+}
+
+
+def random_step(n_groups=6, n=4, seed=0, max_len=40):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, max_len, (n_groups * n,), generator=g)
+    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(lengths, 0)
+    total = int(cu[-1])
+    values = torch.randn(total, generator=g, dtype=torch.float64).float()
+    mask = torch.rand(total, generator=g) < 0.8
+    # one fully masked sample
+    mask[cu[3] : cu[4]] = False
+    group_index = torch.arange(n_groups).repeat_interleave(n)
+    return values, mask, cu, group_index
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("split", [(1, 1, 1), (3, 1, 1), (2, 2, 1), (1, 2, 2), (2, 3, 3)])
+def test_split_invariance(mode, split):
+    micro_batches, dp, cp = split
+    values, mask, cu, groups = random_step(seed=hash((mode, split)) % 1000)
+    config = LossAggregationConfig(mode=mode, n_samples_per_prompt=4, **MODES[mode])
+    report = check_split_invariance(
+        config, values, mask, cu, group_index=groups, micro_batches=micro_batches, dp_size=dp, cp_size=cp
+    )
+    assert report.ok, str(report)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_rollout_mask_sets_denominators_only(mode):
+    values, mask, cu, groups = random_step(seed=5)
+    rollout = mask.clone()
+    mask = mask & (torch.rand(mask.shape, generator=torch.Generator().manual_seed(1)) < 0.5)  # rejection after rollout
+    config = LossAggregationConfig(mode=mode, n_samples_per_prompt=4, **MODES[mode])
+    report = check_split_invariance(config, values, mask, cu, group_index=groups, rollout_mask=rollout)
+    assert report.ok, str(report)
+    full = lossagg.aggregate(config, values, mask, cu_seqlens=cu, group_index=groups, rollout_mask=rollout)
+    expected = reference_loss(config, values, mask, cu, groups, rollout)
+    torch.testing.assert_close(full.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_prompt_mean_known_value():
+    # two groups of two samples; token means 0.5 and 1.0 -> 0.75
+    values = torch.tensor([0.0, 1.0, 0.5, 0.5, 1.0, 1.0, 1.0])
+    cu = torch.tensor([0, 2, 4, 6, 7])
+    mask = torch.ones(7, dtype=torch.bool)
+    config = LossAggregationConfig(mode="prompt_mean", n_samples_per_prompt=2)
+    j = lossagg.aggregate(config, values, mask, cu_seqlens=cu, group_index=torch.tensor([0, 0, 1, 1]))
+    assert j.item() == pytest.approx(0.75)
+
+
+def hand_example():
+    # sample 0: losses [1, 2, 3] (3 tokens); sample 1: [4] (1 token); same group (n=2)
+    values = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    cu = torch.tensor([0, 3, 4])
+    mask = torch.ones(4, dtype=torch.bool)
+    return values, mask, cu, torch.tensor([7, 7])
+
+
+@pytest.mark.parametrize(
+    "mode,extra,expected",
+    [
+        ("sample_mean", {}, (6 / 3 + 4 / 1) / 2),  # 3.0
+        ("prompt_mean", {}, (6 + 4) / 4 / 1),  # 2.5
+        ("token_mean", {}, (6 + 4) / 4),  # 2.5
+        ("constant", {"divisor": 5.0}, (6 + 4) / (2 * 5)),  # 1.0
+    ],
+)
+def test_hand_worked_examples(mode, extra, expected):
+    values, mask, cu, groups = hand_example()
+    config = LossAggregationConfig(mode=mode, n_samples_per_prompt=2, **extra)
+    j = lossagg.aggregate(config, values, mask, cu_seqlens=cu, group_index=groups)
+    assert j.item() == pytest.approx(expected)
+
+
+def test_zero_token_step_gives_zero_and_finite_gradients():
+    values = torch.randn(5, requires_grad=True)
+    mask = torch.zeros(5, dtype=torch.bool)
+    cu = torch.tensor([0, 2, 5])
+    for mode, extra in MODES.items():
+        config = LossAggregationConfig(mode=mode, n_samples_per_prompt=2, **extra)
+        values.grad = None
+        j = lossagg.aggregate(config, values, mask, cu_seqlens=cu, group_index=torch.tensor([0, 0]))
+        j.backward()
+        assert j.item() == 0.0
+        assert torch.isfinite(values.grad).all() and (values.grad == 0).all()
+
+
+def test_incomplete_group_is_named():
+    config = LossAggregationConfig(mode="prompt_mean", n_samples_per_prompt=4)
+    with pytest.raises(ValueError, match="group 11 has 3 sample"):
+        StepPlan(config, torch.tensor([3, 4, 5, 6, 1, 2, 3]), group_index=torch.tensor([10, 10, 10, 10, 11, 11, 11]))
+
+
+def test_missing_group_index_is_an_error():
+    config = LossAggregationConfig(mode="prompt_mean", n_samples_per_prompt=2)
+    with pytest.raises(ValueError, match="group_index is required under mode=prompt_mean"):
+        StepPlan(config, torch.tensor([3, 4]))
+    with pytest.raises(ValueError, match="group_index is required"):
+        lossagg.aggregate(config, torch.ones(3), torch.ones(3, dtype=torch.bool), cu_seqlens=torch.tensor([0, 1, 3]))
+
+
+def test_denominators_from_another_step_are_rejected():
+    config = LossAggregationConfig()
+    plan = StepPlan(config, torch.tensor([3, 4, 5]))
+    values, mask, cu = torch.ones(4), torch.ones(4, dtype=torch.bool), torch.tensor([0, 2, 4])
+    with pytest.raises(ValueError, match="sample_denoms must be a 1-D tensor of length B = 2"):
+        lossagg.reduce(values, mask, plan.denoms(slice(0, 3)), cu)
+
+
+def test_plan_denominators_per_mode():
+    counts = torch.tensor([2, 0, 6, 4])
+    groups = torch.tensor([0, 0, 1, 1])
+    d = {m: StepPlan(LossAggregationConfig(mode=m, n_samples_per_prompt=2, **MODES[m]), counts, group_index=groups).sample_denoms for m in MODES}
+    assert d["sample_mean"].tolist() == [8.0, 4.0, 24.0, 16.0]  # N * max(M, 1)
+    assert d["prompt_mean"].tolist() == [4.0, 4.0, 20.0, 20.0]  # P * Sg
+    assert d["token_mean"].tolist() == [12.0] * 4  # T
+    assert d["constant"].tolist() == [256.0] * 4  # N * L
+
+
+def test_prompt_mask_sums_vectorised():
+    sums = lossagg.prompt_mask_sums(torch.tensor([1, 2, 3, 4]), torch.tensor([5, 9, 5, 9]), 2)
+    assert sums.tolist() == [4.0, 6.0, 4.0, 6.0]
+
+
+def test_metrics_use_default_reducer_whatever_the_mode():
+    values, mask, cu, groups = random_step(seed=2)
+    entropy = torch.rand(values.shape)
+    kl = torch.rand(values.shape)
+    results = []
+    for mode in MODES:
+        plan = StepPlan(LossAggregationConfig(mode=mode, n_samples_per_prompt=4, **MODES[mode]), lossagg.token_counts(mask, cu), group_index=groups)
+        results.append(plan.metrics({"entropy": entropy, "kl": kl}, mask, slice(None), cu))
+    for r in results[1:]:
+        torch.testing.assert_close(r["entropy"], results[0]["entropy"])
+    expected = reference_loss(LossAggregationConfig(), entropy, mask, cu)
+    torch.testing.assert_close(results[0]["entropy"], expected, rtol=1e-6, atol=1e-7)
+
+
+def test_gradient_scale():
+    assert gradient_scale("sum", dp_size=4, cp_size=2, num_micro_batches=8) == 1.0
+    assert gradient_scale("mean", dp_size=4, cp_size=2) == 8.0
+    assert gradient_scale("micro_batch_mean", num_micro_batches=8) == 8.0
+    assert gradient_scale("megatron", dp_size=4, cp_size=2, num_micro_batches=8) == 64.0
+    with pytest.raises(ValueError, match="convention must be one of"):
+        gradient_scale("avg")
+    with pytest.raises(ValueError, match="dp_size must be an integer >= 1"):
+        gradient_scale("mean", dp_size=0)
+
+
+def test_zigzag_layout():
+    cu = torch.tensor([0, 5, 13])  # lengths 5 and 8, cp=2 -> chunks of 2 and 2
+    assert lossagg.zigzag_local_cu_seqlens(cu, 2).tolist() == [0, 4, 8]
+    # rank 0: chunks 0 and 3 of each padded sequence; rank 1: chunks 1 and 2
+    assert lossagg.zigzag_positions(cu, 2, 0).tolist() == [0, 1, -1, -1, 5, 6, 11, 12]
+    assert lossagg.zigzag_positions(cu, 2, 1).tolist() == [2, 3, 4, -1, 7, 8, 9, 10]
+    x = torch.arange(13.0)
+    both = torch.cat([lossagg.zigzag_shard(x, cu, 2, r, pad_value=-1) for r in range(2)])
+    assert sorted(v for v in both.tolist() if v >= 0) == list(range(13))
