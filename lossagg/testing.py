@@ -126,4 +126,4 @@ def check_split_invariance(
         torch.allclose(composed.detach(), ref.detach(), rtol=rtol, atol=atol)
         and torch.allclose(grad.to(torch.float64), ref_grad, rtol=rtol, atol=atol)
     )
-    return InvarianceReport(float(ref), float(composed), max_err, ok)
+    return InvarianceReport(float(ref.detach()), float(composed.detach()), max_err, ok)
