@@ -208,6 +208,8 @@ def run_demo(args) -> int:
             return 1
         if args.config_obj.mode.value not in args.modes:
             args.modes = [*args.modes, args.config_obj.mode.value]
+        # the groups the demo samples must be the config's groups
+        args.n_samples_per_prompt = args.config_obj.n_samples_per_prompt
     if args.steps < 1:
         print("--steps must be >= 1", file=sys.stderr)
         return 2
