@@ -9,6 +9,7 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #define LOSSAGG_HD __host__ __device__ __forceinline__
@@ -39,8 +40,18 @@ struct Segments {
   }
 };
 
-// The weight a mask element gives its token: its value (bool masks are read as uint8_t
-// 0/1). Tokens whose weight is 0 are selected out (never multiplied), so a NaN or
+// A bool mask element, read as its byte (torch stores bool as 0 or 1). Kernels use
+// is_binary_mask_v to skip the multiply by the weight, which is 1 for every kept token.
+struct BoolMask {
+  uint8_t value;
+  LOSSAGG_HD explicit operator float() const {
+    return static_cast<float>(value);
+  }
+};
+template <typename mask_t>
+inline constexpr bool is_binary_mask_v = std::is_same_v<mask_t, BoolMask>;
+
+// The weight a mask element gives its token: its value. Tokens whose weight is 0 are selected out (never multiplied), so a NaN or
 // inf loss under a zero mask contributes exactly 0.
 template <typename acc_t, typename mask_t>
 LOSSAGG_HD acc_t mask_weight(mask_t m) {
@@ -90,8 +101,8 @@ void dispatch_values_dtype(c10::ScalarType t, F&& f) {
 template <typename F>
 void dispatch_mask_dtype(c10::ScalarType t, F&& f) {
   switch (t) {
-    case c10::kBool:  // stored as bytes holding 0/1; read as uint8_t, which converts without branches
-      return f(type_tag<uint8_t>{});
+    case c10::kBool:
+      return f(type_tag<BoolMask>{});
     case c10::kByte:
       return f(type_tag<uint8_t>{});
     case c10::kFloat:

@@ -29,6 +29,25 @@ inline acc_t select_kept(acc_t x, acc_t w) {
 constexpr int kBlock = 64;  // tokens converted per step
 constexpr int kLanes = 16;  // independent accumulators
 
+// x where the bool mask byte b is 1, else +0.0.
+template <typename acc_t>
+inline acc_t select_bit(acc_t x, uint8_t b) {
+  using bits_t = std::conditional_t<sizeof(acc_t) == 8, uint64_t, uint32_t>;
+  return std::bit_cast<acc_t>(static_cast<bits_t>(std::bit_cast<bits_t>(x) & (bits_t(0) - static_cast<bits_t>(b))));
+}
+
+// m[i] * x with masked-out tokens selected away: for bool masks the weight is 1, so the
+// multiply is skipped.
+template <typename acc_t, typename mask_t>
+inline acc_t masked_term(acc_t x, mask_t m) {
+  if constexpr (is_binary_mask_v<mask_t>) {
+    return select_bit(x, m.value);
+  } else {
+    const acc_t w = mask_weight<acc_t>(m);
+    return select_kept(x, w) * w;
+  }
+}
+
 // Masked sum of v[lo, hi). Tokens are converted a block at a time into a small buffer
 // (a loop without a reduction, which vectorises), then added into kLanes fixed lanes:
 // lane l takes tokens lo+l, lo+l+kLanes, ...; the tail goes to lane 0; lanes are
@@ -40,8 +59,7 @@ constexpr int kLanes = 16;  // independent accumulators
   for (; i + kBlock <= hi; i += kBlock) {                               \
     acc_t t[kBlock];                                                    \
     for (int j = 0; j < kBlock; ++j) {                                  \
-      const acc_t w = mask_weight<acc_t>(m[i + j]);                     \
-      t[j] = select_kept(static_cast<acc_t>(v[i + j]), w) * w;          \
+      t[j] = masked_term(static_cast<acc_t>(v[i + j]), m[i + j]);       \
     }                                                                   \
     for (int j = 0; j < kBlock; j += kLanes) {                          \
       for (int l = 0; l < kLanes; ++l) {                                \
@@ -50,8 +68,7 @@ constexpr int kLanes = 16;  // independent accumulators
     }                                                                   \
   }                                                                     \
   for (; i < hi; ++i) {                                                 \
-    const acc_t w = mask_weight<acc_t>(m[i]);                           \
-    lane[0] += select_kept(static_cast<acc_t>(v[i]), w) * w;            \
+    lane[0] += masked_term(static_cast<acc_t>(v[i]), m[i]);             \
   }                                                                     \
   for (int width = kLanes / 2; width > 0; width /= 2) {                 \
     for (int l = 0; l < width; ++l) {                                   \
@@ -155,10 +172,9 @@ void segment_sums(
 
 // o[t] = mask_weight(m[t]) * c for t in [lo, hi) (0 where the mask is 0), in the values
 // dtype. Baseline and AVX2 builds of the same loop, as for masked_sum.
-#define LOSSAGG_FILL_BODY                                   \
-  for (int64_t i = lo; i < hi; ++i) {                       \
-    const acc_t w = mask_weight<acc_t>(m[i]);               \
-    o[i] = static_cast<scalar_t>(select_kept(c, w) * w);    \
+#define LOSSAGG_FILL_BODY                          \
+  for (int64_t i = lo; i < hi; ++i) {              \
+    o[i] = static_cast<scalar_t>(masked_term(c, m[i])); \
   }
 
 template <typename scalar_t, typename acc_t, typename mask_t>

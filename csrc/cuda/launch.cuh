@@ -66,10 +66,10 @@ void launch_segment_sums(
   }
   if (reduce) {
     segment_sum_fixup_kernel<true, acc_t, denom_t><<<fgrid, kThreads, 0, stream>>>(
-        seg, num_segments, tiles, out, first_partial, last_partial, denoms, block_sums, counter, result);
+        seg, num_segments, num_tokens, tiles, out, first_partial, last_partial, denoms, block_sums, counter, result);
   } else if (num_segments > 0) {
     segment_sum_fixup_kernel<false, acc_t, denom_t><<<fgrid, kThreads, 0, stream>>>(
-        seg, num_segments, tiles, out, first_partial, last_partial, nullptr, nullptr, nullptr, nullptr);
+        seg, num_segments, num_tokens, tiles, out, first_partial, last_partial, nullptr, nullptr, nullptr, nullptr);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

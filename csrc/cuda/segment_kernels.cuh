@@ -49,6 +49,24 @@ __device__ __forceinline__ double select_kept(double x, double w) {
       __double_as_longlong(x) & static_cast<long long>(0ull - static_cast<unsigned long long>(w != 0.0)));
 }
 
+// m * x with masked-out tokens selected away (bool masks: no multiply, the weight is 1).
+__device__ __forceinline__ float select_bit(float x, uint8_t b) {
+  return __uint_as_float(__float_as_uint(x) & (0u - static_cast<unsigned>(b)));
+}
+__device__ __forceinline__ double select_bit(double x, uint8_t b) {
+  return __longlong_as_double(
+      __double_as_longlong(x) & static_cast<long long>(0ull - static_cast<unsigned long long>(b)));
+}
+template <typename acc_t, typename mask_t>
+__device__ __forceinline__ acc_t masked_term(acc_t x, mask_t m) {
+  if constexpr (is_binary_mask_v<mask_t>) {
+    return select_bit(x, m.value);
+  } else {
+    const acc_t w = mask_weight<acc_t>(m);
+    return select_kept(x, w) * w;
+  }
+}
+
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {
   T x[N];
@@ -106,21 +124,18 @@ __device__ __forceinline__ acc_t lane_masked_sum(
     }
   }
   for (int64_t i = a + lane; i < body_begin; i += kWarp) {
-    const acc_t w = mask_weight<acc_t>(m[i]);
-    acc += select_kept(static_cast<acc_t>(v[i]), w) * w;
+    acc += masked_term(static_cast<acc_t>(v[i]), m[i]);
   }
   for (int64_t i = body_begin + static_cast<int64_t>(lane) * VEC; i < body_end; i += static_cast<int64_t>(kWarp) * VEC) {
     const Pack<scalar_t, VEC> xv = *reinterpret_cast<const Pack<scalar_t, VEC>*>(v + i);
     const Pack<mask_t, VEC> mv = *reinterpret_cast<const Pack<mask_t, VEC>*>(m + i);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      const acc_t w = mask_weight<acc_t>(mv.x[j]);
-      acc += select_kept(static_cast<acc_t>(xv.x[j]), w) * w;
+      acc += masked_term(static_cast<acc_t>(xv.x[j]), mv.x[j]);
     }
   }
   for (int64_t i = body_end + lane; i < b; i += kWarp) {
-    const acc_t w = mask_weight<acc_t>(m[i]);
-    acc += select_kept(static_cast<acc_t>(v[i]), w) * w;
+    acc += masked_term(static_cast<acc_t>(v[i]), m[i]);
   }
   return acc;
 }
@@ -203,6 +218,7 @@ template <bool kReduce, typename acc_t, typename denom_t, typename offset_t>
 __global__ void __launch_bounds__(kThreads) segment_sum_fixup_kernel(
     Segments<offset_t> seg,
     int64_t num_segments,
+    int64_t num_tokens,
     int64_t tiles,
     acc_t* __restrict__ out,
     const acc_t* __restrict__ first_partial,
@@ -224,8 +240,10 @@ __global__ void __launch_bounds__(kThreads) segment_sum_fixup_kernel(
     const int64_t s = block_first + slot;
     acc_t value = acc_t(0);
     if (s < num_segments) {
-      const int64_t sb = seg.begin(s);
-      const int64_t se = seg.end(s);
+      // Clamped to the token range, like the tile pass, so offsets that were not
+      // validated (device checks off) cannot index outside the partials.
+      const int64_t sb = seg.begin(s) > 0 ? seg.begin(s) : 0;
+      const int64_t se = seg.end(s) < num_tokens ? seg.end(s) : num_tokens;
       if (se > sb) {
         const int64_t ta = sb / kTileTokens;
         const int64_t tb = (se - 1) / kTileTokens;
@@ -321,8 +339,7 @@ __global__ void __launch_bounds__(kThreads) expand_tiles_kernel(
       }
     }
     for (int64_t i = a + lane; i < body_begin; i += kWarp) {
-      const acc_t w = mask_weight<acc_t>(mask[i]);
-      o[i] = static_cast<scalar_t>(select_kept(c, w) * w);
+      o[i] = static_cast<scalar_t>(masked_term(c, mask[i]));
     }
     for (int64_t i = body_begin + static_cast<int64_t>(lane) * VEC; i < body_end;
          i += static_cast<int64_t>(kWarp) * VEC) {
@@ -330,14 +347,12 @@ __global__ void __launch_bounds__(kThreads) expand_tiles_kernel(
       Pack<scalar_t, VEC> ov;
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        const acc_t w = mask_weight<acc_t>(mv.x[j]);
-        ov.x[j] = static_cast<scalar_t>(select_kept(c, w) * w);
+        ov.x[j] = static_cast<scalar_t>(masked_term(c, mv.x[j]));
       }
       *reinterpret_cast<Pack<scalar_t, VEC>*>(o + i) = ov;
     }
     for (int64_t i = body_end + lane; i < b; i += kWarp) {
-      const acc_t w = mask_weight<acc_t>(mask[i]);
-      o[i] = static_cast<scalar_t>(select_kept(c, w) * w);
+      o[i] = static_cast<scalar_t>(masked_term(c, mask[i]));
     }
   }
 }
