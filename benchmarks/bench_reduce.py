@@ -79,6 +79,41 @@ def f_floor(b, values):
     return values.sum()
 
 
+def s_lossagg(b, values):
+    return lossagg.segment_sum(values, b["mask"], b["cu"])
+
+
+def s_loop(b, values):
+    parts = [
+        torch.where(m, v, 0).float().sum(-1)
+        for v, m in zip(values.split(b["lengths_list"], -1), b["mask"].split(b["lengths_list"]), strict=True)
+    ]
+    return torch.stack(parts, -1)
+
+
+def s_vectorised(b, values):
+    seg = torch.repeat_interleave(torch.arange(b["lengths"].numel(), device=values.device), b["lengths"], output_size=b["total"])
+    out = values.new_zeros((values.shape[0], b["lengths"].numel()), dtype=torch.float32)
+    return out.index_add_(1, seg, torch.where(b["mask"], values, 0).float())
+
+
+def s_segment_reduce(b, values):
+    data = torch.where(b["mask"], values, 0).float().T
+    return torch.segment_reduce(data, "sum", lengths=b["lengths"], axis=0).T
+
+
+def s_floor(b, values):
+    return values.sum(-1)
+
+
+SEGMENT_SUM_CONTENDERS = {
+    "lossagg": s_lossagg,
+    "loop": s_loop,
+    "vectorised": s_vectorised,
+    "segment_red": s_segment_reduce,
+    "floor": s_floor,
+}
+
 CONTENDERS = {
     "lossagg": f_lossagg,
     "loop": f_loop,
@@ -145,39 +180,53 @@ def peak_extra_bytes(fn):
     return mode.peak
 
 
-def fwd_bwd(fn, b):
-    values = b["values"].detach().requires_grad_(True)
+def fwd_bwd(fn, b, values_key="values"):
+    values = b[values_key].detach().requires_grad_(True)
 
     def run():
         values.grad = None
-        fn(b, values).backward()
+        out = fn(b, values)
+        out.backward(torch.ones_like(out))
 
     return run
 
 
-def bench_case(name, b, device, repeats, contenders, passes):
+def bwd_only(fn, b, values_key="values"):
+    values = b[values_key].detach().requires_grad_(True)
+    out = fn(b, values)
+    grad = torch.ones_like(out)
+    return lambda: torch.autograd.grad(out, values, grad, retain_graph=True)
+
+
+def bench_case(name, b, device, repeats, contenders, passes, table=None, values_key="values"):
+    table = CONTENDERS if table is None else table
     rows = []
     for cname in contenders:
-        fn = CONTENDERS[cname]
+        fn = table[cname]
         for pass_name in passes:
-            if pass_name == "fwd+bwd" and cname == "floor":
+            if pass_name != "fwd" and cname == "floor":
                 continue
             if pass_name == "fwd":
                 with torch.no_grad():
-                    run = lambda fn=fn: fn(b, b["values"])  # noqa: E731
+                    run = lambda fn=fn: fn(b, b[values_key])  # noqa: E731
                     ms = median_ms(run, device, repeats)
                     mem = peak_extra_bytes(run)
+            elif pass_name == "bwd":
+                run = bwd_only(fn, b, values_key)
+                ms = median_ms(run, device, repeats)
+                mem = peak_extra_bytes(run)
             else:
-                run = fwd_bwd(fn, b)
+                run = fwd_bwd(fn, b, values_key)
                 ms = median_ms(run, device, repeats)
                 mem = peak_extra_bytes(run)
             rows.append((name, pass_name, cname, ms, mem))
     return rows
 
 
-def print_table(rows, bytes_per_token, total_by_case, copy_gbps=None):
+def print_table(rows, bytes_by_pass, total_by_case, copy_gbps=None):
+    """Medians, ratios to lossagg; on CUDA also achieved GB/s against the copy bandwidth."""
     ours = {(r[0], r[1]): r[3] for r in rows if r[2] == "lossagg"}
-    header = f"| case | pass | contender | median ms | x lossagg time | peak extra MiB |"
+    header = "| case | pass | contender | median ms | x lossagg time | peak extra MiB |"
     if copy_gbps:
         header += " GB/s | % of copy |"
     print(header)
@@ -186,12 +235,11 @@ def print_table(rows, bytes_per_token, total_by_case, copy_gbps=None):
         ratio = ms / ours[(case, pass_name)]
         line = f"| {case} | {pass_name} | {cname} | {ms:.3f} | {ratio:.2f} | {mem / 2**20:.2f} |"
         if copy_gbps:
-            gbytes = bytes_per_token * total_by_case[case] / 1e9
-            if pass_name == "fwd+bwd":
-                gbytes *= 2  # backward reads the mask and writes the gradient
+            gbytes = bytes_by_pass[pass_name] * total_by_case[case] / 1e9
             gbps = gbytes / (ms / 1e3)
-            line += f" {gbps:.0f} | {100 * gbps / copy_gbps:.0f}% |"
+            line += f" {gbps:.0f} | {100 * gbps / copy_gbps:.0f}% |" if cname == "lossagg" else " | |"
         print(line)
+    print()
 
 
 def main(argv=None):
@@ -201,7 +249,7 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     args = p.parse_args(argv)
     device = args.device
-    repeats = args.repeats or (7 if device == "cpu" else 30)
+    repeats = args.repeats or (9 if device == "cpu" else 30)
     print(f"# lossagg benchmark: torch {torch.__version__}, device={device}", end="")
     if device == "cuda":
         print(f" ({torch.cuda.get_device_name()})", end="")
@@ -209,6 +257,21 @@ def main(argv=None):
         print(f" ({torch.get_num_threads()} threads)", end="")
     print()
 
+    copy_gbps = None
+    if device == "cuda":
+        x = torch.empty(512 << 20, dtype=torch.uint8, device=device)
+        y = torch.empty_like(x)
+        ms = median_ms(lambda: y.copy_(x), device, repeats)
+        copy_gbps = 2 * x.numel() / 1e9 / (ms / 1e3)
+        del x, y
+        print(f"# device-to-device copy: {copy_gbps:.0f} GB/s (read + write of 512 MiB)")
+
+    # bytes moved per token: values float32 (4) + bool mask (1); backward reads the mask
+    # and writes a float32 gradient
+    bytes_by_pass = {"fwd": 5, "bwd": 5, "fwd+bwd": 10}
+    all_passes = ["fwd", "bwd", "fwd+bwd"]
+
+    print("## reduce, RL micro-batches (packed, uneven lengths)\n")
     rl_cases = [("B=256 x ~2k", 256, 2048), ("B=1024 x ~512", 1024, 512), ("B=64 x ~16k", 64, 16384)]
     if args.quick:
         rl_cases = [("B=64 x ~512", 64, 512)]
@@ -216,26 +279,36 @@ def main(argv=None):
     for name, n, mean_len in rl_cases:
         b = make_packed(n, mean_len, device)
         totals[name] = b["total"]
-        rows += bench_case(name, b, device, repeats, list(CONTENDERS), ["fwd", "fwd+bwd"])
+        rows += bench_case(name, b, device, repeats, list(CONTENDERS), all_passes)
+    print_table(rows, bytes_by_pass, totals, copy_gbps)
 
+    print("## reduce, large inputs (B=64)\n")
     big = [4 << 20, 16 << 20] if device == "cpu" else [1 << 16, 1 << 20, 16 << 20, 64 << 20]
     if args.quick:
         big = [1 << 20]
+    rows, totals = [], {}
     for tokens in big:
         n = 64
         b = make_packed(n, tokens // n, device)
-        name = f"{b['total'] / 2**20:.1f}M tokens, B={n}"
+        name = f"{b['total'] / 2**20:.2f}M tokens"
         totals[name] = b["total"]
-        rows += bench_case(name, b, device, repeats, ["lossagg", "vectorised", "floor"], ["fwd", "fwd+bwd"])
+        contenders = ["lossagg", "vectorised", "floor"] + (["segment_red"] if device == "cuda" else [])
+        rows += bench_case(name, b, device, repeats, contenders, all_passes)
+    print_table(rows, bytes_by_pass, totals, copy_gbps)
 
-    copy_gbps = None
-    if device == "cuda":
-        x = torch.empty(256 << 20, dtype=torch.uint8, device=device)
-        y = torch.empty_like(x)
-        ms = median_ms(lambda: y.copy_(x), device, repeats)
-        copy_gbps = 2 * x.numel() / 1e9 / (ms / 1e3)
-        print(f"# device-to-device copy: {copy_gbps:.0f} GB/s (read+write of 256 MiB)")
-    print_table(rows, bytes_per_token=4 + 1, total_by_case=totals, copy_gbps=copy_gbps)
+    print("## segment_sum of K=4 metrics (packed, B=256)\n")
+    rows, totals = [], {}
+    sizes = [1 << 19] if args.quick else ([1 << 19, 4 << 20] if device == "cpu" else [1 << 16, 1 << 20, 16 << 20])
+    for tokens in sizes:
+        n = 256
+        b = make_packed(n, tokens // n, device)
+        b["metrics"] = torch.randn(4, b["total"], device=device)
+        name = f"K=4, {b['total'] / 2**20:.2f}M tokens"
+        totals[name] = b["total"]
+        rows += bench_case(
+            name, b, device, repeats, list(SEGMENT_SUM_CONTENDERS), ["fwd"], SEGMENT_SUM_CONTENDERS, "metrics"
+        )
+    print_table(rows, {"fwd": 4 * 4 + 1}, totals, copy_gbps)
 
 
 if __name__ == "__main__":

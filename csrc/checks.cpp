@@ -2,7 +2,7 @@
 
 #include "lossagg.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
@@ -194,6 +194,45 @@ void check_sample_denoms_data(const char* op, const at::Tensor& sample_denoms) {
         std::isfinite(p[i]) && p[i] > 0.0, "lossagg.", op,
         ": sample_denoms must be finite and > 0, got sample_denoms[", i, "] = ", p[i]);
   }
+}
+
+TokenLayout check_reduce_backward_inputs(
+    const at::Tensor& grad,
+    const at::Tensor& mask,
+    const std::optional<at::Tensor>& cu_seqlens,
+    const at::Tensor& sample_denoms) {
+  const char* op = "reduce_backward";
+  TORCH_CHECK_VALUE(
+      grad.dim() == 0, "lossagg.", op, ": grad must be a 0-dim tensor, got shape ", grad.sizes());
+  TORCH_CHECK_TYPE(
+      c10::isFloatingType(grad.scalar_type()), "lossagg.", op, ": grad must have a floating dtype, got ",
+      grad.scalar_type());
+  const TokenLayout layout = check_mask_layout(op, mask, cu_seqlens, 1, false);
+  check_sample_denoms(op, sample_denoms, layout, mask);
+  check_same_device(op, "grad", grad, mask, "mask");
+  check_cu_seqlens_data(op, cu_seqlens, layout);
+  check_sample_denoms_data(op, sample_denoms);
+  return layout;
+}
+
+TokenLayout check_segment_sum_backward_inputs(
+    const at::Tensor& grad,
+    const at::Tensor& mask,
+    const std::optional<at::Tensor>& cu_seqlens) {
+  const char* op = "segment_sum_backward";
+  TORCH_CHECK_VALUE(
+      grad.dim() == 1 || grad.dim() == 2, "lossagg.", op, ": grad must be [B] or [K, B], got shape ", grad.sizes());
+  TORCH_CHECK_TYPE(
+      c10::isFloatingType(grad.scalar_type()), "lossagg.", op, ": grad must have a floating dtype, got ",
+      grad.scalar_type());
+  const bool has_metric_dim = grad.dim() == 2;
+  const TokenLayout layout = check_mask_layout(op, mask, cu_seqlens, has_metric_dim ? grad.size(0) : 1, has_metric_dim);
+  TORCH_CHECK_VALUE(
+      grad.size(-1) == layout.num_segments, "lossagg.", op, ": grad must have B = ", layout.num_segments,
+      " entries in its last dimension, got shape ", grad.sizes());
+  check_same_device(op, "grad", grad, mask, "mask");
+  check_cu_seqlens_data(op, cu_seqlens, layout);
+  return layout;
 }
 
 }  // namespace lossagg

@@ -37,6 +37,17 @@ TokenLayout check_mask_layout(
     int64_t num_metrics,
     bool has_metric_dim);
 
+// All checks of the backward ops (shapes, dtypes, devices, and the data checks).
+TokenLayout check_reduce_backward_inputs(
+    const at::Tensor& grad,
+    const at::Tensor& mask,
+    const std::optional<at::Tensor>& cu_seqlens,
+    const at::Tensor& sample_denoms);
+TokenLayout check_segment_sum_backward_inputs(
+    const at::Tensor& grad,
+    const at::Tensor& mask,
+    const std::optional<at::Tensor>& cu_seqlens);
+
 void check_sample_denoms(const char* op, const at::Tensor& sample_denoms, const TokenLayout& layout, const at::Tensor& like);
 
 // Data checks: run always for CPU tensors, for CUDA tensors only when

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lossagg.config import LossAggregationConfig
-from lossagg.denominators import sample_denoms
+from lossagg.denominators import sample_denoms as whole_step_denoms
 from lossagg.ops import reduce, segment_sum
 
 
@@ -23,7 +23,7 @@ def step_denoms(
 ) -> torch.Tensor:
     """``d[i]`` for a batch that is the whole step (single process, one micro-batch)."""
     counts = token_counts(rollout_mask, cu_seqlens)
-    return sample_denoms(
+    return whole_step_denoms(
         config.mode.value,
         counts,
         group_index=group_index,

@@ -13,7 +13,10 @@ constant       N * L
 
 where ``M[i]`` is sample i's rollout token count, ``Sg[g]`` the token count of its prompt
 group, ``N`` the samples of the step, ``P`` its groups, ``T = sum M`` and ``c(x) = max(x, 1)``.
-All functions here are vectorised (no Python loop over samples) and return float64.
+:func:`denoms_from_totals` is the one implementation of this table; :func:`sample_denoms`
+(a batch that is the whole step) and :class:`lossagg.StepPlan` (a rank's share of a
+distributed step) feed it. Everything is vectorised (no Python loop over samples) and
+float64.
 """
 
 from __future__ import annotations
@@ -23,108 +26,114 @@ import torch
 MODES = ("sample_mean", "prompt_mean", "token_mean", "constant")
 
 
-def _as_counts(token_counts: torch.Tensor, name: str = "token_counts") -> torch.Tensor:
-    if not isinstance(token_counts, torch.Tensor):
-        token_counts = torch.as_tensor(token_counts)
-    if token_counts.dim() != 1:
-        raise ValueError(f"{name} must be a 1-D [N] tensor of per-sample token counts, got shape {tuple(token_counts.shape)}")
-    if token_counts.is_floating_point() or token_counts.is_complex():
-        if not torch.isfinite(token_counts).all() or (token_counts < 0).any():
-            raise ValueError(f"{name} must be finite and >= 0")
-    elif (token_counts < 0).any():
-        raise ValueError(f"{name} must be >= 0")
-    return token_counts.to(torch.float64)
+def check_token_counts(token_counts) -> torch.Tensor:
+    """``M[i]`` as a float64 ``[N]`` tensor; finite and >= 0."""
+    counts = torch.as_tensor(token_counts)
+    if counts.dim() != 1:
+        raise ValueError(f"token_counts must be a 1-D [N] tensor of per-sample token counts, got shape {tuple(counts.shape)}")
+    if counts.is_floating_point() and not torch.isfinite(counts).all():
+        raise ValueError("token_counts must be finite")
+    if (counts < 0).any():
+        raise ValueError("token_counts must be >= 0")
+    return counts.to(torch.float64)
 
 
-def _clamp1(x: torch.Tensor) -> torch.Tensor:
-    return torch.clamp(x, min=1.0)
-
-
-def group_ids(group_index: torch.Tensor | None, num_samples: int, n_samples_per_prompt: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense group ids ``[N]`` and each group's size ``[P]``, validating whole groups.
-
-    ``group_index`` is the prompt-group label of each sample (any integers). Every group
-    must hold exactly ``n_samples_per_prompt`` samples (when given).
-    """
+def check_group_index(group_index, num_samples: int, device=None) -> torch.Tensor:
+    """``group_index`` validated: present (required under prompt_mean), one integer per sample."""
     if group_index is None:
         raise ValueError(
             "group_index is required under mode=prompt_mean: every sample needs the index of its prompt group "
             "(samples without one are never grouped silently)"
         )
-    group_index = torch.as_tensor(group_index)
+    group_index = torch.as_tensor(group_index, device=device)
     if group_index.dim() != 1 or group_index.shape[0] != num_samples:
         raise ValueError(
             f"group_index must be a 1-D tensor with one entry per sample (N = {num_samples}), "
             f"got shape {tuple(group_index.shape)}"
         )
-    if group_index.is_floating_point() or group_index.dtype == torch.bool:
+    if group_index.is_floating_point() or group_index.is_complex() or group_index.dtype == torch.bool:
         raise TypeError(f"group_index must hold integers, got dtype {group_index.dtype}")
-    labels, dense, sizes = torch.unique(group_index, return_inverse=True, return_counts=True)
-    if n_samples_per_prompt is not None and num_samples > 0:
-        bad = sizes != n_samples_per_prompt
-        if bad.any():
-            first = int(torch.nonzero(bad)[0, 0])
-            raise ValueError(
-                f"prompt_mean needs whole prompt groups of n_samples_per_prompt = {n_samples_per_prompt} samples; "
-                f"group {int(labels[first])} has {int(sizes[first])} sample(s) in this step "
-                f"({int(bad.sum())} group(s) of the wrong size)"
-            )
-    return dense, sizes
+    return group_index
 
 
-def prompt_mask_sums(token_counts: torch.Tensor, group_index: torch.Tensor, n_samples_per_prompt: int | None = None) -> torch.Tensor:
+def check_group_sizes(labels: torch.Tensor, sizes: torch.Tensor, n_samples_per_prompt: int | None) -> None:
+    """Every group present in the step holds exactly ``n_samples_per_prompt`` samples."""
+    if n_samples_per_prompt is None:
+        return
+    wrong = (sizes > 0) & (sizes != n_samples_per_prompt)
+    if wrong.any():
+        first = int(torch.nonzero(wrong)[0, 0])
+        raise ValueError(
+            f"prompt_mean needs whole prompt groups of n_samples_per_prompt = {n_samples_per_prompt} samples in "
+            f"the step; group {int(labels[first])} has {int(sizes[first])} sample(s) "
+            f"({int(wrong.sum())} group(s) of the wrong size)"
+        )
+
+
+def denoms_from_totals(
+    mode: str,
+    token_counts: torch.Tensor,
+    *,
+    num_samples: int,
+    total_tokens: float,
+    num_groups: int | None = None,
+    group_token_sums: torch.Tensor | None = None,
+    divisor: float | None = None,
+) -> torch.Tensor:
+    """``d[i]`` for local samples with counts ``M[i]``, given the step totals (float64).
+
+    ``group_token_sums`` is ``Sg[g(i)]`` for each local sample (prompt_mean).
+    """
+    counts = token_counts.to(torch.float64)
+    n = float(num_samples)
+    if mode == "sample_mean":
+        return n * counts.clamp(min=1.0)
+    if mode == "token_mean":
+        return torch.full_like(counts, max(float(total_tokens), 1.0))
+    if mode == "constant":
+        if divisor is None or not (float(divisor) > 0 and float(divisor) != float("inf")):
+            raise ValueError(f"divisor must be a finite number > 0 under mode=constant, got {divisor!r}")
+        return torch.full_like(counts, n * float(divisor))
+    if mode == "prompt_mean":
+        if group_token_sums is None or num_groups is None:
+            raise ValueError("prompt_mean needs num_groups and group_token_sums")
+        return float(num_groups) * group_token_sums.to(torch.float64).clamp(min=1.0)
+    raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+
+
+def prompt_mask_sums(token_counts, group_index, n_samples_per_prompt: int | None = None) -> torch.Tensor:
     """``Sg[g(i)]`` for every sample: the rollout token count of its prompt group (float64 ``[N]``)."""
-    counts = _as_counts(token_counts)
-    dense, sizes = group_ids(group_index, counts.shape[0], n_samples_per_prompt)
-    group_sums = torch.zeros(sizes.shape[0], dtype=torch.float64, device=counts.device)
-    group_sums.index_add_(0, dense.to(counts.device), counts)
-    return group_sums[dense.to(counts.device)]
+    counts = check_token_counts(token_counts)
+    group_index = check_group_index(group_index, counts.shape[0], counts.device)
+    labels, dense, sizes = torch.unique(group_index, return_inverse=True, return_counts=True)
+    check_group_sizes(labels, sizes, n_samples_per_prompt)
+    group_sums = torch.zeros(labels.numel(), dtype=torch.float64, device=counts.device).index_add_(0, dense, counts)
+    return group_sums[dense]
 
 
 def sample_denoms(
     mode: str,
-    token_counts: torch.Tensor,
+    token_counts,
     *,
-    group_index: torch.Tensor | None = None,
+    group_index=None,
     n_samples_per_prompt: int | None = None,
     divisor: float | None = None,
-    num_samples: int | None = None,
-    num_groups: int | None = None,
-    total_tokens: float | None = None,
-    group_token_sums: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The global per-sample denominators ``d[i]`` (float64 ``[N_local]``).
+    """``d[i]`` (float64 ``[N]``) for a batch that holds the whole optimizer step.
 
-    With only ``token_counts`` (and ``group_index``) the call is taken to hold the whole
-    step. For a shard of a step, pass the step-global numbers: ``num_samples`` (N),
-    ``num_groups`` (P), ``total_tokens`` (T) and, for prompt_mean, ``group_token_sums``
-    (``Sg[g(i)]`` of each local sample). ``lossagg.StepPlan`` computes those.
+    For a shard of a larger step (micro-batches, DP ranks) use :class:`lossagg.StepPlan`.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    counts = _as_counts(token_counts)
-    n_local = counts.shape[0]
-    n = float(n_local if num_samples is None else num_samples)
-    if mode == "sample_mean":
-        return n * _clamp1(counts)
-    if mode == "token_mean":
-        t = counts.sum() if total_tokens is None else torch.tensor(float(total_tokens), dtype=torch.float64)
-        return _clamp1(t).to(counts.device).expand(n_local).clone()
-    if mode == "constant":
-        if divisor is None or not (float(divisor) > 0 and torch.isfinite(torch.tensor(float(divisor)))):
-            raise ValueError(f"divisor must be a finite number > 0 under mode=constant, got {divisor!r}")
-        return torch.full((n_local,), n * float(divisor), dtype=torch.float64, device=counts.device)
-    # prompt_mean
-    if group_token_sums is None:
-        sg = prompt_mask_sums(counts, group_index, n_samples_per_prompt)
-        p = float(torch.unique(torch.as_tensor(group_index)).numel()) if num_groups is None else float(num_groups)
-    else:
-        sg = torch.as_tensor(group_token_sums, dtype=torch.float64, device=counts.device)
-        if sg.shape != counts.shape:
-            raise ValueError(
-                f"group_token_sums must have one entry per sample ({n_local}), got shape {tuple(sg.shape)}"
-            )
-        if num_groups is None:
-            raise ValueError("num_groups (P) is required with group_token_sums")
-        p = float(num_groups)
-    return p * _clamp1(sg)
+    counts = check_token_counts(token_counts)
+    group_sums, num_groups = None, None
+    if mode == "prompt_mean":
+        group_sums = prompt_mask_sums(counts, group_index, n_samples_per_prompt)
+        num_groups = int(torch.unique(torch.as_tensor(group_index)).numel())
+    return denoms_from_totals(
+        mode,
+        counts,
+        num_samples=counts.shape[0],
+        total_tokens=float(counts.sum()),
+        num_groups=num_groups,
+        group_token_sums=group_sums,
+        divisor=divisor,
+    )

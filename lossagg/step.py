@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from lossagg.config import AggregationMode, LossAggregationConfig
+from lossagg.denominators import check_group_index, check_group_sizes, check_token_counts, denoms_from_totals
 from lossagg.ops import reduce, segment_sum
 
 GRADIENT_CONVENTIONS = ("sum", "mean", "micro_batch_mean", "megatron")
@@ -58,15 +59,8 @@ class StepPlan:
         num_groups: int | None = None,
     ):
         self.config = config
-        counts = torch.as_tensor(token_counts)
-        if counts.dim() != 1:
-            raise ValueError(f"token_counts must be a 1-D [n_local] tensor, got shape {tuple(counts.shape)}")
-        if counts.is_floating_point() and not torch.isfinite(counts).all():
-            raise ValueError("token_counts must be finite")
-        if (counts < 0).any():
-            raise ValueError("token_counts must be >= 0")
+        counts = check_token_counts(token_counts)
         self.device = counts.device
-        counts = counts.to(torch.float64)
         self.token_counts = counts
         mode = config.mode
         n_local = counts.shape[0]
@@ -75,19 +69,9 @@ class StepPlan:
         dense = None
         g_total = 0
         if mode is AggregationMode.PROMPT_MEAN:
-            if group_index is None:
-                raise ValueError(
-                    "group_index is required under mode=prompt_mean: every sample needs the index of its prompt "
-                    "group (samples without one are never grouped silently)"
-                )
-            group_index = torch.as_tensor(group_index, device=self.device)
-            if group_index.dim() != 1 or group_index.shape[0] != n_local:
-                raise ValueError(
-                    f"group_index must have one entry per sample ({n_local}), got shape {tuple(group_index.shape)}"
-                )
-            if group_index.is_floating_point() or group_index.dtype == torch.bool:
-                raise TypeError(f"group_index must hold integers, got dtype {group_index.dtype}")
+            group_index = check_group_index(group_index, n_local, self.device)
             if distributed:
+                # Group labels must mean the same on every rank: global prompt indices.
                 g_total = num_groups
                 if g_total is None and config.global_batch_size is not None:
                     g_total = config.global_batch_size // config.n_samples_per_prompt
@@ -119,36 +103,29 @@ class StepPlan:
 
             dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=process_group)
 
-        n_total = int(round(buf[0].item()))
+        group_sums = None
+        p_total = 0
         if dense is not None:
             sizes = buf[2 : 2 + g_total]
-            present = sizes > 0
-            wrong = present & (sizes != config.n_samples_per_prompt)
-            if wrong.any():
-                first = int(torch.nonzero(wrong)[0, 0])
-                raise ValueError(
-                    f"prompt_mean needs whole prompt groups of n_samples_per_prompt = "
-                    f"{config.n_samples_per_prompt} samples in the step; group {int(labels[first])} has "
-                    f"{int(sizes[first].item())} sample(s)"
-                )
-            p_total = int(present.sum().item())
-            group_sums = buf[2 + g_total :]
-        else:
-            p_total = 0
-        self.totals = StepTotals(num_samples=n_total, num_groups=p_total, total_tokens=float(buf[1].item()))
-
-        n = float(n_total)
-        if mode is AggregationMode.SAMPLE_MEAN:
-            denoms = n * counts.clamp(min=1.0)
-        elif mode is AggregationMode.TOKEN_MEAN:
-            denoms = torch.full_like(counts, max(self.totals.total_tokens, 1.0))
-        elif mode is AggregationMode.CONSTANT:
-            denoms = torch.full_like(counts, n * float(config.divisor))
-        else:
-            denoms = float(p_total) * group_sums[dense].clamp(min=1.0)
-        self.sample_denoms = denoms
+            check_group_sizes(labels, sizes.long(), config.n_samples_per_prompt)
+            p_total = int((sizes > 0).sum().item())
+            group_sums = buf[2 + g_total :][dense]
+        self.totals = StepTotals(
+            num_samples=int(round(buf[0].item())), num_groups=p_total, total_tokens=float(buf[1].item())
+        )
+        self.sample_denoms = denoms_from_totals(
+            mode.value,
+            counts,
+            num_samples=self.totals.num_samples,
+            total_tokens=self.totals.total_tokens,
+            num_groups=p_total,
+            group_token_sums=group_sums,
+            divisor=config.divisor,
+        )
         # The default reducer (sample_mean), for metrics other than the PG loss.
-        self.metric_denoms = n * counts.clamp(min=1.0)
+        self.metric_denoms = denoms_from_totals(
+            "sample_mean", counts, num_samples=self.totals.num_samples, total_tokens=self.totals.total_tokens
+        )
 
     def denoms(self, samples: slice | Sequence[int] | torch.Tensor, *, dtype=torch.float32, device=None) -> torch.Tensor:
         """Denominators of a micro-batch, given its samples' positions among this rank's samples."""

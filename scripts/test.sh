@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The test command: set-up, the pytest suite, and the CMake build of the ops with its
-# C++ test (ctest). Fails if pytest collects no tests.
+# The test command: set-up, the CMake build of the ops with its C++ test (ctest), and
+# the pytest suite. Fails if pytest collects no tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
 bash scripts/setup.sh || exit 1
+
+bash scripts/cmake_build.sh || exit 1
 
 "$PY" -m pytest tests "$@"
 rc=$?
@@ -13,6 +15,4 @@ if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: failing" >&2
   exit 1
 fi
-[ "$rc" -eq 0 ] || exit "$rc"
-
-bash scripts/cmake_build.sh || exit 1
+exit "$rc"

@@ -3,7 +3,8 @@
 #include "../common.h"
 #include "segment_kernels.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 namespace lossagg::cpu {
@@ -15,16 +16,7 @@ at::Tensor reduce_backward(
     const std::optional<at::Tensor>& cu_seqlens,
     const at::Tensor& sample_denoms,
     at::ScalarType values_dtype) {
-  TORCH_CHECK_VALUE(
-      grad.numel() == 1 && grad.dim() == 0, "lossagg.reduce_backward: grad must be a 0-dim tensor, got shape ",
-      grad.sizes());
-  const TokenLayout layout = check_mask_layout("reduce_backward", mask, cu_seqlens, 1, false);
-  check_sample_denoms("reduce_backward", sample_denoms, layout, mask);
-  TORCH_CHECK_VALUE(
-      grad.device() == mask.device(), "lossagg.reduce_backward: grad must be on the device of mask (", mask.device(),
-      "), got ", grad.device());
-  check_cu_seqlens_data("reduce_backward", cu_seqlens, layout);
-  check_sample_denoms_data("reduce_backward", sample_denoms);
+  const TokenLayout layout = check_reduce_backward_inputs(grad, mask, cu_seqlens, sample_denoms);
 
   const at::Tensor m = mask.contiguous();
   const std::optional<at::Tensor> cu =

@@ -3,7 +3,8 @@
 #include "../common.h"
 #include "segment_kernels.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 namespace lossagg::cpu {

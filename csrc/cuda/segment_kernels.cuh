@@ -88,6 +88,25 @@ __device__ __forceinline__ int vec_phase(const T* p) {
   return static_cast<int>((addr / sizeof(T)) % VEC);
 }
 
+// [a, b) splits into a scalar head [a, begin), a vector body [begin, end) of whole
+// VEC-token vectors aligned for both tensors, and a scalar tail [end, b). Without a
+// common phase (phase < 0) everything is head.
+struct VecBody {
+  int64_t begin;
+  int64_t end;
+};
+template <int VEC>
+__device__ __forceinline__ VecBody vec_body(int64_t a, int64_t b, int phase) {
+  if (phase < 0) {
+    return {b, b};
+  }
+  const int64_t begin = a + (VEC - (a + phase) % VEC) % VEC;
+  if (begin >= b) {
+    return {b, b};
+  }
+  return {begin, begin + (b - begin) / VEC * VEC};
+}
+
 // Segment holding token x (x < num_tokens): the last s with begin(s) <= x.
 template <typename offset_t>
 __device__ __forceinline__ int64_t segment_of(const Segments<offset_t>& seg, int64_t num_segments, int64_t x) {
@@ -114,15 +133,9 @@ __device__ __forceinline__ acc_t lane_masked_sum(
     const scalar_t* __restrict__ v, const mask_t* __restrict__ m, int64_t a, int64_t b, int lane, int phase) {
   constexpr int VEC = vec_width<scalar_t>();
   acc_t acc = acc_t(0);
-  int64_t body_begin = b;
-  int64_t body_end = b;
-  if (phase >= 0) {
-    body_begin = a + (VEC - (a + phase) % VEC) % VEC;
-    body_end = body_begin + (b > body_begin ? (b - body_begin) / VEC * VEC : 0);
-    if (body_begin > b) {
-      body_begin = body_end = b;
-    }
-  }
+  const VecBody body = vec_body<VEC>(a, b, phase);
+  const int64_t body_begin = body.begin;
+  const int64_t body_end = body.end;
   for (int64_t i = a + lane; i < body_begin; i += kWarp) {
     acc += masked_term(static_cast<acc_t>(v[i]), m[i]);
   }
@@ -329,15 +342,9 @@ __global__ void __launch_bounds__(kThreads) expand_tiles_kernel(
       continue;
     }
     const acc_t c = coef(k, s);
-    int64_t body_begin = b;
-    int64_t body_end = b;
-    if (phase >= 0) {
-      body_begin = a + (VEC - (a + phase) % VEC) % VEC;
-      body_end = body_begin + (b > body_begin ? (b - body_begin) / VEC * VEC : 0);
-      if (body_begin > b) {
-        body_begin = body_end = b;
-      }
-    }
+    const VecBody body = vec_body<VEC>(a, b, phase);
+    const int64_t body_begin = body.begin;
+    const int64_t body_end = body.end;
     for (int64_t i = a + lane; i < body_begin; i += kWarp) {
       o[i] = static_cast<scalar_t>(masked_term(c, mask[i]));
     }

@@ -23,19 +23,8 @@ at::Tensor segment_sum_backward(
     const at::Tensor& mask,
     const std::optional<at::Tensor>& cu_seqlens,
     at::ScalarType values_dtype) {
-  TORCH_CHECK_VALUE(
-      grad.dim() == 1 || grad.dim() == 2,
-      "lossagg.segment_sum_backward: grad must be [B] or [K, B], got shape ", grad.sizes());
-  const bool has_metric_dim = grad.dim() == 2;
-  const TokenLayout layout =
-      check_mask_layout("segment_sum_backward", mask, cu_seqlens, has_metric_dim ? grad.size(0) : 1, has_metric_dim);
-  TORCH_CHECK_VALUE(
-      grad.size(-1) == layout.num_segments, "lossagg.segment_sum_backward: grad must have B = ", layout.num_segments,
-      " entries in its last dimension, got shape ", grad.sizes());
-  TORCH_CHECK_VALUE(
-      grad.device() == mask.device(), "lossagg.segment_sum_backward: grad must be on the device of mask (",
-      mask.device(), "), got ", grad.device());
-  check_cu_seqlens_data("segment_sum_backward", cu_seqlens, layout);
+  const TokenLayout layout = check_segment_sum_backward_inputs(grad, mask, cu_seqlens);
+  const bool has_metric_dim = layout.has_metric_dim;
   const c10::cuda::CUDAGuard guard(mask.device());
 
   const at::Tensor m = mask.contiguous();
