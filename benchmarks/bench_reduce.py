@@ -129,7 +129,7 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def median_ms(fn, device, repeats, warmup=2):
+def median_ms(fn, device, repeats, warmup=5):
     for _ in range(warmup):
         fn()
     sync(device)

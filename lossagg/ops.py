@@ -1,4 +1,4 @@
-"""Python surface of the native ops: wrappers, fake kernels and autograd.
+"""Python surface of the native ops: wrappers and fake kernels.
 
 Layouts (see docs/ops.md):
 
@@ -86,39 +86,6 @@ def _reduce_backward_fake(grad, mask, cu_seqlens, sample_denoms, values_dtype):
     return mask.new_empty(mask.shape, dtype=values_dtype)
 
 
-def _segment_sum_setup(ctx, inputs, output):
-    values, mask, cu_seqlens = inputs
-    ctx.values_dtype = values.dtype
-    ctx.has_cu = cu_seqlens is not None
-    ctx.save_for_backward(mask, cu_seqlens if cu_seqlens is not None else mask.new_empty(0))
-
-
-def _segment_sum_backward(ctx, grad):
-    mask, cu = ctx.saved_tensors
-    grad_values = None
-    if ctx.needs_input_grad[0]:
-        grad_values = torch.ops.lossagg.segment_sum_backward(
-            grad, mask, cu if ctx.has_cu else None, ctx.values_dtype
-        )
-    return grad_values, None, None
-
-
-def _reduce_setup(ctx, inputs, output):
-    values, mask, cu_seqlens, sample_denoms = inputs
-    ctx.values_dtype = values.dtype
-    ctx.has_cu = cu_seqlens is not None
-    ctx.save_for_backward(mask, cu_seqlens if cu_seqlens is not None else mask.new_empty(0), sample_denoms)
-
-
-def _reduce_backward(ctx, grad):
-    mask, cu, sample_denoms = ctx.saved_tensors
-    grad_values = None
-    if ctx.needs_input_grad[0]:
-        grad_values = torch.ops.lossagg.reduce_backward(
-            grad, mask, cu if ctx.has_cu else None, sample_denoms, ctx.values_dtype
-        )
-    return grad_values, None, None, None
-
-
-torch.library.register_autograd("lossagg::segment_sum", _segment_sum_backward, setup_context=_segment_sum_setup)
-torch.library.register_autograd("lossagg::reduce", _reduce_backward, setup_context=_reduce_setup)
+# Autograd of reduce and segment_sum is registered in C++ (csrc/autograd.cpp) under the
+# Autograd key, so libtorch users get it too and a step pays no Python round trip; the
+# backward ops it calls have the fake kernels above.

@@ -2,6 +2,7 @@
 #include "lossagg.h"
 
 #include <ATen/ATen.h>
+#include <torch/autograd.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cmath>
@@ -44,6 +45,12 @@ int main() {
   at::Tensor padded_mask = at::ones({2, 2}, at::kByte);
   const float jp = reduce.call(padded, padded_mask, std::nullopt, at::tensor({1.0f, 7.0f})).item<float>();
   expect(std::fabs(jp - (3.0f + 1.0f)) < 1e-6f, "reduce padded");
+
+  // Autograd is registered in C++: libtorch users can backpropagate through reduce.
+  at::Tensor leaf = at::tensor({1.0f, 2.0f, 3.0f, 4.0f, 5.0f}).set_requires_grad(true);
+  reduce.call(leaf, mask, cu, denoms).backward();
+  const at::Tensor expected_grad = at::tensor({0.5f, 0.5f, 0.0f, 0.25f, 0.25f});
+  expect(leaf.grad().defined() && at::equal(leaf.grad(), expected_grad), "reduce backward: grad = mask / d[i]");
 
   bool raised = false;
   try {
