@@ -19,8 +19,9 @@ cmake: setup
 	bash scripts/cmake_build.sh
 
 lint:
-	$(PY) -m ruff check lossagg tests benchmarks examples
-	clang-format --dry-run --Werror csrc/*.h csrc/*.cpp csrc/cpu/* csrc/cuda/*
+	$(PY) -m ruff check lossagg tests benchmarks examples docs
+	$(PY) -m ruff format --check lossagg tests benchmarks examples docs
+	if command -v clang-format >/dev/null; then clang-format --dry-run --Werror csrc/*.h csrc/*.cpp csrc/cpu/* csrc/cuda/*; else echo "clang-format not installed: C++ not checked"; fi
 
 clean:
 	rm -rf build lossagg/_C*.so *.egg-info

@@ -58,9 +58,7 @@ def f_lossagg(b, values):
 
 def f_loop(b, values):
     total = values.new_zeros((), dtype=torch.float32)
-    for i, (v, m) in enumerate(
-        zip(values.split(b["lengths_list"]), b["mask"].split(b["lengths_list"]), strict=True)
-    ):
+    for i, (v, m) in enumerate(zip(values.split(b["lengths_list"]), b["mask"].split(b["lengths_list"]), strict=True)):
         total = total + torch.where(m, v, 0).float().sum() / b["denoms"][i]
     return total
 
@@ -85,8 +83,7 @@ def s_lossagg(b, values):
 
 def s_loop(b, values):
     parts = [
-        torch.where(m, v, 0).float().sum(-1)
-        for v, m in zip(values.split(b["lengths_list"], -1), b["mask"].split(b["lengths_list"]), strict=True)
+        torch.where(m, v, 0).float().sum(-1) for v, m in zip(values.split(b["lengths_list"], -1), b["mask"].split(b["lengths_list"]), strict=True)
     ]
     return torch.stack(parts, -1)
 
@@ -305,9 +302,7 @@ def main(argv=None):
         b["metrics"] = torch.randn(4, b["total"], device=device)
         name = f"K=4, {b['total'] / 2**20:.2f}M tokens"
         totals[name] = b["total"]
-        rows += bench_case(
-            name, b, device, repeats, list(SEGMENT_SUM_CONTENDERS), ["fwd"], SEGMENT_SUM_CONTENDERS, "metrics"
-        )
+        rows += bench_case(name, b, device, repeats, list(SEGMENT_SUM_CONTENDERS), ["fwd"], SEGMENT_SUM_CONTENDERS, "metrics")
     print_table(rows, {"fwd": 4 * 4 + 1}, totals, copy_gbps)
 
 

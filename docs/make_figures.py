@@ -1,6 +1,6 @@
 """Draws docs/length_bias.png: the weight each mode gives one token, against response length.
 
-    python docs/make_figures.py
+python docs/make_figures.py
 """
 
 from __future__ import annotations
@@ -33,9 +33,13 @@ def main(out: str = os.path.join(os.path.dirname(__file__), "length_bias.png")) 
     for mode in ("sample_mean", "prompt_mean", "token_mean", "constant"):
         w = token_weights(mode, lengths, n)
         ax.plot(lengths, w / w.mean(), marker=".", label=mode)
-    ax.set(xscale="log", yscale="log", xlabel="response length (tokens)",
-           ylabel="weight of one token (relative to the step mean)",
-           title="Per-token weight against response length")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="response length (tokens)",
+        ylabel="weight of one token (relative to the step mean)",
+        title="Per-token weight against response length",
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=110)

@@ -57,9 +57,7 @@ def main(config_path: str | None = None) -> None:
         lo, hi = int(cu[samples[0]]), int(cu[samples[-1] + 1])
         mb_cu = (cu[samples[0] : samples[-1] + 2] - lo).to(torch.int32)
         logp = -torch.nn.functional.softplus(policy(features[lo:hi]).squeeze(-1))
-        loss_func = functools.partial(
-            pg_loss_func, plan, samples, mb_cu, mask[lo:hi], old_logp[lo:hi], advantages[lo:hi], scale
-        )
+        loss_func = functools.partial(pg_loss_func, plan, samples, mb_cu, mask[lo:hi], old_logp[lo:hi], advantages[lo:hi], scale)
         loss, report = loss_func(logp)
         (loss / micro_batches).backward()  # what Megatron's schedule does
         reports.append(report)

@@ -8,8 +8,7 @@ try:
     from lossagg import _C
 except ImportError as exc:  # pragma: no cover - only on a broken install
     raise ImportError(
-        "lossagg's native library (lossagg._C) is not built. Install the package with "
-        "`pip install --no-build-isolation -e .` (see README.md)."
+        "lossagg's native library (lossagg._C) is not built. Install the package with `pip install --no-build-isolation -e .` (see README.md)."
     ) from exc
 
 

@@ -54,17 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser(
         "check",
         help="validate a JSON/YAML/TOML config file and print the resolved config",
-        description="Validate a loss aggregation config; prints the resolved config and exits 0, "
-        "or prints every error and exits 1.",
+        description="Validate a loss aggregation config; prints the resolved config and exits 0, or prints every error and exits 1.",
         epilog="example: lossagg check train.yaml --section loss_aggregation",
     )
     check.add_argument("file", help="a .json, .yaml/.yml or .toml file")
     check.add_argument("--section", default=None, help="dotted path of the section holding the settings")
     check.set_defaults(func=_cmd_check)
 
-    schema = sub.add_parser(
-        "schema", help="print the JSON Schema of the config", epilog="example: lossagg schema > schema.json"
-    )
+    schema = sub.add_parser("schema", help="print the JSON Schema of the config", epilog="example: lossagg schema > schema.json")
     schema.set_defaults(func=_cmd_schema)
 
     demo = sub.add_parser(

@@ -25,11 +25,11 @@ import difflib
 import json
 import math
 import os
-import tomllib
 from collections.abc import Mapping
 from enum import Enum
 from typing import Annotated, Any
 
+import tomllib
 import yaml
 from pydantic import (
     BaseModel,
@@ -59,7 +59,10 @@ class AggregationMode(str, Enum):
 MIGRATION_NAMES: dict[str, tuple[AggregationMode, str]] = {
     "seq-mean-token-mean": (AggregationMode.SAMPLE_MEAN, "verl loss_agg_mode"),
     "token-mean": (AggregationMode.TOKEN_MEAN, "verl loss_agg_mode"),
-    "seq-mean-token-sum-norm": (AggregationMode.CONSTANT, "verl loss_agg_mode (Dr.GRPO; divisor = its loss_scale_factor)"),
+    "seq-mean-token-sum-norm": (
+        AggregationMode.CONSTANT,
+        "verl loss_agg_mode (Dr.GRPO; divisor = its loss_scale_factor)",
+    ),
     "grpo": (AggregationMode.SAMPLE_MEAN, "TRL GRPOConfig.loss_type"),
     "dapo": (AggregationMode.TOKEN_MEAN, "TRL GRPOConfig.loss_type (tokens of the whole accumulated batch)"),
     "dr_grpo": (AggregationMode.CONSTANT, "TRL GRPOConfig.loss_type (divisor = max_completion_length)"),
@@ -73,8 +76,7 @@ REFUSED_NAMES: dict[str, str] = {
         "micro-batch split; use mode=token_mean for the step-global token mean"
     ),
     "seq-mean-token-sum": (
-        "verl's 'seq-mean-token-sum' sums tokens per sequence with no divisor; write mode=constant with "
-        "divisor=1 to get exactly that"
+        "verl's 'seq-mean-token-sum' sums tokens per sequence with no divisor; write mode=constant with divisor=1 to get exactly that"
     ),
 }
 
@@ -86,9 +88,7 @@ def _normalise_name(name: str) -> str:
 def _strict_number(value: Any) -> Any:
     """Numbers only: a quoted "1024" or a boolean in a file is an error, not a conversion."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise PydanticCustomError(
-            "number_type", "expected a number, got {kind} {value}", {"kind": type(value).__name__, "value": repr(value)}
-        )
+        raise PydanticCustomError("number_type", "expected a number, got {kind} {value}", {"kind": type(value).__name__, "value": repr(value)})
     return float(value)
 
 
@@ -116,9 +116,7 @@ class LossAggregationConfig(BaseModel):
     divisor: Annotated[float, BeforeValidator(_strict_number)] | None = Field(
         None, description="The constant divisor L of mode=constant (finite, > 0); an error with other modes."
     )
-    calculate_per_token_loss: StrictBool | None = Field(
-        None, description="Legacy Megatron flag; true means token_mean when mode is unset."
-    )
+    calculate_per_token_loss: StrictBool | None = Field(None, description="Legacy Megatron flag; true means token_mean when mode is unset.")
     n_samples_per_prompt: StrictInt = Field(1, ge=1, description="Samples per prompt group (n).")
     global_batch_size: StrictInt | None = Field(
         None, ge=1, description="Samples per optimizer step; a multiple of n_samples_per_prompt under prompt_mean."
@@ -146,13 +144,15 @@ class LossAggregationConfig(BaseModel):
             problems.append(
                 (
                     "calculate_per_token_loss",
-                    f"calculate_per_token_loss=true contradicts mode={mode.value} (it means token_mean); "
-                    "drop the flag or set mode=token_mean",
+                    f"calculate_per_token_loss=true contradicts mode={mode.value} (it means token_mean); drop the flag or set mode=token_mean",
                 )
             )
         elif flag is False and "calculate_per_token_loss" in model.model_fields_set and mode is AggregationMode.TOKEN_MEAN:
             problems.append(
-                ("calculate_per_token_loss", "calculate_per_token_loss=false contradicts mode=token_mean; drop the flag")
+                (
+                    "calculate_per_token_loss",
+                    "calculate_per_token_loss=false contradicts mode=token_mean; drop the flag",
+                )
             )
 
         divisor = model.divisor
@@ -164,11 +164,7 @@ class LossAggregationConfig(BaseModel):
         elif divisor is not None:
             problems.append(("divisor", f"divisor is only used with mode=constant, got it with mode={mode.value}"))
 
-        if (
-            mode is AggregationMode.PROMPT_MEAN
-            and model.global_batch_size is not None
-            and model.global_batch_size % model.n_samples_per_prompt != 0
-        ):
+        if mode is AggregationMode.PROMPT_MEAN and model.global_batch_size is not None and model.global_batch_size % model.n_samples_per_prompt != 0:
             problems.append(
                 (
                     "global_batch_size",
@@ -197,7 +193,9 @@ class LossAggregationConfig(BaseModel):
         name = _normalise_name(data["mode"])
         if name in REFUSED_NAMES:
             raise PydanticCustomError(
-                "refused_mode", "mode '{name}' is not supported: {reason}", {"name": data["mode"], "reason": REFUSED_NAMES[name]}
+                "refused_mode",
+                "mode '{name}' is not supported: {reason}",
+                {"name": data["mode"], "reason": REFUSED_NAMES[name]},
             )
         if name in MIGRATION_NAMES:
             return dict(data, mode=MIGRATION_NAMES[name][0].value), name
@@ -281,8 +279,11 @@ def _issues_from(exc: ValidationError, data: Mapping) -> list[tuple[str, str]]:
         elif err["type"] == "enum" and err["loc"] == ("mode",):
             choices = [m.value for m in AggregationMode] + sorted(MIGRATION_NAMES)
             issues.append(
-                ("mode", f"unknown mode {err['input']!r}{_did_you_mean(err['input'], choices)}; expected one of "
-                         f"{', '.join(m.value for m in AggregationMode)} (or a migration name: {', '.join(sorted(MIGRATION_NAMES))})")
+                (
+                    "mode",
+                    f"unknown mode {err['input']!r}{_did_you_mean(err['input'], choices)}; expected one of "
+                    f"{', '.join(m.value for m in AggregationMode)} (or a migration name: {', '.join(sorted(MIGRATION_NAMES))})",
+                )
             )
         elif err["type"] == "bool_type" and isinstance(err.get("input"), str):
             issues.append((loc, f"expected a boolean (true/false, unquoted), got the string {err['input']!r}"))
@@ -318,12 +319,26 @@ def _read_file(path: str) -> Any:
 # ------------------------------------------------------------------------ argparse
 # (flag, dest, argparse kwargs) as Megatron-based trainers spell them.
 _FLAGS = [
-    ("--loss-aggregation", "loss_aggregation", dict(type=str, default=None, metavar="MODE",
-     help="sample_mean (default), prompt_mean, token_mean or constant (or a migration name, see docs/config.md)")),
-    ("--loss-aggregation-divisor", "loss_aggregation_divisor", dict(type=float, default=None, metavar="L",
-     help="constant divisor L for --loss-aggregation constant")),
-    ("--calculate-per-token-loss", "calculate_per_token_loss", dict(action="store_true",
-     help="legacy flag: means --loss-aggregation token_mean when no mode is given")),
+    (
+        "--loss-aggregation",
+        "loss_aggregation",
+        dict(
+            type=str,
+            default=None,
+            metavar="MODE",
+            help="sample_mean (default), prompt_mean, token_mean or constant (or a migration name, see docs/config.md)",
+        ),
+    ),
+    (
+        "--loss-aggregation-divisor",
+        "loss_aggregation_divisor",
+        dict(type=float, default=None, metavar="L", help="constant divisor L for --loss-aggregation constant"),
+    ),
+    (
+        "--calculate-per-token-loss",
+        "calculate_per_token_loss",
+        dict(action="store_true", help="legacy flag: means --loss-aggregation token_mean when no mode is given"),
+    ),
     ("--n-samples-per-prompt", "n_samples_per_prompt", dict(type=int, default=None, help="samples per prompt group")),
     ("--global-batch-size", "global_batch_size", dict(type=int, default=None, help="samples per optimizer step")),
 ]
@@ -361,7 +376,11 @@ def config_from_args(args: argparse.Namespace) -> LossAggregationConfig:
     try:
         return LossAggregationConfig.from_dict(data, source="command line")
     except ConfigError as exc:
-        flag_of = {"mode": "--loss-aggregation", "divisor": "--loss-aggregation-divisor",
-                   "calculate_per_token_loss": "--calculate-per-token-loss",
-                   "n_samples_per_prompt": "--n-samples-per-prompt", "global_batch_size": "--global-batch-size"}
+        flag_of = {
+            "mode": "--loss-aggregation",
+            "divisor": "--loss-aggregation-divisor",
+            "calculate_per_token_loss": "--calculate-per-token-loss",
+            "n_samples_per_prompt": "--n-samples-per-prompt",
+            "global_batch_size": "--global-batch-size",
+        }
         raise ConfigError([(flag_of.get(p, p), m) for p, m in exc.issues], "command line") from None

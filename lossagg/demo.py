@@ -90,7 +90,6 @@ def pack(x, lengths):
 
 def pg_step_loss(policy, batch, plan, micro_batches, clip, measure):
     """Accumulate gradients of J over micro-batches; returns (J, seconds in aggregation)."""
-    import lossagg
 
     n = batch["k"].shape[0]
     total = 0.0
@@ -121,8 +120,7 @@ def rollout(policy, prompts_per_step, n, generator):
         old_logp = policy.logprobs(k, tokens)
     mask = torch.arange(MAX_LEN)[None] < lengths[:, None]
     group_index = torch.arange(prompts_per_step).repeat_interleave(n)
-    return dict(k=k, tokens=tokens, lengths=lengths, reward=r, adv=adv, old_logp=old_logp, mask=mask,
-                group_index=group_index)
+    return dict(k=k, tokens=tokens, lengths=lengths, reward=r, adv=adv, old_logp=old_logp, mask=mask, group_index=group_index)
 
 
 def invariance_check(policy, config, batch, clip):
@@ -265,10 +263,7 @@ def run_demo(args) -> int:
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(table + "\n")
     ok = all(r[-1] is not None and r[-1] < 1e-5 for r in rows)
-    print(
-        "split invariance: one step split into 4 micro-batches gives the unsplit gradient "
-        + ("(checked for every mode)" if ok else "-- FAILED")
-    )
+    print("split invariance: one step split into 4 micro-batches gives the unsplit gradient " + ("(checked for every mode)" if ok else "-- FAILED"))
     figure = _plot(results, args.out)
     if figure:
         print(f"figure: {figure}")

@@ -47,10 +47,7 @@ def check_group_index(group_index, num_samples: int, device=None) -> torch.Tenso
         )
     group_index = torch.as_tensor(group_index, device=device)
     if group_index.dim() != 1 or group_index.shape[0] != num_samples:
-        raise ValueError(
-            f"group_index must be a 1-D tensor with one entry per sample (N = {num_samples}), "
-            f"got shape {tuple(group_index.shape)}"
-        )
+        raise ValueError(f"group_index must be a 1-D tensor with one entry per sample (N = {num_samples}), got shape {tuple(group_index.shape)}")
     if group_index.is_floating_point() or group_index.is_complex() or group_index.dtype == torch.bool:
         raise TypeError(f"group_index must hold integers, got dtype {group_index.dtype}")
     return group_index

@@ -110,9 +110,7 @@ class StepPlan:
             check_group_sizes(labels, sizes.long(), config.n_samples_per_prompt)
             p_total = int((sizes > 0).sum().item())
             group_sums = buf[2 + g_total :][dense]
-        self.totals = StepTotals(
-            num_samples=int(round(buf[0].item())), num_groups=p_total, total_tokens=float(buf[1].item())
-        )
+        self.totals = StepTotals(num_samples=int(round(buf[0].item())), num_groups=p_total, total_tokens=float(buf[1].item()))
         self.sample_denoms = denoms_from_totals(
             mode.value,
             counts,
@@ -123,9 +121,7 @@ class StepPlan:
             divisor=config.divisor,
         )
         # The default reducer (sample_mean), for metrics other than the PG loss.
-        self.metric_denoms = denoms_from_totals(
-            "sample_mean", counts, num_samples=self.totals.num_samples, total_tokens=self.totals.total_tokens
-        )
+        self.metric_denoms = denoms_from_totals("sample_mean", counts, num_samples=self.totals.num_samples, total_tokens=self.totals.total_tokens)
 
     def denoms(self, samples: slice | Sequence[int] | torch.Tensor, *, dtype=torch.float32, device=None) -> torch.Tensor:
         """Denominators of a micro-batch, given its samples' positions among this rank's samples."""

@@ -27,10 +27,7 @@ class InvarianceReport:
 
     def __str__(self) -> str:
         verdict = "OK" if self.ok else "MISMATCH"
-        return (
-            f"{verdict}: J reference {self.reference:.10g}, composed {self.composed:.10g}, "
-            f"max |grad error| {self.max_grad_error:.3g}"
-        )
+        return f"{verdict}: J reference {self.reference:.10g}, composed {self.composed:.10g}, max |grad error| {self.max_grad_error:.3g}"
 
 
 def reference_loss(

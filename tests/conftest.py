@@ -21,10 +21,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, re
 
 
 def pytest_report_header(config):
-    return (
-        f"lossagg: torch {torch.__version__}, built_with_cuda={lossagg.built_with_cuda()}, "
-        f"cuda available={torch.cuda.is_available()}"
-    )
+    return f"lossagg: torch {torch.__version__}, built_with_cuda={lossagg.built_with_cuda()}, cuda available={torch.cuda.is_available()}"
 
 
 @pytest.fixture(params=DEVICES)

@@ -30,8 +30,11 @@ def ref_segment_sum(values, mask, cu_seqlens=None) -> torch.Tensor:
     out = []
     for k in range(vals.shape[0]):
         contrib = masked_contributions(vals[k], mask).reshape(-1)
-        out.append(torch.stack([contrib[a:b].sum() for a, b in segments(cu_seqlens, mask.shape)])
-                   if len(segments(cu_seqlens, mask.shape)) else torch.zeros(0, dtype=torch.float64))
+        out.append(
+            torch.stack([contrib[a:b].sum() for a, b in segments(cu_seqlens, mask.shape)])
+            if len(segments(cu_seqlens, mask.shape))
+            else torch.zeros(0, dtype=torch.float64)
+        )
     result = torch.stack(out)
     return result if has_k else result[0]
 

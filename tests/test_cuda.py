@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from batches import make_batch
-from conftest import HAS_CUDA, _NO_CUDA
+from conftest import _NO_CUDA, HAS_CUDA
 from reference import ref_reduce, ref_segment_sum
 
 import lossagg
@@ -84,9 +84,7 @@ def test_cuda_agrees_with_cpu():
     for layout in ("packed32", "packed64", "padded"):
         b = make_batch(layout, dtype=torch.float32, num_metrics=3)
         cpu = lossagg.segment_sum(b.values, b.mask, b.cu_seqlens)
-        gpu = lossagg.segment_sum(
-            b.values.cuda(), b.mask.cuda(), None if b.cu_seqlens is None else b.cu_seqlens.cuda()
-        )
+        gpu = lossagg.segment_sum(b.values.cuda(), b.mask.cuda(), None if b.cu_seqlens is None else b.cu_seqlens.cuda())
         torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-5, atol=1e-5)
 
 

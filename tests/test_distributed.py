@@ -75,9 +75,7 @@ def worker(rank, world, init_file, convention, results_dir):
 
     failures = []
     for mode, extra in MODES.items():
-        config = LossAggregationConfig(
-            mode=mode, n_samples_per_prompt=N_PER_PROMPT, global_batch_size=n, **extra
-        )
+        config = LossAggregationConfig(mode=mode, n_samples_per_prompt=N_PER_PROMPT, global_batch_size=n, **extra)
         model = make_model()
         plan = StepPlan(config, rollout_counts, group_index=groups[own], process_group=dp_group)
         scale = gradient_scale(convention, dp_size=DP, cp_size=CP, num_micro_batches=MICRO_BATCHES)
@@ -99,7 +97,7 @@ def worker(rank, world, init_file, convention, results_dir):
             if convention == "mean":
                 p.grad /= world
         expected = reference_grads(config, step)
-        for p, e in zip(model.parameters(), expected):
+        for p, e in zip(model.parameters(), expected, strict=True):
             if not torch.allclose(p.grad, e, rtol=1e-4, atol=1e-6):
                 failures.append(f"rank {rank} mode {mode}: max error {(p.grad - e).abs().max():.3g}")
     with open(os.path.join(results_dir, f"rank{rank}.txt"), "w") as f:

@@ -77,9 +77,7 @@ def test_segment_sum_grad_matches_reference(device, dtype, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gradcheck_float64(device, layout):
     b = make_batch(layout, dtype=torch.float64, mask_dtype=torch.float64, device=device, requires_grad=True)
-    assert torch.autograd.gradcheck(
-        lambda v: lossagg.reduce(v, b.mask, b.sample_denoms.double(), b.cu_seqlens), (b.values,)
-    )
+    assert torch.autograd.gradcheck(lambda v: lossagg.reduce(v, b.mask, b.sample_denoms.double(), b.cu_seqlens), (b.values,))
     bk = make_batch(layout, dtype=torch.float64, num_metrics=2, device=device, requires_grad=True)
     assert torch.autograd.gradcheck(lambda v: lossagg.segment_sum(v, bk.mask, bk.cu_seqlens), (bk.values,))
 
@@ -102,9 +100,7 @@ def sample_inputs(device, requires_grad):
                 )
             )
             seg_grad = torch.randn(2, b.num_segments, device=device)
-            cases.append(
-                (torch.ops.lossagg.segment_sum_backward.default, (seg_grad, b.mask, b.cu_seqlens, dtype))
-            )
+            cases.append((torch.ops.lossagg.segment_sum_backward.default, (seg_grad, b.mask, b.cu_seqlens, dtype)))
     return cases
 
 

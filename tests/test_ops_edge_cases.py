@@ -31,7 +31,7 @@ def test_bitwise_deterministic_across_reruns(device, dtype):
     first = run_once(b)
     for _ in range(3):
         again = run_once(b)
-        for x, y in zip(first, again):
+        for x, y in zip(first, again, strict=True):
             assert torch.equal(x, y)
 
 
@@ -47,7 +47,7 @@ def test_bitwise_deterministic_across_thread_counts():
         more = run_once(b)
     finally:
         torch.set_num_threads(old)
-    for x, y, z in zip(one, two, more):
+    for x, y, z in zip(one, two, more, strict=True):
         assert torch.equal(x, y) and torch.equal(x, z)
 
 
@@ -74,9 +74,7 @@ def test_masked_nan_and_inf_do_not_leak(device, layout, mask_dtype, bad):
     assert (values.grad[b.mask == 0] == 0).all()
     cu = None if b.cu_seqlens is None else b.cu_seqlens.cpu()
     clean = torch.where(b.mask.cpu() != 0, values.detach().cpu(), torch.zeros(()))
-    torch.testing.assert_close(
-        out.detach().cpu().double(), ref_reduce(clean, b.mask.cpu(), b.sample_denoms.cpu(), cu), rtol=2e-5, atol=2e-5
-    )
+    torch.testing.assert_close(out.detach().cpu().double(), ref_reduce(clean, b.mask.cpu(), b.sample_denoms.cpu(), cu), rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("offsets_dtype", [torch.int32, torch.int64])

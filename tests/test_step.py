@@ -37,9 +37,7 @@ def test_split_invariance(mode, split):
     micro_batches, dp, cp = split
     values, mask, cu, groups = random_step(seed=hash((mode, split)) % 1000)
     config = LossAggregationConfig(mode=mode, n_samples_per_prompt=4, **MODES[mode])
-    report = check_split_invariance(
-        config, values, mask, cu, group_index=groups, micro_batches=micro_batches, dp_size=dp, cp_size=cp
-    )
+    report = check_split_invariance(config, values, mask, cu, group_index=groups, micro_batches=micro_batches, dp_size=dp, cp_size=cp)
     assert report.ok, str(report)
 
 
@@ -146,7 +144,11 @@ def test_metrics_use_default_reducer_whatever_the_mode():
     kl = torch.rand(values.shape)
     results = []
     for mode in MODES:
-        plan = StepPlan(LossAggregationConfig(mode=mode, n_samples_per_prompt=4, **MODES[mode]), lossagg.token_counts(mask, cu), group_index=groups)
+        plan = StepPlan(
+            LossAggregationConfig(mode=mode, n_samples_per_prompt=4, **MODES[mode]),
+            lossagg.token_counts(mask, cu),
+            group_index=groups,
+        )
         results.append(plan.metrics({"entropy": entropy, "kl": kl}, mask, slice(None), cu))
     for r in results[1:]:
         torch.testing.assert_close(r["entropy"], results[0]["entropy"])
