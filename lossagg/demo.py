@@ -1,6 +1,6 @@
 """``lossagg demo``: GRPO on a tiny counting task, once per aggregation mode.
 
-The task: the prompt is a number k in 1..6; the policy (a GRU cell, ~4k parameters)
+The task: the prompt is a number k in 1..6; the policy (a GRU cell, ~6.8k parameters)
 writes tokens from {A, B, EOS}; the reward is 1 when it writes exactly k A's and then
 EOS, else 0. Wrong answers tend to ramble (up to 16 tokens), right ones are short, so
 the modes' length weighting matters. Each step: sample P prompts x n samples, compute
