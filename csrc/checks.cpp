@@ -196,6 +196,27 @@ void check_sample_denoms_data(const char* op, const at::Tensor& sample_denoms) {
   }
 }
 
+TokenLayout check_segment_sum_inputs(
+    const at::Tensor& values,
+    const at::Tensor& mask,
+    const std::optional<at::Tensor>& cu_seqlens) {
+  const TokenLayout layout = check_token_layout("segment_sum", values, mask, cu_seqlens, /*allow_metric_dim=*/true);
+  check_cu_seqlens_data("segment_sum", cu_seqlens, layout);
+  return layout;
+}
+
+TokenLayout check_reduce_inputs(
+    const at::Tensor& values,
+    const at::Tensor& mask,
+    const std::optional<at::Tensor>& cu_seqlens,
+    const at::Tensor& sample_denoms) {
+  const TokenLayout layout = check_token_layout("reduce", values, mask, cu_seqlens, /*allow_metric_dim=*/false);
+  check_sample_denoms("reduce", sample_denoms, layout, values);
+  check_cu_seqlens_data("reduce", cu_seqlens, layout);
+  check_sample_denoms_data("reduce", sample_denoms);
+  return layout;
+}
+
 TokenLayout check_reduce_backward_inputs(
     const at::Tensor& grad,
     const at::Tensor& mask,

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 namespace lossagg {
 
@@ -37,6 +38,17 @@ TokenLayout check_mask_layout(
     int64_t num_metrics,
     bool has_metric_dim);
 
+// All checks of the forward ops (shapes, dtypes, devices, and the data checks).
+TokenLayout check_segment_sum_inputs(
+    const at::Tensor& values,
+    const at::Tensor& mask,
+    const std::optional<at::Tensor>& cu_seqlens);
+TokenLayout check_reduce_inputs(
+    const at::Tensor& values,
+    const at::Tensor& mask,
+    const std::optional<at::Tensor>& cu_seqlens,
+    const at::Tensor& sample_denoms);
+
 // All checks of the backward ops (shapes, dtypes, devices, and the data checks).
 TokenLayout check_reduce_backward_inputs(
     const at::Tensor& grad,
@@ -54,5 +66,25 @@ void check_sample_denoms(const char* op, const at::Tensor& sample_denoms, const 
 // device_checks_enabled() (they copy to the host and synchronise).
 void check_cu_seqlens_data(const char* op, const std::optional<at::Tensor>& cu_seqlens, const TokenLayout& layout);
 void check_sample_denoms_data(const char* op, const at::Tensor& sample_denoms);
+
+// Output shapes: per-segment sums [B] or [K, B]; per-token gradients in the token
+// layout of the mask, with the leading K when there is one.
+inline std::vector<int64_t> segment_sums_shape(const TokenLayout& layout) {
+  if (layout.has_metric_dim) {
+    return {layout.num_metrics, layout.num_segments};
+  }
+  return {layout.num_segments};
+}
+inline std::vector<int64_t> token_grad_shape(const at::Tensor& mask, const TokenLayout& layout) {
+  std::vector<int64_t> shape(mask.sizes().begin(), mask.sizes().end());
+  if (layout.has_metric_dim) {
+    shape.insert(shape.begin(), layout.num_metrics);
+  }
+  return shape;
+}
+
+inline std::optional<at::Tensor> contiguous_offsets(const std::optional<at::Tensor>& cu_seqlens) {
+  return cu_seqlens.has_value() ? std::optional<at::Tensor>(cu_seqlens->contiguous()) : std::nullopt;
+}
 
 }  // namespace lossagg

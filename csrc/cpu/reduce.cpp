@@ -15,15 +15,11 @@ at::Tensor reduce(
     const at::Tensor& mask,
     const std::optional<at::Tensor>& cu_seqlens,
     const at::Tensor& sample_denoms) {
-  const TokenLayout layout = check_token_layout("reduce", values, mask, cu_seqlens, /*allow_metric_dim=*/false);
-  check_sample_denoms("reduce", sample_denoms, layout, values);
-  check_cu_seqlens_data("reduce", cu_seqlens, layout);
-  check_sample_denoms_data("reduce", sample_denoms);
+  const TokenLayout layout = check_reduce_inputs(values, mask, cu_seqlens, sample_denoms);
 
   const at::Tensor v = values.contiguous();
   const at::Tensor m = mask.contiguous();
-  const std::optional<at::Tensor> cu =
-      cu_seqlens.has_value() ? std::optional<at::Tensor>(cu_seqlens->contiguous()) : std::nullopt;
+  const std::optional<at::Tensor> cu = contiguous_offsets(cu_seqlens);
   const at::ScalarType acc_dtype = acc_scalar_type(values.scalar_type());
   const at::Tensor denoms = sample_denoms.to(acc_dtype).contiguous();
   at::Tensor out = at::empty({}, values.options().dtype(acc_dtype));

@@ -19,8 +19,7 @@ at::Tensor reduce_backward(
   const TokenLayout layout = check_reduce_backward_inputs(grad, mask, cu_seqlens, sample_denoms);
 
   const at::Tensor m = mask.contiguous();
-  const std::optional<at::Tensor> cu =
-      cu_seqlens.has_value() ? std::optional<at::Tensor>(cu_seqlens->contiguous()) : std::nullopt;
+  const std::optional<at::Tensor> cu = contiguous_offsets(cu_seqlens);
   at::Tensor out = at::empty(mask.sizes(), mask.options().dtype(values_dtype));
 
   dispatch_values_dtype(values_dtype, [&]<typename S>(type_tag<S>) {

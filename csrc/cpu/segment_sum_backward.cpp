@@ -17,16 +17,10 @@ at::Tensor segment_sum_backward(
     const std::optional<at::Tensor>& cu_seqlens,
     at::ScalarType values_dtype) {
   const TokenLayout layout = check_segment_sum_backward_inputs(grad, mask, cu_seqlens);
-  const bool has_metric_dim = layout.has_metric_dim;
 
   const at::Tensor m = mask.contiguous();
-  const std::optional<at::Tensor> cu =
-      cu_seqlens.has_value() ? std::optional<at::Tensor>(cu_seqlens->contiguous()) : std::nullopt;
-  std::vector<int64_t> out_shape(mask.sizes().begin(), mask.sizes().end());
-  if (has_metric_dim) {
-    out_shape.insert(out_shape.begin(), layout.num_metrics);
-  }
-  at::Tensor out = at::empty(out_shape, mask.options().dtype(values_dtype));
+  const std::optional<at::Tensor> cu = contiguous_offsets(cu_seqlens);
+  at::Tensor out = at::empty(token_grad_shape(mask, layout), mask.options().dtype(values_dtype));
 
   dispatch_values_dtype(values_dtype, [&]<typename S>(type_tag<S>) {
     using acc_t = acc_t_of<S>;

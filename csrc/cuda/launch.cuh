@@ -2,6 +2,7 @@
 // shapes, the current stream. Nothing here synchronises with the host.
 #pragma once
 
+#include "../checks.h"
 #include "../common.h"
 #include "segment_kernels.cuh"
 
@@ -92,10 +93,6 @@ void launch_expand(
   expand_tiles_kernel<scalar_t, acc_t><<<tile_grid(tiles, num_metrics), kThreads, 0, stream>>>(
       out, mask, seg, num_segments, num_tokens, tiles, coef);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-inline std::optional<at::Tensor> contiguous_offsets(const std::optional<at::Tensor>& cu_seqlens) {
-  return cu_seqlens.has_value() ? std::optional<at::Tensor>(cu_seqlens->contiguous()) : std::nullopt;
 }
 
 }  // namespace lossagg::cuda

@@ -14,10 +14,7 @@ at::Tensor reduce(
     const at::Tensor& mask,
     const std::optional<at::Tensor>& cu_seqlens,
     const at::Tensor& sample_denoms) {
-  const TokenLayout layout = check_token_layout("reduce", values, mask, cu_seqlens, /*allow_metric_dim=*/false);
-  check_sample_denoms("reduce", sample_denoms, layout, values);
-  check_cu_seqlens_data("reduce", cu_seqlens, layout);
-  check_sample_denoms_data("reduce", sample_denoms);
+  const TokenLayout layout = check_reduce_inputs(values, mask, cu_seqlens, sample_denoms);
   const c10::cuda::CUDAGuard guard(values.device());
 
   const at::Tensor v = values.contiguous();

@@ -126,6 +126,26 @@ __device__ __forceinline__ int64_t segment_of(const Segments<offset_t>& seg, int
   return lo;
 }
 
+// Calls f(s, a, b, sb, se) for each segment s overlapping the tile [lo, hi), in order,
+// with [a, b) its non-empty part inside the tile and [sb, se) the whole segment. Empty
+// segments are skipped (the fix-up kernel writes them).
+template <typename offset_t, typename F>
+__device__ __forceinline__ void for_each_segment_in_tile(
+    const Segments<offset_t>& seg, int64_t num_segments, int64_t lo, int64_t hi, F&& f) {
+  for (int64_t s = segment_of(seg, num_segments, lo); s < num_segments; ++s) {
+    const int64_t sb = seg.begin(s);
+    if (sb >= hi) {
+      break;
+    }
+    const int64_t se = seg.end(s);
+    const int64_t a = sb > lo ? sb : lo;
+    const int64_t b = se < hi ? se : hi;
+    if (a < b) {
+      f(s, a, b, sb, se);
+    }
+  }
+}
+
 // This lane's share of the masked sum of tokens [a, b). `vec_ok`: values and mask share
 // the same phase, so indices with (i + phase) % VEC == 0 are aligned for both.
 template <typename acc_t, typename scalar_t, typename mask_t>
@@ -181,24 +201,13 @@ __global__ void __launch_bounds__(kThreads) segment_sum_tiles_kernel(
   const int pv = vec_phase<VEC>(v);
   const int phase = (pv >= 0 && pv == vec_phase<VEC>(mask)) ? pv : -1;
 
-  const int64_t s0 = segment_of(seg, num_segments, lo);
-  for (int64_t s = s0; s < num_segments; ++s) {
-    const int64_t sb = seg.begin(s);
-    const int64_t se = seg.end(s);
-    if (sb >= hi) {
-      break;
-    }
-    const int64_t a = sb > lo ? sb : lo;
-    const int64_t b = se < hi ? se : hi;
-    if (a >= b) {
-      continue;  // empty segments are written by the fix-up kernel
-    }
+  for_each_segment_in_tile(seg, num_segments, lo, hi, [&](int64_t s, int64_t a, int64_t b, int64_t sb, int64_t se) {
     const acc_t sum = warp_sum(lane_masked_sum<acc_t>(v, mask, a, b, lane, phase));
     if (lane == 0) {
       if (sb >= lo && se <= hi) {
         out[k * num_segments + s] = sum;
       } else {
-        if (s == s0) {
+        if (sb <= lo) {  // the tile's first segment: it holds token lo
           first_partial[k * tiles + tile] = sum;
         }
         if (se > hi) {
@@ -206,7 +215,7 @@ __global__ void __launch_bounds__(kThreads) segment_sum_tiles_kernel(
         }
       }
     }
-  }
+  });
 }
 
 // Total of segment s across tiles, for a segment that crosses tiles, computed by one
@@ -330,17 +339,7 @@ __global__ void __launch_bounds__(kThreads) expand_tiles_kernel(
   const int po = vec_phase<VEC>(o);
   const int phase = (po >= 0 && po == vec_phase<VEC>(mask)) ? po : -1;
 
-  for (int64_t s = segment_of(seg, num_segments, lo); s < num_segments; ++s) {
-    const int64_t sb = seg.begin(s);
-    if (sb >= hi) {
-      break;
-    }
-    const int64_t se = seg.end(s);
-    const int64_t a = sb > lo ? sb : lo;
-    const int64_t b = se < hi ? se : hi;
-    if (a >= b) {
-      continue;
-    }
+  for_each_segment_in_tile(seg, num_segments, lo, hi, [&](int64_t s, int64_t a, int64_t b, int64_t, int64_t) {
     const acc_t c = coef(k, s);
     const VecBody body = vec_body<VEC>(a, b, phase);
     const int64_t body_begin = body.begin;
@@ -361,7 +360,7 @@ __global__ void __launch_bounds__(kThreads) expand_tiles_kernel(
     for (int64_t i = body_end + lane; i < b; i += kWarp) {
       o[i] = static_cast<scalar_t>(masked_term(c, mask[i]));
     }
-  }
+  });
 }
 
 }  // namespace lossagg::cuda

@@ -9,18 +9,13 @@ namespace lossagg::cuda {
 namespace {
 
 at::Tensor segment_sum(const at::Tensor& values, const at::Tensor& mask, const std::optional<at::Tensor>& cu_seqlens) {
-  const TokenLayout layout = check_token_layout("segment_sum", values, mask, cu_seqlens, /*allow_metric_dim=*/true);
-  check_cu_seqlens_data("segment_sum", cu_seqlens, layout);
+  const TokenLayout layout = check_segment_sum_inputs(values, mask, cu_seqlens);
   const c10::cuda::CUDAGuard guard(values.device());
 
   const at::Tensor v = values.contiguous();
   const at::Tensor m = mask.contiguous();
   const std::optional<at::Tensor> cu = contiguous_offsets(cu_seqlens);
-  std::vector<int64_t> out_shape{layout.num_segments};
-  if (layout.has_metric_dim) {
-    out_shape.insert(out_shape.begin(), layout.num_metrics);
-  }
-  at::Tensor out = at::empty(out_shape, values.options().dtype(acc_scalar_type(values.scalar_type())));
+  at::Tensor out = at::empty(segment_sums_shape(layout), values.options().dtype(acc_scalar_type(values.scalar_type())));
   if (out.numel() == 0) {
     return out;
   }
