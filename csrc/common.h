@@ -51,8 +51,9 @@ struct BoolMask {
 template <typename mask_t>
 inline constexpr bool is_binary_mask_v = std::is_same_v<mask_t, BoolMask>;
 
-// The weight a mask element gives its token: its value. Tokens whose weight is 0 are selected out (never multiplied), so a NaN or
-// inf loss under a zero mask contributes exactly 0.
+// The weight a mask element gives its token: its value. Tokens whose weight is 0 are
+// selected out (never multiplied), so a NaN or inf loss under a zero mask contributes
+// exactly 0. A float64 mask keeps its full precision for float64 values.
 template <typename acc_t, typename mask_t>
 LOSSAGG_HD acc_t mask_weight(mask_t m) {
   return static_cast<acc_t>(static_cast<float>(m));
@@ -60,10 +61,6 @@ LOSSAGG_HD acc_t mask_weight(mask_t m) {
 template <>
 LOSSAGG_HD double mask_weight<double, double>(double m) {
   return m;
-}
-template <>
-LOSSAGG_HD float mask_weight<float, uint8_t>(uint8_t m) {
-  return static_cast<float>(m);
 }
 
 // Accumulation type: float32 for every value dtype except float64.

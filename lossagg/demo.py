@@ -88,7 +88,7 @@ def pack(x, lengths):
     return x[keep], cu
 
 
-def pg_step_loss(policy, batch, plan, micro_batches, clip, measure):
+def pg_step_loss(policy, batch, plan, micro_batches, clip):
     """Accumulate gradients of J over micro-batches; returns (J, seconds in aggregation)."""
 
     n = batch["k"].shape[0]
@@ -104,8 +104,7 @@ def pg_step_loss(policy, batch, plan, micro_batches, clip, measure):
         t0 = time.perf_counter()
         loss = plan.loss(values, mask, mb, cu)
         agg_seconds += time.perf_counter() - t0
-        if measure:
-            loss.backward()
+        loss.backward()
         total += float(loss.detach())
     return total, agg_seconds
 
@@ -131,7 +130,7 @@ def invariance_check(policy, config, batch, clip):
     for micro_batches in (1, 4):
         policy.zero_grad()
         plan = lossagg.StepPlan(config, batch["lengths"], group_index=batch["group_index"])
-        pg_step_loss(policy, batch, plan, micro_batches, clip, measure=True)
+        pg_step_loss(policy, batch, plan, micro_batches, clip)
         grads.append(torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None]))
     policy.zero_grad()
     scale = float(grads[0].abs().max())
@@ -162,7 +161,7 @@ def train_mode(mode, args, progress):
             invariance = invariance_check(policy, config, batch, args.clip)
         plan = lossagg.StepPlan(config, batch["lengths"], group_index=batch["group_index"])
         opt.zero_grad()
-        _, agg_seconds = pg_step_loss(policy, batch, plan, args.micro_batches, args.clip, measure=True)
+        _, agg_seconds = pg_step_loss(policy, batch, plan, args.micro_batches, args.clip)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), 1e9))
         opt.step()
         history["reward"].append(float(batch["reward"].mean()))
