@@ -53,7 +53,7 @@ def make_packed(num_samples: int, mean_len: int, device: str, dtype=torch.float3
 
 # ------------------------------------------------------------------------ contenders
 def f_lossagg(b, values):
-    return lossagg.reduce(values, b["mask"], b["denoms"], b["cu"])
+    return lossagg.reduce(values, b["mask"], cu_seqlens=b["cu"], sample_denoms=b["denoms"])
 
 
 def f_loop(b, values):

@@ -1,47 +1,81 @@
-"""lossagg: exact, split-invariant aggregation of per-token policy-gradient losses."""
+"""lossagg: exact, split-invariant aggregation of per-token policy-gradient losses.
 
-from lossagg._native import built_with_cuda, device_checks_enabled, set_device_checks
-from lossagg.aggregate import aggregate, step_denoms, token_counts
-from lossagg.config import (
-    AggregationMode,
-    ConfigError,
-    LossAggregationConfig,
-    add_loss_aggregation_args,
-    config_from_args,
-)
-from lossagg.denominators import prompt_mask_sums, sample_denoms
-from lossagg.ops import reduce, segment_sum
-from lossagg.step import (
-    StepPlan,
-    StepTotals,
-    gradient_scale,
-    zigzag_local_cu_seqlens,
-    zigzag_positions,
-    zigzag_shard,
-)
+``import lossagg`` loads the native library, which registers ``torch.ops.lossagg.*``.
+Public names are loaded from their modules on first use; where torch is not installed,
+the configuration (:mod:`lossagg.config`, :mod:`lossagg.modes`) still works.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AggregationMode",
-    "ConfigError",
-    "LossAggregationConfig",
-    "StepPlan",
-    "StepTotals",
-    "add_loss_aggregation_args",
-    "aggregate",
-    "built_with_cuda",
-    "config_from_args",
-    "device_checks_enabled",
-    "gradient_scale",
-    "prompt_mask_sums",
-    "reduce",
-    "sample_denoms",
-    "segment_sum",
-    "set_device_checks",
-    "step_denoms",
-    "token_counts",
-    "zigzag_local_cu_seqlens",
-    "zigzag_positions",
-    "zigzag_shard",
-]
+try:
+    import torch  # noqa: F401
+except ModuleNotFoundError as _exc:  # config-only use without torch
+    if _exc.name != "torch":
+        raise
+else:
+    from lossagg import _native  # noqa: F401  (registers torch.ops.lossagg.*)
+
+# public name -> module that defines it
+_EXPORTS = {
+    # configuration (no torch)
+    "AggregationMode": "lossagg.config",
+    "ConfigError": "lossagg.config",
+    "LossAggregationConfig": "lossagg.config",
+    "add_loss_aggregation_args": "lossagg.config",
+    "config_from_args": "lossagg.config",
+    "MODES": "lossagg.modes",
+    "MODE_NAMES": "lossagg.modes",
+    "ModeSpec": "lossagg.modes",
+    "StepTotals": "lossagg.modes",
+    # native ops and build facts
+    "reduce": "lossagg.ops",
+    "segment_sum": "lossagg.ops",
+    "built_with_cuda": "lossagg._native",
+    "device_checks_enabled": "lossagg._native",
+    "set_device_checks": "lossagg._native",
+    # layouts, planning, aggregation
+    "cu_seqlens_from_lengths": "lossagg.layout",
+    "token_counts": "lossagg.layout",
+    "prompt_mask_sums": "lossagg.denominators",
+    "StepPlan": "lossagg.step",
+    "gradient_scale": "lossagg.step",
+    "aggregate": "lossagg.aggregate",
+    "zigzag_local_cu_seqlens": "lossagg.context_parallel",
+    "zigzag_positions": "lossagg.context_parallel",
+    "zigzag_shard": "lossagg.context_parallel",
+    # deprecated whole-step helpers (use StepPlan)
+    "sample_denoms": "lossagg.step",
+    "step_denoms": "lossagg.step",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lossagg' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs
+    from lossagg._native import built_with_cuda, device_checks_enabled, set_device_checks  # noqa: F401
+    from lossagg.aggregate import aggregate  # noqa: F401
+    from lossagg.config import AggregationMode, ConfigError, LossAggregationConfig, add_loss_aggregation_args, config_from_args  # noqa: F401
+    from lossagg.context_parallel import zigzag_local_cu_seqlens, zigzag_positions, zigzag_shard  # noqa: F401
+    from lossagg.denominators import prompt_mask_sums  # noqa: F401
+    from lossagg.layout import cu_seqlens_from_lengths, token_counts  # noqa: F401
+    from lossagg.modes import MODE_NAMES, MODES, ModeSpec, StepTotals  # noqa: F401
+    from lossagg.ops import reduce, segment_sum  # noqa: F401
+    from lossagg.step import StepPlan, gradient_scale, sample_denoms, step_denoms  # noqa: F401

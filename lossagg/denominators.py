@@ -1,29 +1,19 @@
-"""Per-sample global denominators ``d[i]`` of SPEC §3, from rollout-side metadata.
+"""Per-sample global denominators ``d[i]`` (``sample_denoms``) of SPEC §3.
 
-Every mode is ``J = sum_i (sum_t m*l) / d[i]`` with
-
-=============  ==========================
-mode           d[i]
-=============  ==========================
-sample_mean    N * c(M[i])
-prompt_mean    P * c(Sg[g(i)])
-token_mean     c(T)
-constant       N * L
-=============  ==========================
-
-where ``M[i]`` is sample i's rollout token count, ``Sg[g]`` the token count of its prompt
-group, ``N`` the samples of the step, ``P`` its groups, ``T = sum M`` and ``c(x) = max(x, 1)``.
-:func:`denoms_from_totals` is the one implementation of this table; :func:`sample_denoms`
-(a batch that is the whole step) and :class:`lossagg.StepPlan` (a rank's share of a
-distributed step) feed it. Everything is vectorised (no Python loop over samples) and
-float64.
+``d[i]`` is made of step totals (``N``, ``P``, ``T``, ``Sg``) and the sample's own token
+count; which ones, for each mode, is the mode's entry in :mod:`lossagg.modes`.
+:class:`lossagg.StepPlan` is the one planner that gathers those totals (locally, or with
+one all-reduce over the DP group) and calls :func:`denoms_from_totals`; the helpers
+here validate its inputs and compute group sums. Everything is vectorised and float64.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-MODES = ("sample_mean", "prompt_mean", "token_mean", "constant")
+from lossagg.modes import DenomInputs, StepTotals, mode_spec
 
 
 def check_token_counts(token_counts) -> torch.Tensor:
@@ -67,35 +57,38 @@ def check_group_sizes(labels: torch.Tensor, sizes: torch.Tensor, n_samples_per_p
         )
 
 
+def group_totals(token_counts: torch.Tensor, dense_group: torch.Tensor, num_labels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(samples, rollout tokens) of each group label ``0..num_labels-1`` (float64 ``[num_labels]`` each)."""
+    sizes = torch.zeros(num_labels, dtype=torch.float64, device=token_counts.device)
+    sizes.index_add_(0, dense_group, torch.ones_like(token_counts))
+    sums = torch.zeros(num_labels, dtype=torch.float64, device=token_counts.device).index_add_(0, dense_group, token_counts)
+    return sizes, sums
+
+
+def check_divisor(mode, divisor) -> None:
+    if mode_spec(mode).needs_divisor and (divisor is None or not (math.isfinite(float(divisor)) and float(divisor) > 0)):
+        raise ValueError(f"divisor must be a finite number > 0 under mode={getattr(mode, 'value', mode)}, got {divisor!r}")
+
+
 def denoms_from_totals(
-    mode: str,
+    mode,
     token_counts: torch.Tensor,
+    totals: StepTotals,
     *,
-    num_samples: int,
-    total_tokens: float,
-    num_groups: int | None = None,
     group_token_sums: torch.Tensor | None = None,
     divisor: float | None = None,
 ) -> torch.Tensor:
-    """``d[i]`` for local samples with counts ``M[i]``, given the step totals (float64).
+    """``d[i]`` (float64) for local samples with counts ``M[i]``, given the step totals.
 
-    ``group_token_sums`` is ``Sg[g(i)]`` for each local sample (prompt_mean).
+    ``group_token_sums`` is ``Sg[g(i)]`` for each local sample (modes with prompt groups).
     """
+    spec = mode_spec(mode)
+    check_divisor(mode, divisor)
+    if spec.needs_groups and group_token_sums is None:
+        raise ValueError(f"mode={spec.name} needs group_token_sums (Sg[g(i)] of each sample)")
     counts = token_counts.to(torch.float64)
-    n = float(num_samples)
-    if mode == "sample_mean":
-        return n * counts.clamp(min=1.0)
-    if mode == "token_mean":
-        return torch.full_like(counts, max(float(total_tokens), 1.0))
-    if mode == "constant":
-        if divisor is None or not (float(divisor) > 0 and float(divisor) != float("inf")):
-            raise ValueError(f"divisor must be a finite number > 0 under mode=constant, got {divisor!r}")
-        return torch.full_like(counts, n * float(divisor))
-    if mode == "prompt_mean":
-        if group_token_sums is None or num_groups is None:
-            raise ValueError("prompt_mean needs num_groups and group_token_sums")
-        return float(num_groups) * group_token_sums.to(torch.float64).clamp(min=1.0)
-    raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    sums = None if group_token_sums is None else group_token_sums.to(torch.float64)
+    return spec.denoms(DenomInputs(counts, totals, sums, None if divisor is None else float(divisor)))
 
 
 def prompt_mask_sums(token_counts, group_index, n_samples_per_prompt: int | None = None) -> torch.Tensor:
@@ -104,33 +97,4 @@ def prompt_mask_sums(token_counts, group_index, n_samples_per_prompt: int | None
     group_index = check_group_index(group_index, counts.shape[0], counts.device)
     labels, dense, sizes = torch.unique(group_index, return_inverse=True, return_counts=True)
     check_group_sizes(labels, sizes, n_samples_per_prompt)
-    group_sums = torch.zeros(labels.numel(), dtype=torch.float64, device=counts.device).index_add_(0, dense, counts)
-    return group_sums[dense]
-
-
-def sample_denoms(
-    mode: str,
-    token_counts,
-    *,
-    group_index=None,
-    n_samples_per_prompt: int | None = None,
-    divisor: float | None = None,
-) -> torch.Tensor:
-    """``d[i]`` (float64 ``[N]``) for a batch that holds the whole optimizer step.
-
-    For a shard of a larger step (micro-batches, DP ranks) use :class:`lossagg.StepPlan`.
-    """
-    counts = check_token_counts(token_counts)
-    group_sums, num_groups = None, None
-    if mode == "prompt_mean":
-        group_sums = prompt_mask_sums(counts, group_index, n_samples_per_prompt)
-        num_groups = int(torch.unique(torch.as_tensor(group_index)).numel())
-    return denoms_from_totals(
-        mode,
-        counts,
-        num_samples=counts.shape[0],
-        total_tokens=float(counts.sum()),
-        num_groups=num_groups,
-        group_token_sums=group_sums,
-        divisor=divisor,
-    )
+    return group_totals(counts, dense, labels.numel())[1][dense]

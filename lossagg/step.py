@@ -1,52 +1,51 @@
-"""Step planning across micro-batches, data-parallel (DP) and context-parallel (CP) ranks (SPEC §4).
+"""Step planning across micro-batches and data-parallel (DP) ranks (SPEC §4).
 
 A :class:`StepPlan` is built once per optimizer step on each rank from the rollout token
 counts ``M[i]`` of all of this rank's samples. With a DP process group it issues exactly
-one all-reduce (float64) to learn the step-global ``N``, ``T`` and, for prompt_mean, the
-group sizes and token sums; then it hands each micro-batch its global denominators
-``d[i]``. A micro-batch's contribution ``reduce(l, m, d)`` summed over every micro-batch
-and rank is the step scalar J, so gradients do not depend on the split.
+one all-reduce (float64) to learn the step-global ``N``, ``T`` and, for modes with prompt
+groups, the group sizes and token sums; then it hands each micro-batch its global
+denominators ``d[i]`` (``sample_denoms``). A micro-batch's contribution
+``reduce(l, m, sample_denoms=d)`` summed over every micro-batch and rank is the step
+scalar J, so gradients do not depend on the split.
 
 CP ranks of one DP rank hold the same samples (different tokens): pass the DP group
-only, and token counts from the full (unsharded) rollout masks.
+only, and token counts from the full (unsharded) rollout masks (see
+:mod:`lossagg.context_parallel`).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from lossagg.config import AggregationMode, LossAggregationConfig
-from lossagg.denominators import check_group_index, check_group_sizes, check_token_counts, denoms_from_totals
+from lossagg.config import LossAggregationConfig
+from lossagg.denominators import check_group_index, check_group_sizes, check_token_counts, denoms_from_totals, group_totals
+from lossagg.layout import token_counts as _token_counts
+from lossagg.modes import METRIC_MODE, StepTotals, mode_spec
 from lossagg.ops import reduce, segment_sum
 
 GRADIENT_CONVENTIONS = ("sum", "mean", "micro_batch_mean", "megatron")
 
-
-@dataclass(frozen=True)
-class StepTotals:
-    """Step-global numbers: N samples, P prompt groups, T rollout tokens."""
-
-    num_samples: int
-    num_groups: int
-    total_tokens: float
+Samples = slice | Sequence[int] | torch.Tensor
 
 
 class StepPlan:
-    """Global per-sample denominators of one optimizer step, for this rank's samples.
+    """Global per-sample denominators ``sample_denoms`` (``d[i]``) of one optimizer step, for this rank's samples.
 
     Args:
         config: the aggregation config.
         token_counts: ``[n_local]`` rollout token counts ``M[i]`` of this rank's samples
             (all its micro-batches), from the full rollout masks.
-        group_index: ``[n_local]`` prompt-group index of each sample; required under
-            prompt_mean. With a process group it must lie in ``[0, num_groups)`` where
-            ``num_groups`` is given or ``global_batch_size // n_samples_per_prompt``.
+        group_index: ``[n_local]`` prompt-group index of each sample; required by modes
+            with prompt groups. With a process group the labels must mean the same on
+            every rank and lie in ``[0, num_group_labels)``, where ``num_group_labels`` is
+            given or ``global_batch_size // n_samples_per_prompt``.
         process_group: the DP group (``torch.distributed``); None for one process.
-        num_groups: groups in the step, when group_index is global and
-            ``global_batch_size`` is not configured.
+        num_group_labels: how many group labels the step's ``group_index`` can take
+            (with a process group). The groups actually present, ``P``, are counted from
+            the data: ``plan.totals.num_groups``.
     """
 
     def __init__(
@@ -56,94 +55,115 @@ class StepPlan:
         *,
         group_index: torch.Tensor | None = None,
         process_group=None,
+        num_group_labels: int | None = None,
         num_groups: int | None = None,
     ):
+        if num_groups is not None:
+            warnings.warn("StepPlan(num_groups=) is renamed num_group_labels=", DeprecationWarning, stacklevel=2)
+            num_group_labels = num_groups if num_group_labels is None else num_group_labels
         self.config = config
-        counts = check_token_counts(token_counts)
-        self.device = counts.device
-        self.token_counts = counts
-        mode = config.mode
-        n_local = counts.shape[0]
-        distributed = process_group is not None
+        self.token_counts = check_token_counts(token_counts)
+        self.device = self.token_counts.device
+        spec = mode_spec(config.mode)
 
-        dense = None
-        g_total = 0
-        if mode is AggregationMode.PROMPT_MEAN:
-            group_index = check_group_index(group_index, n_local, self.device)
-            if distributed:
-                # Group labels must mean the same on every rank: global prompt indices.
-                g_total = num_groups
-                if g_total is None and config.global_batch_size is not None:
-                    g_total = config.global_batch_size // config.n_samples_per_prompt
-                if g_total is None:
-                    raise ValueError(
-                        "with a process group, prompt_mean needs the number of groups in the step: set "
-                        "global_batch_size in the config or pass num_groups"
-                    )
-                if n_local and (group_index.min() < 0 or group_index.max() >= g_total):
-                    raise ValueError(
-                        f"group_index must lie in [0, {g_total}) (global prompt index within the step), "
-                        f"got values in [{int(group_index.min())}, {int(group_index.max())}]"
-                    )
-                labels = torch.arange(g_total, device=self.device)
-                dense = group_index.long()
-            else:
-                labels, dense = torch.unique(group_index, return_inverse=True)
-                g_total = labels.numel()
-
-        # One buffer, one all-reduce: [N, T, group sizes (G), group token sums (G)].
-        buf = torch.zeros(2 + 2 * g_total, dtype=torch.float64, device=self.device)
-        buf[0] = n_local
-        buf[1] = counts.sum()
-        if dense is not None:
-            buf[2 : 2 + g_total].index_add_(0, dense, torch.ones_like(counts))
-            buf[2 + g_total :].index_add_(0, dense, counts)
-        if distributed:
+        labels, dense = (None, None)
+        if spec.needs_groups:
+            labels, dense = self._group_labels(group_index, process_group, num_group_labels)
+        buf = self._local_totals(dense, 0 if labels is None else labels.numel())
+        if process_group is not None:
             import torch.distributed as dist
 
             dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=process_group)
-
-        group_sums = None
-        p_total = 0
-        if dense is not None:
-            sizes = buf[2 : 2 + g_total]
-            check_group_sizes(labels, sizes.long(), config.n_samples_per_prompt)
-            p_total = int((sizes > 0).sum().item())
-            group_sums = buf[2 + g_total :][dense]
-        self.totals = StepTotals(num_samples=int(round(buf[0].item())), num_groups=p_total, total_tokens=float(buf[1].item()))
+        self.totals, group_token_sums = self._read_totals(buf, labels, dense)
         self.sample_denoms = denoms_from_totals(
-            mode.value,
-            counts,
-            num_samples=self.totals.num_samples,
-            total_tokens=self.totals.total_tokens,
-            num_groups=p_total,
-            group_token_sums=group_sums,
-            divisor=config.divisor,
+            config.mode, self.token_counts, self.totals, group_token_sums=group_token_sums, divisor=config.divisor
         )
-        # The default reducer (sample_mean), for metrics other than the PG loss.
-        self.metric_denoms = denoms_from_totals("sample_mean", counts, num_samples=self.totals.num_samples, total_tokens=self.totals.total_tokens)
+        # The default reducer, for metrics other than the PG loss.
+        self.metric_denoms = denoms_from_totals(METRIC_MODE, self.token_counts, self.totals)
 
-    def denoms(self, samples: slice | Sequence[int] | torch.Tensor, *, dtype=torch.float32, device=None) -> torch.Tensor:
-        """Denominators of a micro-batch, given its samples' positions among this rank's samples."""
+    @classmethod
+    def from_mask(
+        cls,
+        config: LossAggregationConfig,
+        rollout_mask: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        **kwargs,
+    ) -> StepPlan:
+        """The plan of this rank's samples given their rollout mask (token counts are counted from it)."""
+        return cls(config, _token_counts(rollout_mask, cu_seqlens), **kwargs)
+
+    # ------------------------------------------------------------ construction
+    def _group_labels(self, group_index, process_group, num_group_labels) -> tuple[torch.Tensor, torch.Tensor]:
+        """(labels, dense index of each sample's label). Distributed: global labels 0..G-1."""
+        group_index = check_group_index(group_index, self.token_counts.shape[0], self.device)
+        if process_group is None:
+            labels, dense = torch.unique(group_index, return_inverse=True)
+            return labels, dense
+        g = num_group_labels
+        if g is None and self.config.global_batch_size is not None and self.config.n_samples_per_prompt is not None:
+            g = self.config.global_batch_size // self.config.n_samples_per_prompt
+        if g is None:
+            raise ValueError(
+                "with a process group, prompt_mean needs the number of group labels in the step: set global_batch_size and "
+                "n_samples_per_prompt in the config or pass num_group_labels"
+            )
+        if group_index.numel() and (group_index.min() < 0 or group_index.max() >= g):
+            raise ValueError(
+                f"group_index must lie in [0, {g}) (global prompt index within the step), "
+                f"got values in [{int(group_index.min())}, {int(group_index.max())}]"
+            )
+        return torch.arange(g, device=self.device), group_index.long()
+
+    def _local_totals(self, dense: torch.Tensor | None, num_labels: int) -> torch.Tensor:
+        """This rank's share, in one float64 buffer: [N, T, group sizes (G), group token sums (G)]."""
+        buf = torch.zeros(2 + 2 * num_labels, dtype=torch.float64, device=self.device)
+        buf[0] = self.token_counts.shape[0]
+        buf[1] = self.token_counts.sum()
+        if dense is not None:
+            sizes, sums = group_totals(self.token_counts, dense, num_labels)
+            buf[2 : 2 + num_labels] = sizes
+            buf[2 + num_labels :] = sums
+        return buf
+
+    def _read_totals(self, buf: torch.Tensor, labels, dense) -> tuple[StepTotals, torch.Tensor | None]:
+        """Step totals from the (reduced) buffer, and ``Sg[g(i)]`` of each local sample."""
+        num_groups, group_token_sums = 0, None
+        if labels is not None:
+            g = labels.numel()
+            sizes = buf[2 : 2 + g]
+            check_group_sizes(labels, sizes.long(), self.config.n_samples_per_prompt)
+            num_groups = int((sizes > 0).sum().item())
+            group_token_sums = buf[2 + g :][dense]
+        totals = StepTotals(num_samples=int(round(buf[0].item())), num_groups=num_groups, total_tokens=float(buf[1].item()))
+        return totals, group_token_sums
+
+    # ------------------------------------------------------------------- use
+    def sample_denoms_for(self, samples: Samples, *, dtype=torch.float32, device=None) -> torch.Tensor:
+        """``sample_denoms`` of a micro-batch, given its samples' positions among this rank's samples."""
         d = self.sample_denoms[_select(samples, self.device)]
         return d.to(dtype=dtype, device=device or self.device)
+
+    def denoms(self, samples: Samples, *, dtype=torch.float32, device=None) -> torch.Tensor:
+        """Deprecated name of :meth:`sample_denoms_for`."""
+        warnings.warn("StepPlan.denoms() is renamed StepPlan.sample_denoms_for()", DeprecationWarning, stacklevel=2)
+        return self.sample_denoms_for(samples, dtype=dtype, device=device)
 
     def loss(
         self,
         per_token_loss: torch.Tensor,
         mask: torch.Tensor,
-        samples: slice | Sequence[int] | torch.Tensor,
+        samples: Samples,
         cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """This micro-batch's contribution to J (on this CP rank's tokens, if sharded)."""
-        d = self.denoms(samples, dtype=torch.float64, device=per_token_loss.device)
-        return reduce(per_token_loss, mask, d, cu_seqlens)
+        d = self.sample_denoms_for(samples, dtype=torch.float64, device=per_token_loss.device)
+        return reduce(per_token_loss, mask, cu_seqlens=cu_seqlens, sample_denoms=d)
 
     def metrics(
         self,
         metrics: dict[str, torch.Tensor],
         mask: torch.Tensor,
-        samples: slice | Sequence[int] | torch.Tensor,
+        samples: Samples,
         cu_seqlens: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Contributions of several per-token metrics under the default (sample_mean) reducer.
@@ -179,7 +199,7 @@ def gradient_scale(convention: str, *, dp_size: int = 1, cp_size: int = 1, num_m
       averages over DP×CP) -> ``num_micro_batches * dp_size * cp_size``.
     """
     for name, v in (("dp_size", dp_size), ("cp_size", cp_size), ("num_micro_batches", num_micro_batches)):
-        if not isinstance(v, int) or v < 1:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
     if convention == "sum":
         return 1.0
@@ -192,47 +212,23 @@ def gradient_scale(convention: str, *, dp_size: int = 1, cp_size: int = 1, num_m
     raise ValueError(f"convention must be one of {', '.join(GRADIENT_CONVENTIONS)}, got {convention!r}")
 
 
-# --------------------------------------------------------------- context parallel
-def zigzag_chunk_sizes(cu_seqlens: torch.Tensor, cp_size: int) -> torch.Tensor:
-    """Chunk size of each sequence: ceil(len / (2 cp)) (sequences padded to a multiple of 2 cp)."""
-    if cp_size < 1:
-        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    return (lengths + 2 * cp_size - 1) // (2 * cp_size)
+# ------------------------------------------------------ deprecated whole-step helpers
+def sample_denoms(mode, token_counts, *, group_index=None, n_samples_per_prompt=None, divisor=None) -> torch.Tensor:
+    """Deprecated: ``StepPlan(config, token_counts, group_index=...).sample_denoms``."""
+    warnings.warn(
+        "lossagg.sample_denoms(mode, ...) is deprecated: use StepPlan(config, token_counts, group_index=...).sample_denoms",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    config = LossAggregationConfig(mode=getattr(mode, "value", mode), n_samples_per_prompt=n_samples_per_prompt, divisor=divisor)
+    return StepPlan(config, token_counts, group_index=group_index).sample_denoms
 
 
-def zigzag_local_cu_seqlens(cu_seqlens: torch.Tensor, cp_size: int) -> torch.Tensor:
-    """``cu_seqlens`` of a CP rank's local tokens (every rank holds 2 chunks of each sequence)."""
-    chunks = zigzag_chunk_sizes(cu_seqlens, cp_size)
-    out = torch.zeros(chunks.numel() + 1, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
-    out[1:] = torch.cumsum(2 * chunks, 0)
-    return out
-
-
-def zigzag_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """Global token position of each local token of ``cp_rank`` (-1 for padding).
-
-    Sequence i is padded to ``2 cp c_i`` tokens and cut into ``2 cp`` chunks of ``c_i``;
-    rank r holds chunks r and ``2 cp - 1 - r``.
-    """
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank}")
-    chunks = zigzag_chunk_sizes(cu_seqlens, cp_size)
-    starts = cu_seqlens[:-1].long()
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    local_lengths = 2 * chunks
-    total = int(local_lengths.sum())
-    seq = torch.repeat_interleave(torch.arange(chunks.numel(), device=cu_seqlens.device), local_lengths, output_size=total)
-    local_starts = torch.cumsum(local_lengths, 0) - local_lengths
-    j = torch.arange(total, device=cu_seqlens.device) - local_starts[seq]
-    c = chunks[seq]
-    within = torch.where(j < c, cp_rank * c + j, (2 * cp_size - 1 - cp_rank) * c + (j - c))
-    return torch.where(within < lengths[seq], starts[seq] + within, torch.full_like(within, -1))
-
-
-def zigzag_shard(x: torch.Tensor, cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int, pad_value=0) -> torch.Tensor:
-    """This CP rank's tokens of a packed tensor (tokens on the last dim), padding filled with ``pad_value``."""
-    pos = zigzag_positions(cu_seqlens, cp_size, cp_rank).to(x.device)
-    gathered = x.index_select(-1, pos.clamp(min=0))
-    pad = torch.full((), pad_value, dtype=x.dtype, device=x.device)
-    return torch.where(pos >= 0, gathered, pad)
+def step_denoms(config, rollout_mask, cu_seqlens=None, group_index=None) -> torch.Tensor:
+    """Deprecated: ``StepPlan.from_mask(config, rollout_mask, cu_seqlens, group_index=...).sample_denoms``."""
+    warnings.warn(
+        "lossagg.step_denoms() is deprecated: use StepPlan.from_mask(config, rollout_mask, cu_seqlens, group_index=...).sample_denoms",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return StepPlan.from_mask(config, rollout_mask, cu_seqlens, group_index=group_index).sample_denoms

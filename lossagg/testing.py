@@ -14,8 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from lossagg.config import AggregationMode, LossAggregationConfig
-from lossagg.step import StepPlan, zigzag_local_cu_seqlens, zigzag_shard
+from lossagg.config import LossAggregationConfig
+from lossagg.context_parallel import zigzag_local_cu_seqlens, zigzag_shard
+from lossagg.layout import cu_seqlens_from_lengths
+from lossagg.modes import ReferenceInputs, mode_spec
+from lossagg.step import StepPlan
 
 
 @dataclass
@@ -38,28 +41,25 @@ def reference_loss(
     group_index: torch.Tensor | None = None,
     rollout_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """J of SPEC §3 in float64, directly from the formulas (a loop over samples, for clarity)."""
+    """J of SPEC §3 in float64, from the mode's own formula (a loop over samples, for clarity).
+
+    Raises ValueError for a mode without an entry in :data:`lossagg.modes.MODES`.
+    """
+    spec = mode_spec(config.mode)
     rollout_mask = mask if rollout_mask is None else rollout_mask
     cu = cu_seqlens.tolist()
     n = len(cu) - 1
+    if n == 0:
+        return torch.zeros((), dtype=torch.float64)
     v = values.to(torch.float64)
     w = mask.to(torch.float64)
     contrib = torch.where(w != 0, v * w, torch.zeros((), dtype=torch.float64))
-    num = [contrib[cu[i] : cu[i + 1]].sum() for i in range(n)]
+    numerators = [contrib[cu[i] : cu[i + 1]].sum() for i in range(n)]
     counts = [float((rollout_mask[cu[i] : cu[i + 1]] != 0).sum()) for i in range(n)]
-    if n == 0:
-        return torch.zeros((), dtype=torch.float64)
-    mode = config.mode
-    if mode is AggregationMode.SAMPLE_MEAN:
-        return sum(num[i] / max(counts[i], 1.0) for i in range(n)) / n
-    if mode is AggregationMode.TOKEN_MEAN:
-        return sum(num) / max(sum(counts), 1.0)
-    if mode is AggregationMode.CONSTANT:
-        return sum(num) / (n * config.divisor)
-    groups: dict[int, list[int]] = {}
-    for i, g in enumerate(group_index.tolist()):
-        groups.setdefault(g, []).append(i)
-    return sum(sum(num[i] for i in members) / max(sum(counts[i] for i in members), 1.0) for members in groups.values()) / len(groups)
+    if spec.needs_groups and group_index is None:
+        raise ValueError(f"reference_loss: mode={spec.name} needs group_index")
+    groups = None if group_index is None else [int(g) for g in torch.as_tensor(group_index).tolist()]
+    return torch.as_tensor(spec.reference(ReferenceInputs(numerators, counts, groups, config.divisor)), dtype=torch.float64)
 
 
 def check_split_invariance(
@@ -103,8 +103,7 @@ def check_split_invariance(
             if mb.numel() == 0:
                 continue
             idx = torch.cat([torch.arange(int(cu_seqlens[i]), int(cu_seqlens[i + 1])) for i in mb.tolist()])
-            mb_cu = torch.zeros(mb.numel() + 1, dtype=cu_seqlens.dtype)
-            mb_cu[1:] = torch.cumsum(lengths[mb], 0)
+            mb_cu = cu_seqlens_from_lengths(lengths[mb], dtype=cu_seqlens.dtype)
             mb_values = leaf[idx]
             mb_mask = mask[idx]
             for cp_rank in range(cp_size):

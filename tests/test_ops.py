@@ -49,7 +49,7 @@ def test_segment_sum_matches_reference(device, dtype, layout, mask_dtype, num_me
 @pytest.mark.parametrize("dtype", VALUE_DTYPES)
 def test_reduce_and_grad_match_reference(device, dtype, layout, mask_dtype):
     b = make_batch(layout, dtype=dtype, mask_dtype=mask_dtype, device=device, requires_grad=True)
-    out = lossagg.reduce(b.values, b.mask, b.sample_denoms, b.cu_seqlens)
+    out = lossagg.reduce(b.values, b.mask, cu_seqlens=b.cu_seqlens, sample_denoms=b.sample_denoms)
     cu = None if b.cu_seqlens is None else b.cu_seqlens.cpu()
     expected = ref_reduce(b.values.detach().cpu(), b.mask.cpu(), b.sample_denoms.cpu(), cu)
     assert out.dim() == 0 and out.dtype == acc_dtype(dtype)
@@ -77,7 +77,7 @@ def test_segment_sum_grad_matches_reference(device, dtype, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gradcheck_float64(device, layout):
     b = make_batch(layout, dtype=torch.float64, mask_dtype=torch.float64, device=device, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda v: lossagg.reduce(v, b.mask, b.sample_denoms.double(), b.cu_seqlens), (b.values,))
+    assert torch.autograd.gradcheck(lambda v: lossagg.reduce(v, b.mask, cu_seqlens=b.cu_seqlens, sample_denoms=b.sample_denoms.double()), (b.values,))
     bk = make_batch(layout, dtype=torch.float64, num_metrics=2, device=device, requires_grad=True)
     assert torch.autograd.gradcheck(lambda v: lossagg.segment_sum(v, bk.mask, bk.cu_seqlens), (bk.values,))
 
@@ -121,7 +121,7 @@ def test_torch_compile_fullgraph(device, layout):
 
     def loss_fn(values, mask, denoms, cu):
         per_token = values * 2.0 - 1.0
-        return lossagg.reduce(per_token, mask, denoms, cu)
+        return lossagg.reduce(per_token, mask, cu_seqlens=cu, sample_denoms=denoms)
 
     torch._dynamo.reset()
     compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")

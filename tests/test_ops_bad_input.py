@@ -53,41 +53,41 @@ def call(case, device):
     v, m, cu, d = packed(device)
     ops = torch.ops.lossagg
     if case == "values_dtype":
-        return lossagg.reduce(v.long(), m, d, cu)
+        return lossagg.reduce(v.long(), m, cu_seqlens=cu, sample_denoms=d)
     if case == "values_dim_packed":
         return lossagg.segment_sum(v.reshape(2, 5, 1).expand(2, 5, 2), m, cu)
     if case == "values_dim_reduce_metric":
-        return lossagg.reduce(torch.stack([v, v]), m, d, cu)
+        return lossagg.reduce(torch.stack([v, v]), m, cu_seqlens=cu, sample_denoms=d)
     if case == "values_dim_padded":
-        return lossagg.reduce(v, m, d, None)
+        return lossagg.reduce(v, m, sample_denoms=d)
     if case == "mask_shape":
-        return lossagg.reduce(v, m[:9], d, cu)
+        return lossagg.reduce(v, m[:9], cu_seqlens=cu, sample_denoms=d)
     if case == "mask_dtype":
-        return lossagg.reduce(v, m.int(), d, cu)
+        return lossagg.reduce(v, m.int(), cu_seqlens=cu, sample_denoms=d)
     if case == "cu_dtype":
-        return lossagg.reduce(v, m, d, cu.float())
+        return lossagg.reduce(v, m, cu_seqlens=cu.float(), sample_denoms=d)
     if case == "cu_dim":
-        return lossagg.reduce(v, m, d, cu.reshape(1, 3))
+        return lossagg.reduce(v, m, cu_seqlens=cu.reshape(1, 3), sample_denoms=d)
     if case == "cu_empty":
         return lossagg.segment_sum(v, m, cu[:0])
     if case == "cu_first":
-        return lossagg.reduce(v, m, d, torch.tensor([1, 4, 10], device=device))
+        return lossagg.reduce(v, m, cu_seqlens=torch.tensor([1, 4, 10], device=device), sample_denoms=d)
     if case == "cu_decreasing":
         return lossagg.segment_sum(v, m, torch.tensor([0, 4, 3, 10], device=device))
     if case == "cu_last":
-        return lossagg.reduce(v, m, d, torch.tensor([0, 4, 9], device=device))
+        return lossagg.reduce(v, m, cu_seqlens=torch.tensor([0, 4, 9], device=device), sample_denoms=d)
     if case == "denoms_length":
-        return lossagg.reduce(v, m, torch.ones(3, device=device), cu)
+        return lossagg.reduce(v, m, cu_seqlens=cu, sample_denoms=torch.ones(3, device=device))
     if case == "denoms_dtype":
-        return lossagg.reduce(v, m, torch.ones(2, dtype=torch.long, device=device), cu)
+        return lossagg.reduce(v, m, cu_seqlens=cu, sample_denoms=torch.ones(2, dtype=torch.long, device=device))
     if case == "denoms_zero":
-        return lossagg.reduce(v, m, torch.tensor([1.0, 0.0], device=device), cu)
+        return lossagg.reduce(v, m, cu_seqlens=cu, sample_denoms=torch.tensor([1.0, 0.0], device=device))
     if case == "denoms_negative":
-        return lossagg.reduce(v, m, torch.tensor([-2.0, 1.0], device=device), cu)
+        return lossagg.reduce(v, m, cu_seqlens=cu, sample_denoms=torch.tensor([-2.0, 1.0], device=device))
     if case == "denoms_nan":
-        return lossagg.reduce(v, m, torch.tensor([1.0, float("nan")], device=device), cu)
+        return lossagg.reduce(v, m, cu_seqlens=cu, sample_denoms=torch.tensor([1.0, float("nan")], device=device))
     if case == "denoms_inf":
-        return lossagg.reduce(v, m, torch.tensor([float("inf"), 1.0], device=device), cu)
+        return lossagg.reduce(v, m, cu_seqlens=cu, sample_denoms=torch.tensor([float("inf"), 1.0], device=device))
     if case == "backward_grad_shape":
         return ops.reduce_backward(torch.ones(2, device=device), m, cu, d, torch.float32)
     if case == "segment_backward_grad_length":
@@ -110,16 +110,16 @@ def test_device_mismatch_is_named():
         pytest.skip("needs a CUDA device to put one argument elsewhere")
     v, m, cu, d = packed("cuda")
     with pytest.raises(ValueError, match="sample_denoms must be on the same device"):
-        lossagg.reduce(v, m, d.cpu(), cu)
+        lossagg.reduce(v, m, cu_seqlens=cu, sample_denoms=d.cpu())
     with pytest.raises(ValueError, match="cu_seqlens must be on the same device"):
-        lossagg.reduce(v, m, d, cu.cpu())
+        lossagg.reduce(v, m, cu_seqlens=cu.cpu(), sample_denoms=d)
     with pytest.raises(ValueError, match="mask must be on the same device"):
-        lossagg.reduce(v, m.cpu(), d, cu)
+        lossagg.reduce(v, m.cpu(), cu_seqlens=cu, sample_denoms=d)
 
 
 def test_nothing_is_computed_on_bad_input_with_grad():
     v, m, cu, _ = packed("cpu")
     v.requires_grad_(True)
     with pytest.raises(ValueError):
-        lossagg.reduce(v, m, torch.tensor([1.0, -1.0]), cu)
+        lossagg.reduce(v, m, cu_seqlens=cu, sample_denoms=torch.tensor([1.0, -1.0]))
     assert v.grad is None

@@ -19,7 +19,7 @@ def long_batch(device, dtype=torch.float32, seed=0):
 
 def run_once(b):
     b.values.grad = None
-    out = lossagg.reduce(b.values, b.mask, b.sample_denoms, b.cu_seqlens)
+    out = lossagg.reduce(b.values, b.mask, cu_seqlens=b.cu_seqlens, sample_denoms=b.sample_denoms)
     out.backward()
     sums = lossagg.segment_sum(b.values.detach(), b.mask, b.cu_seqlens)
     return out.detach().clone(), b.values.grad.clone(), sums
@@ -53,7 +53,7 @@ def test_bitwise_deterministic_across_thread_counts():
 
 def test_long_segments_match_reference(device):
     b = long_batch(device)
-    out = lossagg.reduce(b.values.detach(), b.mask, b.sample_denoms, b.cu_seqlens)
+    out = lossagg.reduce(b.values.detach(), b.mask, cu_seqlens=b.cu_seqlens, sample_denoms=b.sample_denoms)
     expected = ref_reduce(b.values.detach().cpu(), b.mask.cpu(), b.sample_denoms.cpu(), b.cu_seqlens.cpu())
     torch.testing.assert_close(out.cpu().double(), expected, rtol=1e-5, atol=1e-5)
 
@@ -66,7 +66,7 @@ def test_masked_nan_and_inf_do_not_leak(device, layout, mask_dtype, bad):
     values = b.values.detach().clone()
     values[b.mask == 0] = bad
     values.requires_grad_(True)
-    out = lossagg.reduce(values, b.mask, b.sample_denoms, b.cu_seqlens)
+    out = lossagg.reduce(values, b.mask, cu_seqlens=b.cu_seqlens, sample_denoms=b.sample_denoms)
     out.backward()
     sums = lossagg.segment_sum(values.detach(), b.mask, b.cu_seqlens)
     assert torch.isfinite(out) and torch.isfinite(sums).all()
@@ -83,7 +83,7 @@ def test_empty_batch_packed(device, offsets_dtype):
     mask = torch.zeros(0, dtype=torch.bool, device=device)
     cu = torch.zeros(1, dtype=offsets_dtype, device=device)
     denoms = torch.zeros(0, device=device)
-    out = lossagg.reduce(values, mask, denoms, cu)
+    out = lossagg.reduce(values, mask, cu_seqlens=cu, sample_denoms=denoms)
     assert out.item() == 0.0
     out.backward()
     assert values.grad.shape == (0,)
@@ -94,7 +94,7 @@ def test_empty_batch_packed(device, offsets_dtype):
 def test_empty_batch_padded(device):
     values = torch.zeros(0, 7, device=device, requires_grad=True)
     mask = torch.zeros(0, 7, dtype=torch.bool, device=device)
-    out = lossagg.reduce(values, mask, torch.zeros(0, device=device))
+    out = lossagg.reduce(values, mask, sample_denoms=torch.zeros(0, device=device))
     assert out.item() == 0.0
     out.backward()
     assert values.grad.shape == (0, 7)
@@ -110,7 +110,7 @@ def test_zero_length_segments_and_fully_masked(device):
     sums = lossagg.segment_sum(values, mask, cu)
     assert sums.tolist() == [0.0, 3.0, 0.0, 0.0, 0.0, 0.0]
     denoms = torch.ones(6, device=device)
-    assert lossagg.reduce(values, mask, denoms, cu).item() == 3.0
+    assert lossagg.reduce(values, mask, cu_seqlens=cu, sample_denoms=denoms).item() == 3.0
 
 
 def test_non_contiguous_inputs(device):
@@ -124,6 +124,6 @@ def test_non_contiguous_inputs(device):
 
 def test_float64_denominators_and_mixed_float_mask(device):
     b = make_batch("packed32", dtype=torch.bfloat16, mask_dtype=torch.float32, device=device)
-    out = lossagg.reduce(b.values, b.mask.to(torch.bfloat16), b.sample_denoms.double(), b.cu_seqlens)
+    out = lossagg.reduce(b.values, b.mask.to(torch.bfloat16), cu_seqlens=b.cu_seqlens, sample_denoms=b.sample_denoms.double())
     expected = ref_reduce(b.values.cpu(), b.mask.to(torch.bfloat16).cpu(), b.sample_denoms.cpu(), b.cu_seqlens.cpu())
     torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-5, atol=2e-5)

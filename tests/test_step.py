@@ -120,7 +120,7 @@ def test_denominators_from_another_step_are_rejected():
     plan = StepPlan(config, torch.tensor([3, 4, 5]))
     values, mask, cu = torch.ones(4), torch.ones(4, dtype=torch.bool), torch.tensor([0, 2, 4])
     with pytest.raises(ValueError, match="sample_denoms must be a 1-D tensor of length B = 2"):
-        lossagg.reduce(values, mask, plan.denoms(slice(0, 3)), cu)
+        lossagg.reduce(values, mask, cu_seqlens=cu, sample_denoms=plan.sample_denoms_for(slice(0, 3)))
 
 
 def test_plan_denominators_per_mode():

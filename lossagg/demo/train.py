@@ -1,4 +1,4 @@
-"""``lossagg demo``: GRPO on a tiny counting task, once per aggregation mode.
+"""The demo's training: GRPO on a tiny counting task, once per aggregation mode.
 
 The task: the prompt is a number k in 1..6; the policy (a GRU cell, ~6.8k parameters)
 writes tokens from {A, B, EOS}; the reward is 1 when it writes exactly k A's and then
@@ -11,19 +11,18 @@ step the optimizer. Every mode starts from the same seed.
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 import time
 
 import torch
 from torch import nn
 
+from lossagg.layout import cu_seqlens_from_lengths
+from lossagg.modes import MODES
+
 A, B, EOS = 0, 1, 2
 VOCAB = 3
 MAX_LEN = 16
 MAX_K = 6
-ALL_MODES = ("sample_mean", "prompt_mean", "token_mean", "constant")
 
 
 class Policy(nn.Module):
@@ -80,11 +79,15 @@ def rewards_for(k, tokens, lengths):
     return ((n_a == k) & clean & ended).float()
 
 
+def demo_settings(mode: str) -> dict:
+    """Extra settings a mode needs in the demo: a constant divisor is the longest response."""
+    return {"divisor": float(MAX_LEN)} if MODES[mode].needs_divisor else {}
+
+
 def pack(x, lengths):
     """Padded [n, MAX_LEN] -> packed [T] and cu_seqlens."""
     keep = torch.arange(MAX_LEN)[None] < lengths[:, None]
-    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(lengths, 0)
+    cu = cu_seqlens_from_lengths(lengths)
     return x[keep], cu
 
 
@@ -147,11 +150,10 @@ def train_mode(mode, args, progress):
     policy = Policy()
     opt = torch.optim.Adam(policy.parameters(), lr=args.lr)
     n = args.n_samples_per_prompt
-    extra = {"divisor": float(MAX_LEN)} if mode == "constant" else {}
     if args.config_obj is not None and args.config_obj.mode.value == mode:
         config = args.config_obj
     else:
-        config = lossagg.LossAggregationConfig(mode=mode, n_samples_per_prompt=n, **extra)
+        config = lossagg.LossAggregationConfig(mode=mode, n_samples_per_prompt=n, **demo_settings(mode))
     history = {"reward": [], "length": [], "grad_norm": [], "agg_share": []}
     invariance = None
     for step in range(args.steps):
@@ -175,119 +177,3 @@ def train_mode(mode, args, progress):
         batch["adv"] = torch.randn(batch["adv"].shape, generator=generator)
         invariance = invariance_check(policy, config, batch, args.clip)
     return history, invariance
-
-
-def add_demo_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps per mode (default 100)")
-    p.add_argument("--modes", nargs="+", default=list(ALL_MODES), choices=ALL_MODES, help="modes to run")
-    p.add_argument("--out", default="demo-out", help="folder for the figure and the table (default demo-out)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", help="the demo's tiny policy runs on the CPU")
-    p.add_argument("--prompts-per-step", type=int, default=8)
-    p.add_argument("--n-samples-per-prompt", type=int, default=8)
-    p.add_argument("--micro-batches", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--clip", type=float, default=0.2)
-    p.add_argument("--config", default=None, help="a config file; its mode's run uses it (lossagg check format)")
-
-
-def run_demo(args) -> int:
-    import lossagg
-
-    if args.device != "cpu":
-        print("note: the demo's policy is tiny; it runs on the CPU whatever --device says", file=sys.stderr)
-    args.config_obj = None
-    if args.config:
-        try:
-            args.config_obj = lossagg.LossAggregationConfig.from_file(args.config)
-        except lossagg.ConfigError as exc:
-            print(exc, file=sys.stderr)
-            return 1
-        if args.config_obj.mode.value not in args.modes:
-            args.modes = [*args.modes, args.config_obj.mode.value]
-        # the groups the demo samples must be the config's groups
-        args.n_samples_per_prompt = args.config_obj.n_samples_per_prompt
-    if args.steps < 1:
-        print("--steps must be >= 1", file=sys.stderr)
-        return 2
-    os.makedirs(args.out, exist_ok=True)
-    torch.set_num_threads(1)
-    total = args.steps * len(args.modes)
-    done = [0]
-    start = time.perf_counter()
-
-    tty = sys.stdout.isatty()
-
-    def progress(mode, step, reward):
-        done[0] += 1
-        if not tty and done[0] % max(1, total // 10) and done[0] != total:
-            return
-        width = 30
-        filled = int(width * done[0] / total)
-        sys.stdout.write(
-            ("\r" if tty else "") + f"[{'#' * filled}{'.' * (width - filled)}] {done[0]}/{total} {mode:<12} step {step:>3} "
-            f"reward {reward:.2f} ({time.perf_counter() - start:.0f}s)" + ("" if tty else "\n")
-        )
-        sys.stdout.flush()
-
-    results = {}
-    for mode in args.modes:
-        results[mode] = train_mode(mode, args, progress)
-    sys.stdout.write("\n")
-
-    rows = []
-    for mode, (h, inv) in results.items():
-        k = max(1, len(h["reward"]) // 5)
-        rows.append(
-            (
-                mode,
-                sum(h["reward"][-k:]) / k,
-                sum(h["length"][:k]) / k,
-                sum(h["length"][-k:]) / k,
-                min(h["grad_norm"]),
-                max(h["grad_norm"]),
-                100 * sum(h["agg_share"]) / len(h["agg_share"]),
-                inv,
-            )
-        )
-    header = "| mode | final reward | length first→last | grad-norm range | aggregation share of step | split check |"
-    lines = [header, "|---|---|---|---|---|---|"]
-    for mode, rew, l0, l1, gmin, gmax, share, inv in rows:
-        lines.append(
-            f"| {mode} | {rew:.2f} | {l0:.1f} → {l1:.1f} | {gmin:.3g}–{gmax:.3g} | {share:.1f}% | "
-            + (f"{'same gradient' if inv < 1e-5 else 'MISMATCH'} ({inv:.1e}) |" if inv is not None else "not checked |")
-        )
-    table = "\n".join(lines)
-    print(table)
-    with open(os.path.join(args.out, "summary.md"), "w") as f:
-        f.write(table + "\n")
-    ok = all(r[-1] is not None and r[-1] < 1e-5 for r in rows)
-    print("split invariance: one step split into 4 micro-batches gives the unsplit gradient " + ("(checked for every mode)" if ok else "-- FAILED"))
-    figure = _plot(results, args.out)
-    if figure:
-        print(f"figure: {figure}")
-    print(f"table: {os.path.join(args.out, 'summary.md')}  ({time.perf_counter() - start:.0f}s)")
-    return 0 if ok else 1
-
-
-def _plot(results, out):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no figure (pip install matplotlib)", file=sys.stderr)
-        return None
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for mode, (h, _) in results.items():
-        axes[0].plot(h["reward"], label=mode)
-        axes[1].plot(h["length"], label=mode)
-    axes[0].set(title="reward per step", xlabel="step", ylabel="mean reward")
-    axes[1].set(title="response length per step", xlabel="step", ylabel="mean tokens")
-    axes[0].legend()
-    fig.tight_layout()
-    path = os.path.join(out, "demo.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

@@ -1,0 +1,20 @@
+"""The configuration front end (SPEC §6): the model and its rules (:mod:`.model`), file
+loading (:mod:`.files`), argparse flags (:mod:`.flags`) and error wording (:mod:`.errors`).
+
+Importing it does not import torch: ``lossagg check`` and config-only tools stay light.
+"""
+
+from lossagg.config.errors import ConfigError
+from lossagg.config.flags import FLAGS, add_loss_aggregation_args, config_from_args
+from lossagg.config.model import MIGRATION_NAMES, REFUSED_NAMES, AggregationMode, LossAggregationConfig
+
+__all__ = [
+    "FLAGS",
+    "MIGRATION_NAMES",
+    "REFUSED_NAMES",
+    "AggregationMode",
+    "ConfigError",
+    "LossAggregationConfig",
+    "add_loss_aggregation_args",
+    "config_from_args",
+]

@@ -1,0 +1,70 @@
+"""argparse flags spelled as Megatron-based trainers spell them. :data:`FLAGS` is the one
+table: the flags added to a parser, the flag-to-field mapping of :func:`config_from_args`
+and the field-to-flag mapping of its error messages all come from it."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any
+
+from lossagg.config.errors import ConfigError
+from lossagg.config.model import LossAggregationConfig
+from lossagg.modes import MODE_NAMES
+
+
+@dataclass(frozen=True)
+class Flag:
+    flag: str  # as typed on the command line
+    setting: str  # the LossAggregationConfig field it sets
+    kwargs: dict[str, Any] = field(default_factory=dict)  # for argparse.add_argument
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag(
+        "--loss-aggregation",
+        "mode",
+        dict(
+            type=str,
+            default=None,
+            metavar="MODE",
+            help=f"{', '.join(MODE_NAMES)} (default {MODE_NAMES[0]}; or a migration name, see docs/config.md)",
+        ),
+    ),
+    Flag("--loss-aggregation-divisor", "divisor", dict(type=float, default=None, metavar="L", help="constant divisor L for --loss-aggregation constant")),
+    Flag(
+        "--calculate-per-token-loss",
+        "calculate_per_token_loss",
+        dict(action="store_true", default=None, help="legacy flag: means --loss-aggregation token_mean when no mode is given"),
+    ),
+    Flag("--n-samples-per-prompt", "n_samples_per_prompt", dict(type=int, default=None, help="samples per prompt group")),
+    Flag("--global-batch-size", "global_batch_size", dict(type=int, default=None, help="samples per optimizer step")),
+)
+
+
+def add_loss_aggregation_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the loss aggregation flags to ``parser``, skipping any flag it already defines."""
+    existing = set(parser._option_string_actions)  # noqa: SLF001 - argparse has no public accessor
+    group = parser.add_argument_group("loss aggregation (lossagg)")
+    for f in FLAGS:
+        if f.flag not in existing:
+            group.add_argument(f.flag, dest=f.dest, **f.kwargs)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> LossAggregationConfig:
+    """Build the config from parsed flags, with the same rules and messages as files.
+
+    A flag left at its default counts as not given (so ``--calculate-per-token-loss``
+    alone resolves to token_mean); errors name the flag.
+    """
+    data = {f.setting: getattr(args, f.dest) for f in FLAGS if getattr(args, f.dest, None) not in (None, False)}
+    try:
+        return LossAggregationConfig.from_dict(data, source="command line")
+    except ConfigError as exc:
+        flag_of = {f.setting: f.flag for f in FLAGS}
+        raise ConfigError([(flag_of.get(p, p), m) for p, m in exc.issues], "command line") from None
