@@ -1,6 +1,6 @@
-// Every lossagg op schema, in one place. Backends register their kernels under
-// TORCH_LIBRARY_IMPL in csrc/cpu/ and csrc/cuda/; fake kernels and autograd live in
-// lossagg/ops.py.
+// Every lossagg op schema, in one place. Each backend registers its kernels in one file
+// (csrc/cpu/ops_cpu.cpp, csrc/cuda/ops_cuda.cu); autograd is registered in C++
+// (csrc/autograd.cpp); the fake kernels are in lossagg/ops.py.
 #include <torch/library.h>
 
 TORCH_LIBRARY(lossagg, m) {

@@ -18,7 +18,7 @@ import lossagg  # noqa: E402
 
 def token_weights(mode: str, lengths: torch.Tensor, n: int) -> torch.Tensor:
     """d J / d l[i, t] for a token of each sample: the per-token weight, from the plan's d[i]."""
-    extra = {"divisor": float(lengths.max())} if mode == "constant" else {}
+    extra = {"divisor": float(lengths.max())} if lossagg.MODES[mode].needs_divisor else {}
     config = lossagg.LossAggregationConfig(mode=mode, n_samples_per_prompt=n, **extra)
     group_index = torch.arange(lengths.numel()) // n
     plan = lossagg.StepPlan(config, lengths, group_index=group_index)
@@ -30,7 +30,7 @@ def main(out: str = os.path.join(os.path.dirname(__file__), "length_bias.png")) 
     n = 8
     lengths = torch.logspace(4, 11, 64, base=2).round()
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    for mode in ("sample_mean", "prompt_mean", "token_mean", "constant"):
+    for mode in lossagg.MODE_NAMES:
         w = token_weights(mode, lengths, n)
         ax.plot(lengths, w / w.mean(), marker=".", label=mode)
     ax.set(

@@ -9,7 +9,9 @@ from lossagg.ops import segment_sum
 
 def cu_seqlens_from_lengths(lengths, *, dtype: torch.dtype = torch.int32, device=None) -> torch.Tensor:
     """``cu_seqlens`` ``[B+1]`` of packed segments with these lengths: ``[0, l0, l0+l1, ...]``."""
-    lengths = torch.as_tensor(lengths, device=device)
+    if not isinstance(lengths, torch.Tensor):
+        lengths = torch.as_tensor(lengths, device=device)
+        lengths = lengths.long() if lengths.numel() == 0 else lengths  # [] reads as float32
     if lengths.dim() != 1:
         raise ValueError(f"lengths must be a 1-D [B] tensor, got shape {tuple(lengths.shape)}")
     if lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:

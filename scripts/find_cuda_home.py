@@ -42,6 +42,5 @@ def find_cuda_home() -> str | None:
     return None
 
 
-
 if __name__ == "__main__":
     print(find_cuda_home() or "")

@@ -11,19 +11,22 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q --disable-pip-version-check "${LOSSAGG_TORCH_SPEC:-torch==2.14.1}"
 fi
 "$PY" -m pip install -q --disable-pip-version-check \
-  "pydantic>=2.6" "pyyaml>=6" "pytest>=8" "matplotlib>=3.8" ninja "setuptools>=64" wheel
+  "pydantic>=2.6" "pyyaml>=6" "pytest>=8" "matplotlib>=3.8" ninja "setuptools>=64" wheel \
+  "tomli>=2; python_version < '3.11'"
 
 # Rebuild when a source is newer than the library or the build settings changed.
 stamp_file=build/.lossagg-build-settings
-settings="torch=$("$PY" -c 'import torch; print(torch.__version__)') cuda=${LOSSAGG_BUILD_CUDA:-auto} \
-arch=${TORCH_CUDA_ARCH_LIST:-default} cuda_home=${CUDA_HOME:-auto}"
+plan=$("$PY" scripts/build_plan.py)
+settings="torch=$("$PY" -c 'import torch; print(torch.__version__)') plan=$plan cuda_home=${CUDA_HOME:-auto}"
 so=$(ls lossagg/_C*.so 2>/dev/null | head -n1 || true)
-if [ -n "$so" ] && [ -z "$(find csrc setup.py scripts/find_cuda_home.py -newer "$so" -type f | head -n1)" ] \
+if [ -n "$so" ] && [ -z "$(find csrc setup.py scripts/find_cuda_home.py scripts/build_plan.py -newer "$so" -type f | head -n1)" ] \
    && [ "$(cat "$stamp_file" 2>/dev/null)" = "$settings" ] && "$PY" -c "import lossagg" 2>/dev/null; then
   echo "lossagg: native library up to date ($so)"
 else
-  echo "lossagg: building the native library (a few minutes on 2 cores)"
+  echo "$plan"
+  start=$(date +%s)
   MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation -e .
   mkdir -p build && echo "$settings" > "$stamp_file"
+  echo "lossagg: built in $(( $(date +%s) - start )) s"
 fi
 "$PY" -c "import lossagg; print('lossagg', lossagg.__version__, '| CUDA kernels built:', lossagg.built_with_cuda())"

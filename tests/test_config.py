@@ -13,6 +13,7 @@ import pytest
 
 from lossagg import ConfigError, LossAggregationConfig, add_loss_aggregation_args, config_from_args
 from lossagg.cli import main as cli_main
+from lossagg.modes import MODE_NAMES, MODES
 
 
 def issues(**kwargs):
@@ -29,9 +30,9 @@ def test_default_is_sample_mean():
     assert c.resolution_notes == ()
 
 
-@pytest.mark.parametrize("mode", ["sample_mean", "prompt_mean", "token_mean"])
+@pytest.mark.parametrize("mode", MODE_NAMES)
 def test_each_mode_accepted(mode):
-    assert LossAggregationConfig(mode=mode).mode.value == mode
+    assert LossAggregationConfig(mode=mode, **MODES[mode].example_settings).mode.value == mode
 
 
 def test_unknown_mode_did_you_mean():
@@ -57,7 +58,7 @@ def test_constant_rejects_bad_divisor(divisor):
     assert "greater than 0" in found["divisor"] or "finite number" in found["divisor"], found["divisor"]
 
 
-@pytest.mark.parametrize("mode", ["sample_mean", "prompt_mean", "token_mean"])
+@pytest.mark.parametrize("mode", [m for m in MODE_NAMES if not MODES[m].needs_divisor])
 def test_divisor_with_other_mode_is_an_error(mode):
     found, _ = issues(mode=mode, divisor=2.0)
     assert f"only used with mode=constant, got it with mode={mode}" in found["divisor"]

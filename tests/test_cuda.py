@@ -93,7 +93,9 @@ def test_misaligned_views_take_the_scalar_path():
     # offset views: neither 16-byte aligned nor in phase with the mask
     v = torch.cat([values.new_zeros(1), values])[1:]
     m = torch.cat([mask.new_zeros(3), mask])[3:]
-    torch.testing.assert_close(lossagg.reduce(v, m, cu_seqlens=cu, sample_denoms=denoms), lossagg.reduce(values, mask, cu_seqlens=cu, sample_denoms=denoms))
+    torch.testing.assert_close(
+        lossagg.reduce(v, m, cu_seqlens=cu, sample_denoms=denoms), lossagg.reduce(values, mask, cu_seqlens=cu, sample_denoms=denoms)
+    )
     torch.testing.assert_close(lossagg.segment_sum(v, m, cu), lossagg.segment_sum(values, mask, cu))
 
 

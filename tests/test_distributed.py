@@ -15,8 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import lossagg
+
 DP, CP, MICRO_BATCHES = 2, 2, 2
-MODES = {"sample_mean": {}, "prompt_mean": {}, "token_mean": {}, "constant": {"divisor": 32.0}}
+MODES = {name: dict(spec.example_settings) for name, spec in lossagg.MODES.items()}
 N_PER_PROMPT = 4
 
 

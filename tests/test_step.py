@@ -9,12 +9,8 @@ import lossagg
 from lossagg import LossAggregationConfig, StepPlan, gradient_scale
 from lossagg.testing import check_split_invariance, reference_loss
 
-MODES = {
-    "sample_mean": {},
-    "prompt_mean": {},
-    "token_mean": {},
-    "constant": {"divisor": 64.0},
-}
+# every registered mode, with the extra settings it needs (a fifth mode is tested with no edit here)
+MODES = {name: dict(spec.example_settings) for name, spec in lossagg.MODES.items()}
 
 
 def random_step(n_groups=6, n=4, seed=0, max_len=40):
@@ -176,3 +172,13 @@ def test_zigzag_layout():
     x = torch.arange(13.0)
     both = torch.cat([lossagg.zigzag_shard(x, cu, 2, r, pad_value=-1) for r in range(2)])
     assert sorted(v for v in both.tolist() if v >= 0) == list(range(13))
+
+
+def test_prompt_mean_groups_of_unequal_size_unless_a_size_is_promised():
+    counts = torch.tensor([2, 4, 6, 1, 3])  # group 0 lost a sample to filtering
+    groups = torch.tensor([0, 0, 1, 1, 1])
+    plan = StepPlan(LossAggregationConfig(mode="prompt_mean"), counts, group_index=groups)
+    assert plan.totals.num_groups == 2
+    assert plan.sample_denoms.tolist() == [12.0, 12.0, 20.0, 20.0, 20.0]  # P * Sg
+    with pytest.raises(ValueError, match="group 0 has 2 sample"):
+        StepPlan(LossAggregationConfig(mode="prompt_mean", n_samples_per_prompt=3), counts, group_index=groups)

@@ -3,7 +3,7 @@
 // addition depends only on the input, never on the number of threads.
 #pragma once
 
-#include "../common.h"
+#include "../kernel_common.h"
 
 #include <ATen/Parallel.h>
 
@@ -141,14 +141,10 @@ void for_each_piece(const Segments<offset_t>& seg, const std::vector<int64_t>& p
 // out[k * B + s] = sum over tokens t of segment s of mask_weight(m[t]) * v[k * ntok + t],
 // masked-out tokens selected away.
 template <typename acc_t, typename scalar_t, typename mask_t, typename offset_t>
-void segment_sums(
-    const scalar_t* v,
-    const mask_t* m,
-    int64_t num_metrics,
-    int64_t num_tokens,
-    const Segments<offset_t>& seg,
-    int64_t num_segments,
-    acc_t* out) {
+void segment_sums(const scalar_t* v, const mask_t* m, const TokenLayout& layout, const Segments<offset_t>& seg, acc_t* out) {
+  const int64_t num_metrics = layout.num_metrics;
+  const int64_t num_tokens = layout.num_tokens;
+  const int64_t num_segments = layout.num_segments;
   const std::vector<int64_t> pieces = plan_pieces(seg, num_segments);
   const int64_t num_pieces = pieces.back();
   std::vector<acc_t> partial(static_cast<size_t>(num_metrics * num_pieces));
@@ -203,18 +199,11 @@ void masked_fill(scalar_t* o, const mask_t* m, acc_t c, int64_t lo, int64_t hi) 
 // out[k * ntok + t] = mask_weight(m[t]) * coef(k, s) for t in segment s (0 where the mask
 // is 0), written in the values dtype.
 template <typename scalar_t, typename acc_t, typename mask_t, typename offset_t, typename Coef>
-void expand_to_tokens(
-    scalar_t* out,
-    const mask_t* m,
-    int64_t num_metrics,
-    int64_t num_tokens,
-    const Segments<offset_t>& seg,
-    int64_t num_segments,
-    Coef&& coef) {
-  const std::vector<int64_t> pieces = plan_pieces(seg, num_segments);
+void expand_to_tokens(scalar_t* out, const mask_t* m, const TokenLayout& layout, const Segments<offset_t>& seg, Coef&& coef) {
+  const std::vector<int64_t> pieces = plan_pieces(seg, layout.num_segments);
   for_each_piece(seg, pieces, [&](int64_t s, int64_t, int64_t lo, int64_t hi) {
-    for (int64_t k = 0; k < num_metrics; ++k) {
-      masked_fill<scalar_t, acc_t>(out + k * num_tokens, m, coef(k, s), lo, hi);
+    for (int64_t k = 0; k < layout.num_metrics; ++k) {
+      masked_fill<scalar_t, acc_t>(out + k * layout.num_tokens, m, coef(k, s), lo, hi);
     }
   });
 }

@@ -1,18 +1,17 @@
-// Host-side launchers shared by the CUDA ops: allocation of the small workspaces, grid
-// shapes, the current stream. Nothing here synchronises with the host.
+// Host-side launchers shared by the CUDA ops: workspace layout, grid shapes and the order
+// of launches. They run on a `Device`, which provides
+//   void* workspace(int64_t bytes)         scratch memory for the launches that follow
+//   void zero(void* p, size_t bytes)       a memset ordered with those launches
+//   void launch(kernel, grid, block, ...)  one kernel launch
+// cuda_device.cuh is the real one (current stream, caching allocator, no host sync);
+// tests/cuda_host/ runs the same launchers and kernels on the CPU.
 #pragma once
 
-#include "../checks.h"
-#include "../common.h"
+#include "../kernel_common.h"
 #include "segment_kernels.cuh"
 
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAStream.h>
-
 #include <algorithm>
-#include <optional>
+#include <cstdint>
 
 namespace lossagg::cuda {
 
@@ -29,70 +28,82 @@ inline dim3 fixup_grid(int64_t num_segments, int64_t num_metrics) {
 // Segment sums of values ([K, ntok] flattened) into out ([K, B], acc_t). With
 // denoms != nullptr (K == 1), also writes sum_s out[s] / denoms[s] into *result.
 // Two launches: the tile pass and the fix-up.
-template <typename acc_t, typename scalar_t, typename mask_t, typename offset_t, typename denom_t = acc_t>
-void launch_segment_sums(
+template <typename acc_t, typename denom_t, typename Device, typename scalar_t, typename mask_t, typename offset_t>
+void segment_sum_passes(
+    Device& dev,
+    const TokenLayout& layout,
+    const Segments<offset_t>& seg,
     const scalar_t* values,
     const mask_t* mask,
-    const Segments<offset_t>& seg,
-    int64_t num_segments,
-    int64_t num_tokens,
-    int64_t num_metrics,
     acc_t* out,
-    const at::TensorOptions& options,
-    const denom_t* denoms = nullptr,
-    acc_t* result = nullptr) {
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t tiles = num_tiles(num_tokens);
+    const denom_t* denoms,
+    acc_t* result) {
+  const int64_t tiles = num_tiles(layout.num_tokens);
+  const int64_t B = layout.num_segments;
+  const int64_t K = layout.num_metrics;
   const bool reduce = result != nullptr;
-  const dim3 fgrid = fixup_grid(num_segments, num_metrics);
+  const dim3 fgrid = fixup_grid(B, K);
   // One workspace: first/last partials per tile and metric, block sums, the counter.
-  const int64_t partial_elems = 2 * num_metrics * tiles;
+  const int64_t partial_elems = 2 * K * tiles;
   const int64_t block_elems = reduce ? fgrid.x : 0;
   const int64_t counter_bytes = reduce ? 16 : 0;
   const int64_t bytes = (partial_elems + block_elems) * static_cast<int64_t>(sizeof(acc_t)) + counter_bytes;
-  at::Tensor workspace = at::empty({std::max<int64_t>(bytes, 1)}, options.dtype(at::kByte));
-  auto* base = static_cast<unsigned char*>(workspace.mutable_data_ptr());
+  auto* base = static_cast<unsigned char*>(dev.workspace(bytes));
   acc_t* first_partial = reinterpret_cast<acc_t*>(base);
-  acc_t* last_partial = first_partial + num_metrics * tiles;
-  acc_t* block_sums = last_partial + num_metrics * tiles;
+  acc_t* last_partial = first_partial + K * tiles;
+  acc_t* block_sums = last_partial + K * tiles;
   unsigned int* counter = reinterpret_cast<unsigned int*>(block_sums + block_elems);
   if (reduce) {
-    C10_CUDA_CHECK(cudaMemsetAsync(counter, 0, sizeof(unsigned int), stream));
+    dev.zero(counter, sizeof(unsigned int));
   }
-
   if (tiles > 0) {
-    segment_sum_tiles_kernel<acc_t><<<tile_grid(tiles, num_metrics), kThreads, 0, stream>>>(
-        values, mask, seg, num_segments, num_tokens, tiles, out, first_partial, last_partial);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    dev.launch(
+        segment_sum_tiles_kernel<acc_t, scalar_t, mask_t, offset_t>, tile_grid(tiles, K), dim3(kThreads), values, mask, seg, B,
+        layout.num_tokens, tiles, out, first_partial, last_partial);
   }
   if (reduce) {
-    segment_sum_fixup_kernel<true, acc_t, denom_t><<<fgrid, kThreads, 0, stream>>>(
-        seg, num_segments, num_tokens, tiles, out, first_partial, last_partial, denoms, block_sums, counter, result);
-  } else if (num_segments > 0) {
-    segment_sum_fixup_kernel<false, acc_t, denom_t><<<fgrid, kThreads, 0, stream>>>(
-        seg, num_segments, num_tokens, tiles, out, first_partial, last_partial, nullptr, nullptr, nullptr, nullptr);
+    dev.launch(
+        segment_sum_fixup_kernel<true, acc_t, denom_t, offset_t>, fgrid, dim3(kThreads), seg, B, layout.num_tokens, tiles, out,
+        first_partial, last_partial, denoms, block_sums, counter, result);
+  } else if (B > 0) {
+    dev.launch(
+        segment_sum_fixup_kernel<false, acc_t, denom_t, offset_t>, fgrid, dim3(kThreads), seg, B, layout.num_tokens, tiles, out,
+        first_partial, last_partial, static_cast<const denom_t*>(nullptr), static_cast<acc_t*>(nullptr),
+        static_cast<unsigned int*>(nullptr), static_cast<acc_t*>(nullptr));
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// segment_sum: out [K, B].
+template <typename acc_t, typename Device, typename scalar_t, typename mask_t, typename offset_t>
+void launch_segment_sum(
+    Device& dev, const TokenLayout& layout, const Segments<offset_t>& seg, const scalar_t* values, const mask_t* mask, acc_t* out) {
+  segment_sum_passes<acc_t, acc_t>(dev, layout, seg, values, mask, out, static_cast<const acc_t*>(nullptr), static_cast<acc_t*>(nullptr));
+}
+
+// reduce: *result = sum_s segment_sum[s] / denoms[s]; the per-sample sums live in the workspace.
+template <typename acc_t, typename Device, typename scalar_t, typename mask_t, typename offset_t, typename denom_t>
+void launch_reduce(
+    Device& dev,
+    const TokenLayout& layout,
+    const Segments<offset_t>& seg,
+    const scalar_t* values,
+    const mask_t* mask,
+    const denom_t* denoms,
+    acc_t* result) {
+  acc_t* sums = static_cast<acc_t*>(dev.workspace(std::max<int64_t>(layout.num_segments, 1) * static_cast<int64_t>(sizeof(acc_t))));
+  segment_sum_passes<acc_t, denom_t>(dev, layout, seg, values, mask, sums, denoms, result);
 }
 
 // out[k, t] = mask_weight(mask[t]) * coef(k, s(t)). One launch.
-template <typename scalar_t, typename acc_t, typename mask_t, typename offset_t, typename Coef>
-void launch_expand(
-    scalar_t* out,
-    const mask_t* mask,
-    const Segments<offset_t>& seg,
-    int64_t num_segments,
-    int64_t num_tokens,
-    int64_t num_metrics,
-    Coef coef) {
-  const int64_t tiles = num_tiles(num_tokens);
-  if (tiles == 0 || num_metrics == 0) {
+template <typename scalar_t, typename acc_t, typename Device, typename mask_t, typename offset_t, typename Coef>
+void launch_expand(Device& dev, const TokenLayout& layout, const Segments<offset_t>& seg, scalar_t* out, const mask_t* mask, Coef coef) {
+  const int64_t tiles = num_tiles(layout.num_tokens);
+  if (tiles == 0 || layout.num_metrics == 0) {
     return;
   }
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  expand_tiles_kernel<scalar_t, acc_t><<<tile_grid(tiles, num_metrics), kThreads, 0, stream>>>(
-      out, mask, seg, num_segments, num_tokens, tiles, coef);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  dev.launch(
+      expand_tiles_kernel<scalar_t, acc_t, mask_t, offset_t, Coef>, tile_grid(tiles, layout.num_metrics), dim3(kThreads), out, mask, seg,
+      layout.num_segments, layout.num_tokens, tiles, coef);
 }
 
 }  // namespace lossagg::cuda

@@ -11,9 +11,11 @@
 // atomics, no host synchronisation and nothing that breaks CUDA-graph capture.
 #pragma once
 
-#include "../common.h"
+#include "../kernel_common.h"
 
+#if defined(__CUDACC__)
 #include <cuda_runtime.h>
+#endif  // else: the host emulation (tests/cuda_host/) has declared the CUDA built-ins
 
 #include <cstdint>
 
@@ -362,5 +364,27 @@ __global__ void __launch_bounds__(kThreads) expand_tiles_kernel(
     }
   });
 }
+
+// Coefficients of the backward kernels.
+// segment_sum_backward: each segment's incoming gradient, grad [K, B].
+template <typename acc_t>
+struct SegmentGrad {
+  const acc_t* grad;
+  int64_t num_segments;
+  __device__ acc_t operator()(int64_t k, int64_t s) const {
+    return grad[k * num_segments + s];
+  }
+};
+
+// reduce_backward: the scalar incoming gradient (read on the device: no host sync)
+// over the sample's denominator.
+template <typename acc_t, typename denom_t>
+struct GradOverDenom {
+  const acc_t* grad;
+  const denom_t* denoms;
+  __device__ acc_t operator()(int64_t, int64_t s) const {
+    return *grad / static_cast<acc_t>(denoms[s]);
+  }
+};
 
 }  // namespace lossagg::cuda

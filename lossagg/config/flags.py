@@ -35,7 +35,11 @@ FLAGS: tuple[Flag, ...] = (
             help=f"{', '.join(MODE_NAMES)} (default {MODE_NAMES[0]}; or a migration name, see docs/config.md)",
         ),
     ),
-    Flag("--loss-aggregation-divisor", "divisor", dict(type=float, default=None, metavar="L", help="constant divisor L for --loss-aggregation constant")),
+    Flag(
+        "--loss-aggregation-divisor",
+        "divisor",
+        dict(type=float, default=None, metavar="L", help="constant divisor L for --loss-aggregation constant"),
+    ),
     Flag(
         "--calculate-per-token-loss",
         "calculate_per_token_loss",

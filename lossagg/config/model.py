@@ -8,8 +8,8 @@
 * ``calculate_per_token_loss`` (legacy Megatron flag): with ``mode`` unset, ``true`` means
   ``token_mean``; with ``token_mean`` it is consistent; with another mode set explicitly it
   is an error. The resolved config has it true exactly under ``token_mean``.
-* ``n_samples_per_prompt >= 1``; under a mode with prompt groups a ``global_batch_size``
-  must be a multiple of it.
+* ``n_samples_per_prompt >= 1`` or unset (groups of any size); under a mode with prompt
+  groups a ``global_batch_size`` must be a multiple of it.
 * Unknown keys are errors ("did you mean"); every error is reported at once, with its
   field path (and the file's name when loaded from a file); nothing is half-applied.
 
@@ -93,7 +93,9 @@ class LossAggregationConfig(BaseModel):
         None, gt=0, allow_inf_nan=False, description="The constant divisor L of mode=constant (finite, > 0); an error with other modes."
     )
     calculate_per_token_loss: StrictBool | None = Field(None, description="Legacy Megatron flag; true means token_mean when mode is unset.")
-    n_samples_per_prompt: StrictInt = Field(1, ge=1, description="Samples per prompt group (n).")
+    n_samples_per_prompt: StrictInt | None = Field(
+        None, ge=1, description="Samples per prompt group (n); when given, every group of a step must hold exactly n samples."
+    )
     global_batch_size: StrictInt | None = Field(
         None, ge=1, description="Samples per optimizer step; a multiple of n_samples_per_prompt under prompt_mean."
     )
@@ -186,8 +188,14 @@ def _rule_problems(model: LossAggregationConfig, mode) -> list[tuple[str, str]]:
     if spec.needs_divisor and model.divisor is None:
         problems.append(("divisor", f"mode={mode.value} needs divisor (L, a finite number > 0)"))
     elif not spec.needs_divisor and model.divisor is not None:
-        problems.append(("divisor", f"divisor is only used with mode={', '.join(m.name for m in MODES.values() if m.needs_divisor)}, got it with mode={mode.value}"))
-    if spec.needs_groups and model.global_batch_size is not None and model.global_batch_size % model.n_samples_per_prompt != 0:
+        problems.append(
+            (
+                "divisor",
+                f"divisor is only used with mode={', '.join(m.name for m in MODES.values() if m.needs_divisor)}, got it with mode={mode.value}",
+            )
+        )
+    n = model.n_samples_per_prompt
+    if spec.needs_groups and model.global_batch_size is not None and n is not None and model.global_batch_size % n != 0:
         problems.append(
             (
                 "global_batch_size",

@@ -20,7 +20,9 @@ def summarise(results: dict) -> tuple[str, bool]:
         share = 100 * sum(h["agg_share"]) / len(h["agg_share"])
         check = f"{'same gradient' if inv < SAME_GRADIENT else 'MISMATCH'} ({inv:.1e})" if inv is not None else "not checked"
         ok = ok and inv is not None and inv < SAME_GRADIENT
-        lines.append(f"| {mode} | {reward:.2f} | {l0:.1f} → {l1:.1f} | {min(h['grad_norm']):.3g}–{max(h['grad_norm']):.3g} | {share:.1f}% | {check} |")
+        lines.append(
+            f"| {mode} | {reward:.2f} | {l0:.1f} → {l1:.1f} | {min(h['grad_norm']):.3g}–{max(h['grad_norm']):.3g} | {share:.1f}% | {check} |"
+        )
     return "\n".join(lines), ok
 
 
