@@ -15,14 +15,18 @@
 
 namespace lossagg::cuda {
 
+// Metrics beyond CUDA's gridDim.y limit are looped over inside the kernels.
+inline unsigned metric_grid(int64_t num_metrics) {
+  return static_cast<unsigned>(std::clamp<int64_t>(num_metrics, 1, kMaxGridY));
+}
+
 inline dim3 tile_grid(int64_t tiles, int64_t num_metrics) {
-  return dim3(static_cast<unsigned>((tiles + kWarpsPerBlock - 1) / kWarpsPerBlock), static_cast<unsigned>(num_metrics));
+  return dim3(static_cast<unsigned>((tiles + kWarpsPerBlock - 1) / kWarpsPerBlock), metric_grid(num_metrics));
 }
 
 inline dim3 fixup_grid(int64_t num_segments, int64_t num_metrics) {
   return dim3(
-      static_cast<unsigned>(std::max<int64_t>(1, (num_segments + kSegmentsPerBlock - 1) / kSegmentsPerBlock)),
-      static_cast<unsigned>(num_metrics));
+      static_cast<unsigned>(std::max<int64_t>(1, (num_segments + kSegmentsPerBlock - 1) / kSegmentsPerBlock)), metric_grid(num_metrics));
 }
 
 // Segment sums of values ([K, ntok] flattened) into out ([K, B], acc_t). With
@@ -43,32 +47,31 @@ void segment_sum_passes(
   const int64_t K = layout.num_metrics;
   const bool reduce = result != nullptr;
   const dim3 fgrid = fixup_grid(B, K);
-  // One workspace: first/last partials per tile and metric, block sums, the counter.
+  // One workspace: first/last partials per tile and metric, block sums, then two
+  // integers (the bad-table flag, the last-block counter), zeroed by one memset.
   const int64_t partial_elems = 2 * K * tiles;
   const int64_t block_elems = reduce ? fgrid.x : 0;
-  const int64_t counter_bytes = reduce ? 16 : 0;
-  const int64_t bytes = (partial_elems + block_elems) * static_cast<int64_t>(sizeof(acc_t)) + counter_bytes;
+  const int64_t bytes = (partial_elems + block_elems) * static_cast<int64_t>(sizeof(acc_t)) + 16;
   auto* base = static_cast<unsigned char*>(dev.workspace(bytes));
   acc_t* first_partial = reinterpret_cast<acc_t*>(base);
   acc_t* last_partial = first_partial + K * tiles;
   acc_t* block_sums = last_partial + K * tiles;
-  unsigned int* counter = reinterpret_cast<unsigned int*>(block_sums + block_elems);
-  if (reduce) {
-    dev.zero(counter, sizeof(unsigned int));
-  }
+  unsigned int* bad_table = reinterpret_cast<unsigned int*>(block_sums + block_elems);
+  unsigned int* counter = bad_table + 1;
+  dev.zero(bad_table, 2 * sizeof(unsigned int));
   if (tiles > 0) {
     dev.launch(
         segment_sum_tiles_kernel<acc_t, scalar_t, mask_t, offset_t>, tile_grid(tiles, K), dim3(kThreads), values, mask, seg, B,
-        layout.num_tokens, tiles, out, first_partial, last_partial);
+        layout.num_tokens, K, tiles, out, first_partial, last_partial, bad_table);
   }
   if (reduce) {
     dev.launch(
-        segment_sum_fixup_kernel<true, acc_t, denom_t, offset_t>, fgrid, dim3(kThreads), seg, B, layout.num_tokens, tiles, out,
-        first_partial, last_partial, denoms, block_sums, counter, result);
+        segment_sum_fixup_kernel<true, acc_t, denom_t, offset_t>, fgrid, dim3(kThreads), seg, B, layout.num_tokens, K, tiles, out,
+        first_partial, last_partial, bad_table, denoms, block_sums, counter, result);
   } else if (B > 0) {
     dev.launch(
-        segment_sum_fixup_kernel<false, acc_t, denom_t, offset_t>, fgrid, dim3(kThreads), seg, B, layout.num_tokens, tiles, out,
-        first_partial, last_partial, static_cast<const denom_t*>(nullptr), static_cast<acc_t*>(nullptr),
+        segment_sum_fixup_kernel<false, acc_t, denom_t, offset_t>, fgrid, dim3(kThreads), seg, B, layout.num_tokens, K, tiles, out,
+        first_partial, last_partial, bad_table, static_cast<const denom_t*>(nullptr), static_cast<acc_t*>(nullptr),
         static_cast<unsigned int*>(nullptr), static_cast<acc_t*>(nullptr));
   }
 }
@@ -103,7 +106,7 @@ void launch_expand(Device& dev, const TokenLayout& layout, const Segments<offset
   }
   dev.launch(
       expand_tiles_kernel<scalar_t, acc_t, mask_t, offset_t, Coef>, tile_grid(tiles, layout.num_metrics), dim3(kThreads), out, mask, seg,
-      layout.num_segments, layout.num_tokens, tiles, coef);
+      layout.num_segments, layout.num_tokens, layout.num_metrics, tiles, coef);
 }
 
 }  // namespace lossagg::cuda

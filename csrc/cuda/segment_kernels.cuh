@@ -18,6 +18,7 @@
 #endif  // else: the host emulation (tests/cuda_host/) has declared the CUDA built-ins
 
 #include <cstdint>
+#include <limits>
 
 namespace lossagg::cuda {
 
@@ -27,6 +28,12 @@ constexpr int kThreads = kWarp * kWarpsPerBlock;
 constexpr int64_t kTileTokens = 1024;
 constexpr int kSegmentsPerWarp = 8;  // fix-up kernel
 constexpr int kSegmentsPerBlock = kSegmentsPerWarp * kWarpsPerBlock;
+// CUDA's limit on gridDim.y: metrics beyond it loop inside the kernels. The host
+// emulation's test build lowers it so that the loop is exercised with a few metrics.
+#ifndef LOSSAGG_MAX_GRID_Y
+#define LOSSAGG_MAX_GRID_Y 65535
+#endif
+constexpr int64_t kMaxGridY = LOSSAGG_MAX_GRID_Y;
 
 inline int64_t num_tiles(int64_t num_tokens) {
   return (num_tokens + kTileTokens - 1) / kTileTokens;
@@ -128,24 +135,82 @@ __device__ __forceinline__ int64_t segment_of(const Segments<offset_t>& seg, int
   return lo;
 }
 
+template <typename acc_t>
+__device__ __forceinline__ acc_t quiet_nan() {
+  return std::numeric_limits<acc_t>::quiet_NaN();
+}
+
+// True in every lane when some lane's flag is set (an order-free integer butterfly).
+__device__ __forceinline__ bool warp_any(bool flag) {
+  return warp_sum(static_cast<unsigned int>(flag)) != 0u;
+}
+
+// Whether this warp's share of cu_seqlens breaks the table's rules (cu[0] == 0,
+// non-decreasing, cu[B] == T): warp `chunk` of `chunks` checks pairs chunk*32+lane,
+// stepping by chunks*32, so together the warps of a launch read the table once. The
+// same in every lane of the warp.
+template <typename offset_t>
+__device__ __forceinline__ bool table_chunk_bad(
+    const Segments<offset_t>& seg, int64_t num_segments, int64_t num_tokens, int64_t chunk, int64_t chunks, int lane) {
+  if (seg.cu == nullptr) {
+    return false;
+  }
+  bool bad = chunk == 0 && lane == 0 && (seg.begin(0) != 0 || seg.begin(num_segments) != num_tokens);
+  for (int64_t i = chunk * kWarp + lane; i < num_segments; i += chunks * kWarp) {
+    bad = bad || seg.begin(i) > seg.begin(i + 1);
+  }
+  return warp_any(bad);
+}
+
 // Calls f(s, a, b, sb, se) for each segment s overlapping the tile [lo, hi), in order,
 // with [a, b) its non-empty part inside the tile and [sb, se) the whole segment. Empty
 // segments are skipped (the fix-up kernel writes them).
+//
+// Returns whether cu_seqlens is consistent over the tile: the segments walked lie in
+// [0, T] with non-decreasing offsets, the first starts at or before lo, the walk reaches
+// hi, segment 0 starts at 0 and segment B-1 ends at T. A valid table passes in every
+// tile; where it fails the caller writes NaN instead of trusting the walk (with
+// table_chunk_bad, an invalid table is seen in at least one tile whatever its defect).
+// Every index stays in bounds either way.
 template <typename offset_t, typename F>
-__device__ __forceinline__ void for_each_segment_in_tile(
-    const Segments<offset_t>& seg, int64_t num_segments, int64_t lo, int64_t hi, F&& f) {
-  for (int64_t s = segment_of(seg, num_segments, lo); s < num_segments; ++s) {
+__device__ __forceinline__ bool for_each_segment_in_tile(
+    const Segments<offset_t>& seg, int64_t num_segments, int64_t num_tokens, int64_t lo, int64_t hi, F&& f) {
+  if (seg.cu == nullptr) {  // padded rows: always consistent
+    for (int64_t s = lo / seg.row_len; s < num_segments && seg.begin(s) < hi; ++s) {
+      const int64_t sb = seg.begin(s);
+      const int64_t se = seg.end(s);
+      const int64_t a = sb > lo ? sb : lo;
+      const int64_t b = se < hi ? se : hi;
+      if (a < b) {
+        f(s, a, b, sb, se);
+      }
+    }
+    return true;
+  }
+  if (num_segments <= 0) {
+    return false;  // tokens but no segment
+  }
+  int64_t s = segment_of(seg, num_segments, lo);
+  bool ok = seg.begin(s) <= lo && (s > 0 || seg.begin(0) == 0);
+  int64_t reached = lo;
+  for (; s < num_segments; ++s) {
     const int64_t sb = seg.begin(s);
     if (sb >= hi) {
       break;
     }
     const int64_t se = seg.end(s);
+    ok = ok && sb >= 0 && sb <= se && se <= num_tokens && (s + 1 < num_segments || se == num_tokens);
+    if (!ok) {
+      break;
+    }
     const int64_t a = sb > lo ? sb : lo;
     const int64_t b = se < hi ? se : hi;
     if (a < b) {
       f(s, a, b, sb, se);
     }
+    reached = se > reached ? se : reached;
   }
+  return ok && reached >= hi;
 }
 
 // This lane's share of the masked sum of tokens [a, b). `vec_ok`: values and mask share
@@ -175,10 +240,11 @@ __device__ __forceinline__ acc_t lane_masked_sum(
   return acc;
 }
 
-// Pass 1 of segment sums. grid: (ceil(tiles / kWarpsPerBlock), K).
+// Pass 1 of segment sums. grid: (ceil(tiles / kWarpsPerBlock), min(K, kMaxGridY)).
 // out[k, s] for segments inside one tile; first_partial / last_partial [K, tiles] for the
 // tile's first segment (if it starts before the tile or ends after it) and for its last
-// segment (if it ends after the tile).
+// segment (if it ends after the tile). A tile over which cu_seqlens is inconsistent sets
+// *bad_table (a plain integer store; the fix-up then writes NaN).
 template <typename acc_t, typename scalar_t, typename mask_t, typename offset_t>
 __global__ void __launch_bounds__(kThreads) segment_sum_tiles_kernel(
     const scalar_t* __restrict__ values,
@@ -186,38 +252,47 @@ __global__ void __launch_bounds__(kThreads) segment_sum_tiles_kernel(
     Segments<offset_t> seg,
     int64_t num_segments,
     int64_t num_tokens,
+    int64_t num_metrics,
     int64_t tiles,
     acc_t* __restrict__ out,
     acc_t* __restrict__ first_partial,
-    acc_t* __restrict__ last_partial) {
+    acc_t* __restrict__ last_partial,
+    unsigned int* __restrict__ bad_table) {
   constexpr int VEC = vec_width<scalar_t>();
   const int lane = threadIdx.x % kWarp;
   const int64_t tile = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
   if (tile >= tiles) {
     return;
   }
-  const int64_t k = blockIdx.y;
-  const scalar_t* v = values + k * num_tokens;
   const int64_t lo = tile * kTileTokens;
   const int64_t hi = lo + kTileTokens < num_tokens ? lo + kTileTokens : num_tokens;
-  const int pv = vec_phase<VEC>(v);
-  const int phase = (pv >= 0 && pv == vec_phase<VEC>(mask)) ? pv : -1;
-
-  for_each_segment_in_tile(seg, num_segments, lo, hi, [&](int64_t s, int64_t a, int64_t b, int64_t sb, int64_t se) {
-    const acc_t sum = warp_sum(lane_masked_sum<acc_t>(v, mask, a, b, lane, phase));
-    if (lane == 0) {
-      if (sb >= lo && se <= hi) {
-        out[k * num_segments + s] = sum;
-      } else {
-        if (sb <= lo) {  // the tile's first segment: it holds token lo
-          first_partial[k * tiles + tile] = sum;
-        }
-        if (se > hi) {
-          last_partial[k * tiles + tile] = sum;
-        }
-      }
+  if (blockIdx.y == 0 && table_chunk_bad(seg, num_segments, num_tokens, tile, tiles, lane) && lane == 0) {
+    *bad_table = 1u;
+  }
+  for (int64_t k = blockIdx.y; k < num_metrics; k += gridDim.y) {
+    const scalar_t* v = values + k * num_tokens;
+    const int pv = vec_phase<VEC>(v);
+    const int phase = (pv >= 0 && pv == vec_phase<VEC>(mask)) ? pv : -1;
+    const bool ok = for_each_segment_in_tile(
+        seg, num_segments, num_tokens, lo, hi, [&](int64_t s, int64_t a, int64_t b, int64_t sb, int64_t se) {
+          const acc_t sum = warp_sum(lane_masked_sum<acc_t>(v, mask, a, b, lane, phase));
+          if (lane == 0) {
+            if (sb >= lo && se <= hi) {
+              out[k * num_segments + s] = sum;
+            } else {
+              if (sb <= lo) {  // the tile's first segment: it holds token lo
+                first_partial[k * tiles + tile] = sum;
+              }
+              if (se > hi) {
+                last_partial[k * tiles + tile] = sum;
+              }
+            }
+          }
+        });
+    if (!ok && lane == 0) {
+      *bad_table = 1u;
     }
-  });
+  }
 }
 
 // Total of segment s across tiles, for a segment that crosses tiles, computed by one
@@ -234,19 +309,23 @@ __device__ __forceinline__ acc_t combine_tiles(
   return (last_partial[ta] + middle) + first_partial[tb];
 }
 
-// Pass 2 (fix-up). grid: (ceil(B / kSegmentsPerBlock), K). Completes out[k, s] for
-// empty segments and segments that cross tiles. With kReduce (K == 1) it also computes
-// sum_s out[s] / denoms[s]: each block sums its segments in order, and the last block
-// to finish (an integer counter) adds the block sums in block order into *result.
+// Pass 2 (fix-up). grid: (ceil(B / kSegmentsPerBlock), min(K, kMaxGridY)). Completes
+// out[k, s] for empty segments and segments that cross tiles. With kReduce (K == 1) it
+// also computes sum_s out[s] / denoms[s]: each block sums its segments in order, and the
+// last block to finish (an integer counter) adds the block sums in block order into
+// *result. With an inconsistent cu_seqlens (seen by a tile, or by this segment's own
+// offsets) every sum is NaN, so is the reduce result: never unwritten memory.
 template <bool kReduce, typename acc_t, typename denom_t, typename offset_t>
 __global__ void __launch_bounds__(kThreads) segment_sum_fixup_kernel(
     Segments<offset_t> seg,
     int64_t num_segments,
     int64_t num_tokens,
+    int64_t num_metrics,
     int64_t tiles,
     acc_t* __restrict__ out,
     const acc_t* __restrict__ first_partial,
     const acc_t* __restrict__ last_partial,
+    const unsigned int* __restrict__ bad_table,
     const denom_t* __restrict__ denoms,
     acc_t* __restrict__ block_sums,
     unsigned int* __restrict__ counter,
@@ -255,40 +334,38 @@ __global__ void __launch_bounds__(kThreads) segment_sum_fixup_kernel(
   __shared__ bool is_last_block;
   const int lane = threadIdx.x % kWarp;
   const int warp = threadIdx.x / kWarp;
-  const int64_t k = blockIdx.y;
   const int64_t block_first = static_cast<int64_t>(blockIdx.x) * kSegmentsPerBlock;
-  acc_t* out_k = out + k * num_segments;
+  const bool table_bad = *bad_table != 0u;
 
-  for (int j = 0; j < kSegmentsPerWarp; ++j) {
-    const int slot = warp * kSegmentsPerWarp + j;
-    const int64_t s = block_first + slot;
-    acc_t value = acc_t(0);
-    if (s < num_segments) {
-      // Clamped to the token range, like the tile pass, so offsets that were not
-      // validated (device checks off) cannot index outside the partials.
-      const int64_t sb = seg.begin(s) > 0 ? seg.begin(s) : 0;
-      const int64_t se = seg.end(s) < num_tokens ? seg.end(s) : num_tokens;
-      if (se > sb) {
-        const int64_t ta = sb / kTileTokens;
-        const int64_t tb = (se - 1) / kTileTokens;
-        if (ta != tb) {
-          value = combine_tiles(first_partial + k * tiles, last_partial + k * tiles, ta, tb, lane);
-          if (lane == 0) {
-            out_k[s] = value;
-          }
-        } else {
-          value = out_k[s];
+  for (int64_t k = blockIdx.y; k < num_metrics; k += gridDim.y) {
+    acc_t* out_k = out + k * num_segments;
+    for (int j = 0; j < kSegmentsPerWarp; ++j) {
+      const int slot = warp * kSegmentsPerWarp + j;
+      const int64_t s = block_first + slot;
+      acc_t value = acc_t(0);
+      if (s < num_segments) {
+        const int64_t b0 = seg.begin(s);
+        const int64_t e0 = seg.end(s);
+        const bool bad = table_bad || b0 < 0 || b0 > e0 || e0 > num_tokens || (s == 0 && b0 != 0) ||
+            (s + 1 == num_segments && e0 != num_tokens);
+        if (bad) {
+          value = quiet_nan<acc_t>();
+        } else if (e0 > b0) {
+          const int64_t ta = b0 / kTileTokens;
+          const int64_t tb = (e0 - 1) / kTileTokens;
+          value = ta != tb ? combine_tiles(first_partial + k * tiles, last_partial + k * tiles, ta, tb, lane) : out_k[s];
         }
-      } else if (lane == 0) {
-        out_k[s] = acc_t(0);
+        if (lane == 0) {
+          out_k[s] = value;
+        }
+        if constexpr (kReduce) {
+          value = value / static_cast<acc_t>(denoms[s]);
+        }
       }
       if constexpr (kReduce) {
-        value = value / static_cast<acc_t>(denoms[s]);
-      }
-    }
-    if constexpr (kReduce) {
-      if (lane == 0) {
-        weighted[slot] = value;
+        if (lane == 0) {
+          weighted[slot] = value;
+        }
       }
     }
   }
@@ -312,13 +389,14 @@ __global__ void __launch_bounds__(kThreads) segment_sum_fixup_kernel(
         total += __ldcg(block_sums + i);
       }
       *result = total;
-      *counter = 0u;  // leaves the workspace reusable
     }
   }
 }
 
 // Backward: out[k, t] = mask_weight(m[t]) * coef(k, s(t)), 0 where the mask is 0.
-// grid: (ceil(tiles / kWarpsPerBlock), K).
+// grid: (ceil(tiles / kWarpsPerBlock), min(K, kMaxGridY)). Every token of the tile is
+// written: with an invalid cu_seqlens (device checks off) the tiles that see it are all
+// NaN, so the gradient holds NaN and never unwritten memory.
 template <typename scalar_t, typename acc_t, typename mask_t, typename offset_t, typename Coef>
 __global__ void __launch_bounds__(kThreads) expand_tiles_kernel(
     scalar_t* __restrict__ out,
@@ -326,6 +404,7 @@ __global__ void __launch_bounds__(kThreads) expand_tiles_kernel(
     Segments<offset_t> seg,
     int64_t num_segments,
     int64_t num_tokens,
+    int64_t num_metrics,
     int64_t tiles,
     Coef coef) {
   constexpr int VEC = vec_width<scalar_t>();
@@ -334,35 +413,40 @@ __global__ void __launch_bounds__(kThreads) expand_tiles_kernel(
   if (tile >= tiles) {
     return;
   }
-  const int64_t k = blockIdx.y;
-  scalar_t* o = out + k * num_tokens;
   const int64_t lo = tile * kTileTokens;
   const int64_t hi = lo + kTileTokens < num_tokens ? lo + kTileTokens : num_tokens;
-  const int po = vec_phase<VEC>(o);
-  const int phase = (po >= 0 && po == vec_phase<VEC>(mask)) ? po : -1;
-
-  for_each_segment_in_tile(seg, num_segments, lo, hi, [&](int64_t s, int64_t a, int64_t b, int64_t, int64_t) {
-    const acc_t c = coef(k, s);
-    const VecBody body = vec_body<VEC>(a, b, phase);
-    const int64_t body_begin = body.begin;
-    const int64_t body_end = body.end;
-    for (int64_t i = a + lane; i < body_begin; i += kWarp) {
-      o[i] = static_cast<scalar_t>(masked_term(c, mask[i]));
-    }
-    for (int64_t i = body_begin + static_cast<int64_t>(lane) * VEC; i < body_end;
-         i += static_cast<int64_t>(kWarp) * VEC) {
-      const Pack<mask_t, VEC> mv = *reinterpret_cast<const Pack<mask_t, VEC>*>(mask + i);
-      Pack<scalar_t, VEC> ov;
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        ov.x[j] = static_cast<scalar_t>(masked_term(c, mv.x[j]));
+  const bool table_bad = table_chunk_bad(seg, num_segments, num_tokens, tile, tiles, lane);
+  for (int64_t k = blockIdx.y; k < num_metrics; k += gridDim.y) {
+    scalar_t* o = out + k * num_tokens;
+    const int po = vec_phase<VEC>(o);
+    const int phase = (po >= 0 && po == vec_phase<VEC>(mask)) ? po : -1;
+    const bool ok = !table_bad && for_each_segment_in_tile(seg, num_segments, num_tokens, lo, hi, [&](int64_t s, int64_t a, int64_t b, int64_t, int64_t) {
+      const acc_t c = coef(k, s);
+      const VecBody body = vec_body<VEC>(a, b, phase);
+      const int64_t body_begin = body.begin;
+      const int64_t body_end = body.end;
+      for (int64_t i = a + lane; i < body_begin; i += kWarp) {
+        o[i] = static_cast<scalar_t>(masked_term(c, mask[i]));
       }
-      *reinterpret_cast<Pack<scalar_t, VEC>*>(o + i) = ov;
+      for (int64_t i = body_begin + static_cast<int64_t>(lane) * VEC; i < body_end; i += static_cast<int64_t>(kWarp) * VEC) {
+        const Pack<mask_t, VEC> mv = *reinterpret_cast<const Pack<mask_t, VEC>*>(mask + i);
+        Pack<scalar_t, VEC> ov;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          ov.x[j] = static_cast<scalar_t>(masked_term(c, mv.x[j]));
+        }
+        *reinterpret_cast<Pack<scalar_t, VEC>*>(o + i) = ov;
+      }
+      for (int64_t i = body_end + lane; i < b; i += kWarp) {
+        o[i] = static_cast<scalar_t>(masked_term(c, mask[i]));
+      }
+    });
+    if (!ok) {
+      for (int64_t i = lo + lane; i < hi; i += kWarp) {
+        o[i] = static_cast<scalar_t>(quiet_nan<acc_t>());
+      }
     }
-    for (int64_t i = body_end + lane; i < b; i += kWarp) {
-      o[i] = static_cast<scalar_t>(masked_term(c, mask[i]));
-    }
-  });
+  }
 }
 
 // Coefficients of the backward kernels.

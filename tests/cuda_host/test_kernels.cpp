@@ -1,0 +1,467 @@
+// Runs the CUDA kernels of csrc/cuda/ (unchanged source, through the same launchers)
+// on the CPU with the emulation in cuda_host.h, on thousands of generated cases, against
+// a float64 reference; checks that results are bitwise identical across block orders,
+// and the contract for invalid cu_seqlens with the device checks off (NaN, never
+// unwritten memory, never an out-of-bounds access). Built with AddressSanitizer and
+// UBSan by CMake (target lossagg_cuda_host_test, run by ctest).
+//
+//   lossagg_cuda_host_test [cases] [seed]
+#include "cuda_host.h"
+
+#include "../../csrc/cuda/launch.cuh"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+using cuda_host::BlockOrder;
+using cuda_host::HostDevice;
+using lossagg::BoolMask;
+using lossagg::Segments;
+using lossagg::TokenLayout;
+
+namespace {
+
+int passed = 0;
+int failed = 0;
+std::string case_name;
+
+void expect(bool ok, const std::string& what) {
+  if (ok) {
+    ++passed;
+  } else {
+    ++failed;
+    if (failed <= 20) {
+      std::printf("FAIL [%s] %s\n", case_name.c_str(), what.c_str());
+    }
+  }
+}
+
+std::mt19937_64 rng;
+
+int64_t uniform(int64_t lo, int64_t hi) {  // [lo, hi]
+  return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+}
+
+// Segment lengths that hit every shape the kernels distinguish: empty, inside one tile,
+// exactly on tile edges, crossing many tiles.
+std::vector<int64_t> random_lengths(int64_t B) {
+  constexpr int64_t tile = lossagg::cuda::kTileTokens;
+  std::vector<int64_t> lengths(static_cast<size_t>(B));
+  for (auto& n : lengths) {
+    switch (uniform(0, 6)) {
+      case 0: n = 0; break;
+      case 1: n = uniform(1, 8); break;
+      case 2: n = uniform(1, 200); break;
+      case 3: n = tile * uniform(1, 2) + uniform(-1, 1); break;
+      case 4: n = uniform(tile - 3, tile + 3); break;
+      case 5: n = uniform(1, 5 * tile); break;
+      default: n = uniform(0, 40); break;
+    }
+    n = std::max<int64_t>(n, 0);
+  }
+  return lengths;
+}
+
+template <typename T>
+double to_double(T x) {
+  return static_cast<double>(static_cast<float>(x));
+}
+template <>
+double to_double<double>(double x) {
+  return x;
+}
+template <>
+double to_double<BoolMask>(BoolMask x) {
+  return x.value;
+}
+
+template <typename T>
+T from_double(double x) {
+  return static_cast<T>(x);
+}
+template <>
+BoolMask from_double<BoolMask>(double x) {
+  return BoolMask{static_cast<uint8_t>(x != 0.0)};
+}
+
+// A buffer of n elements starting `phase` elements past a 64-byte boundary: every
+// alignment phase of the vector loads.
+template <typename T>
+struct Phased {
+  std::vector<unsigned char> storage;
+  T* data;
+  Phased(int64_t n, int phase) : storage(static_cast<size_t>(n + phase + 64) * sizeof(T) + 64) {
+    auto addr = reinterpret_cast<uintptr_t>(storage.data());
+    addr = (addr + 63) / 64 * 64 + static_cast<uintptr_t>(phase) * sizeof(T);
+    data = reinterpret_cast<T*>(addr);
+  }
+};
+
+struct Case {
+  int64_t B = 0;
+  int64_t K = 1;
+  bool packed = true;
+  int64_t row_len = 0;
+  std::vector<int64_t> cu;  // B+1 (packed)
+  int64_t T = 0;            // token index space
+  int values_phase = 0;
+  int mask_phase = 0;
+};
+
+Case random_case(bool packed, int64_t max_b) {
+  Case c;
+  c.packed = packed;
+  c.B = uniform(0, 1) ? uniform(0, 6) : uniform(0, max_b);
+  c.K = uniform(0, 3) == 0 ? uniform(2, 4) : 1;
+  if (packed) {
+    auto lengths = random_lengths(c.B);
+    c.cu.assign(1, 0);
+    for (int64_t n : lengths) {
+      c.cu.push_back(c.cu.back() + n);
+    }
+    c.T = c.cu.back();
+  } else {
+    c.row_len = uniform(0, 1) ? uniform(0, 40) : uniform(1000, 2100);
+    c.T = c.B * c.row_len;
+  }
+  c.values_phase = static_cast<int>(uniform(0, 7));
+  c.mask_phase = uniform(0, 1) ? c.values_phase : static_cast<int>(uniform(0, 7));
+  return c;
+}
+
+int64_t seg_begin(const Case& c, int64_t s) {
+  return c.packed ? c.cu[s] : s * c.row_len;
+}
+int64_t seg_end(const Case& c, int64_t s) {
+  return c.packed ? c.cu[s + 1] : (s + 1) * c.row_len;
+}
+
+template <typename S, typename M, typename O>
+struct Inputs {
+  Phased<S> values;
+  Phased<M> mask;
+  std::vector<O> cu;
+  std::vector<double> v64, m64;  // what the kernels read, in float64
+  Inputs(const Case& c) : values(c.K * c.T, c.values_phase), mask(c.T, c.mask_phase) {
+    v64.resize(static_cast<size_t>(c.K * c.T));
+    m64.resize(static_cast<size_t>(c.T));
+    std::normal_distribution<double> normal;
+    for (int64_t t = 0; t < c.T; ++t) {
+      double m = uniform(0, 9) < 7 ? 1.0 : 0.0;
+      if constexpr (!std::is_same_v<M, BoolMask> && !std::is_same_v<M, uint8_t>) {
+        m *= 0.25 + std::uniform_real_distribution<double>(0.0, 1.0)(rng);
+      }
+      mask.data[t] = from_double<M>(m);
+      m64[t] = to_double(mask.data[t]);
+    }
+    for (int64_t i = 0; i < c.K * c.T; ++i) {
+      double x = normal(rng);
+      if (m64[i % std::max<int64_t>(c.T, 1)] == 0.0 && uniform(0, 3) == 0) {  // masked NaN/inf must not leak
+        x = uniform(0, 1) ? std::numeric_limits<double>::quiet_NaN() : std::numeric_limits<double>::infinity();
+      }
+      values.data[i] = static_cast<S>(x);
+      v64[i] = to_double(values.data[i]);
+    }
+    for (int64_t x : c.cu) {
+      cu.push_back(static_cast<O>(x));
+    }
+  }
+  Segments<O> segments(const Case& c) const {
+    return Segments<O>{c.packed ? cu.data() : nullptr, c.row_len};
+  }
+  TokenLayout layout(const Case& c) const {
+    return TokenLayout{c.packed, c.B, c.T, c.row_len, c.K, c.K > 1};
+  }
+};
+
+// Float64 reference: masked sums [K, B] and, per sum, the sum of |terms| for a tolerance.
+void reference_sums(const Case& c, const std::vector<double>& v, const std::vector<double>& m, std::vector<double>& sums, std::vector<double>& abs) {
+  sums.assign(static_cast<size_t>(c.K * c.B), 0.0);
+  abs.assign(static_cast<size_t>(c.K * c.B), 0.0);
+  for (int64_t k = 0; k < c.K; ++k) {
+    for (int64_t s = 0; s < c.B; ++s) {
+      for (int64_t t = seg_begin(c, s); t < seg_end(c, s); ++t) {
+        if (m[t] != 0.0) {
+          sums[k * c.B + s] += m[t] * v[k * c.T + t];
+          abs[k * c.B + s] += std::fabs(m[t] * v[k * c.T + t]);
+        }
+      }
+    }
+  }
+}
+
+bool close(double got, double want, double scale, double rtol) {
+  return std::isfinite(got) && std::fabs(got - want) <= rtol * (scale + std::fabs(want)) + 1e-30;
+}
+
+template <typename S, typename M, typename O>
+void run_case(const Case& c, uint64_t case_seed) {
+  using acc_t = lossagg::acc_t_of<S>;
+  const double rtol = std::is_same_v<acc_t, double> ? 1e-12 : 2e-6;
+  Inputs<S, M, O> in(c);
+  const auto seg = in.segments(c);
+  const auto layout = in.layout(c);
+  std::vector<double> ref, ref_abs;
+  reference_sums(c, in.v64, in.m64, ref, ref_abs);
+
+  // segment_sum, in three block orders: same bits, each close to the reference.
+  std::vector<std::vector<acc_t>> outs;
+  for (BlockOrder order : {BlockOrder::InOrder, BlockOrder::Reversed, BlockOrder::Shuffled}) {
+    std::vector<acc_t> out(static_cast<size_t>(c.K * c.B), acc_t(12345));
+    HostDevice dev(order, case_seed);
+    if (c.K * c.B > 0) {
+      lossagg::cuda::launch_segment_sum<acc_t>(dev, layout, seg, in.values.data, in.mask.data, out.data());
+    }
+    outs.push_back(std::move(out));
+  }
+  bool sums_ok = true;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    sums_ok = sums_ok && close(outs[0][i], ref[i], ref_abs[i], rtol);
+  }
+  expect(sums_ok, "segment_sum matches the float64 reference");
+  expect(outs[0].empty() || (std::memcmp(outs[0].data(), outs[1].data(), outs[0].size() * sizeof(acc_t)) == 0 &&
+                             std::memcmp(outs[0].data(), outs[2].data(), outs[0].size() * sizeof(acc_t)) == 0),
+         "segment_sum bitwise identical across block orders");
+
+  // reduce (K == 1 view of metric 0), three block orders and a rerun.
+  std::vector<double> denoms(static_cast<size_t>(c.B));
+  std::vector<float> denoms32(static_cast<size_t>(c.B));
+  double want = 0.0, scale = 0.0;
+  for (int64_t s = 0; s < c.B; ++s) {
+    denoms32[s] = static_cast<float>(1.0 + 10.0 * std::uniform_real_distribution<double>(0.0, 1.0)(rng));
+    denoms[s] = denoms32[s];
+    want += ref[s] / denoms[s];
+    scale += ref_abs[s] / denoms[s];
+  }
+  TokenLayout one = layout;
+  one.num_metrics = 1;
+  one.has_metric_dim = false;
+  std::vector<acc_t> results;
+  for (BlockOrder order : {BlockOrder::InOrder, BlockOrder::Reversed, BlockOrder::Shuffled, BlockOrder::InOrder}) {
+    acc_t result = acc_t(12345);
+    HostDevice dev(order, case_seed + 1);
+    lossagg::cuda::launch_reduce<acc_t>(dev, one, seg, in.values.data, in.mask.data, denoms32.data(), &result);
+    results.push_back(result);
+  }
+  expect(close(results[0], want, scale, rtol), "reduce matches the float64 reference");
+  bool same = true;
+  for (acc_t r : results) {
+    same = same && std::memcmp(&r, &results[0], sizeof(acc_t)) == 0;
+  }
+  expect(same, "reduce bitwise identical across block orders and reruns");
+
+  // segment_sum_backward: out[k, t] = m[t] * g[k, s(t)], in S.
+  std::vector<acc_t> g(static_cast<size_t>(c.K * c.B));
+  for (auto& x : g) {
+    x = static_cast<acc_t>(std::normal_distribution<double>()(rng));
+  }
+  Phased<S> grad(c.K * c.T, c.values_phase);
+  std::fill(grad.data, grad.data + c.K * c.T, static_cast<S>(12345.0));
+  {
+    HostDevice dev;
+    lossagg::cuda::launch_expand<S, acc_t>(dev, layout, seg, grad.data, in.mask.data, lossagg::cuda::SegmentGrad<acc_t>{g.data(), c.B});
+  }
+  bool grad_ok = true;
+  for (int64_t k = 0; k < c.K; ++k) {
+    for (int64_t s = 0; s < c.B; ++s) {
+      for (int64_t t = seg_begin(c, s); t < seg_end(c, s); ++t) {
+        const double want_g = in.m64[t] == 0.0 ? 0.0 : to_double(static_cast<S>(static_cast<acc_t>(static_cast<acc_t>(in.m64[t]) * g[k * c.B + s])));
+        grad_ok = grad_ok && to_double(grad.data[k * c.T + t]) == want_g;
+      }
+    }
+  }
+  expect(grad_ok, "segment_sum_backward writes m[t] * grad[k, s] to every token");
+
+  // reduce_backward: grad / d[s] * m[t].
+  acc_t upstream = static_cast<acc_t>(0.75);
+  Phased<S> rgrad(c.T, c.values_phase);
+  std::fill(rgrad.data, rgrad.data + c.T, static_cast<S>(12345.0));
+  {
+    HostDevice dev;
+    lossagg::cuda::launch_expand<S, acc_t>(
+        dev, one, seg, rgrad.data, in.mask.data, lossagg::cuda::GradOverDenom<acc_t, float>{&upstream, denoms32.data()});
+  }
+  bool rgrad_ok = true;
+  for (int64_t s = 0; s < c.B; ++s) {
+    const acc_t coef = upstream / static_cast<acc_t>(denoms32[s]);
+    for (int64_t t = seg_begin(c, s); t < seg_end(c, s); ++t) {
+      const double want_g = in.m64[t] == 0.0 ? 0.0 : to_double(static_cast<S>(static_cast<acc_t>(in.m64[t]) * coef));
+      rgrad_ok = rgrad_ok && to_double(rgrad.data[t]) == want_g;
+    }
+  }
+  expect(rgrad_ok, "reduce_backward writes grad * m[t] / d[s] to every token");
+}
+
+// cu_seqlens that break the rules, with the device checks off: NaN results, every
+// output written, no access out of bounds (AddressSanitizer watches).
+template <typename S, typename M, typename O>
+void run_bad_table_case(Case c, int defect) {
+  using acc_t = lossagg::acc_t_of<S>;
+  switch (defect) {
+    case 0: c.cu[0] = uniform(1, 3); break;                                   // does not start at 0
+    case 1: c.cu.back() += uniform(1, 2000); break;                           // ends past T
+    case 2: c.cu.back() = std::max<int64_t>(0, c.cu.back() - uniform(1, 2000)); break;  // ends before T
+    default: {                                                                // decreasing somewhere
+      const int64_t i = uniform(1, static_cast<int64_t>(c.cu.size()) - 2);
+      c.cu[i] = c.cu[i + 1] + uniform(1, 1500);
+      break;
+    }
+  }
+  Inputs<S, M, O> in(c);
+  const auto seg = in.segments(c);
+  auto layout = in.layout(c);
+  layout.num_metrics = 1;
+  layout.has_metric_dim = false;
+  std::vector<acc_t> out(static_cast<size_t>(c.B), acc_t(12345));
+  {
+    HostDevice dev;
+    lossagg::cuda::launch_segment_sum<acc_t>(dev, layout, seg, in.values.data, in.mask.data, out.data());
+  }
+  bool any_nan = false, all_written = true;
+  for (acc_t x : out) {
+    any_nan = any_nan || std::isnan(static_cast<double>(x));
+    all_written = all_written && x != acc_t(12345);
+  }
+  expect(any_nan && all_written, "bad cu_seqlens: segment_sum gives NaN, every sum written");
+
+  std::vector<float> denoms(static_cast<size_t>(c.B), 2.0f);
+  acc_t result = acc_t(12345);
+  {
+    HostDevice dev;
+    lossagg::cuda::launch_reduce<acc_t>(dev, layout, seg, in.values.data, in.mask.data, denoms.data(), &result);
+  }
+  expect(std::isnan(static_cast<double>(result)), "bad cu_seqlens: reduce gives NaN");
+
+  if (c.T > 0) {
+    Phased<S> grad(c.T, c.values_phase);
+    std::fill(grad.data, grad.data + c.T, static_cast<S>(12345.0));
+    acc_t upstream = acc_t(1);
+    {
+      HostDevice dev;
+      lossagg::cuda::launch_expand<S, acc_t>(dev, layout, seg, grad.data, in.mask.data, lossagg::cuda::GradOverDenom<acc_t, float>{&upstream, denoms.data()});
+    }
+    bool g_nan = false, g_written = true;
+    for (int64_t t = 0; t < c.T; ++t) {
+      const double x = to_double(grad.data[t]);
+      g_nan = g_nan || std::isnan(x);
+      g_written = g_written && x != 12345.0;
+    }
+    expect(g_nan && g_written, "bad cu_seqlens: the gradient holds NaN, every token written");
+  }
+}
+
+template <typename S, typename M>
+void run_with_offsets(const Case& c, uint64_t seed, int offsets) {
+  if (!c.packed) {
+    run_case<S, M, int64_t>(c, seed);
+  } else if (offsets == 0) {
+    run_case<S, M, int32_t>(c, seed);
+  } else {
+    run_case<S, M, int64_t>(c, seed);
+  }
+}
+
+template <typename S>
+void run_with_mask(const Case& c, uint64_t seed, int mask_kind, int offsets) {
+  switch (mask_kind) {
+    case 0: return run_with_offsets<S, BoolMask>(c, seed, offsets);
+    case 1: return run_with_offsets<S, uint8_t>(c, seed, offsets);
+    case 2: return run_with_offsets<S, float>(c, seed, offsets);
+    case 3: return run_with_offsets<S, double>(c, seed, offsets);
+    case 4: return run_with_offsets<S, c10::Half>(c, seed, offsets);
+    default: return run_with_offsets<S, c10::BFloat16>(c, seed, offsets);
+  }
+}
+
+void run_any(const Case& c, uint64_t seed, int values_kind, int mask_kind, int offsets) {
+  switch (values_kind) {
+    case 0: return run_with_mask<float>(c, seed, mask_kind, offsets);
+    case 1: return run_with_mask<double>(c, seed, mask_kind, offsets);
+    case 2: return run_with_mask<c10::Half>(c, seed, mask_kind, offsets);
+    default: return run_with_mask<c10::BFloat16>(c, seed, mask_kind, offsets);
+  }
+}
+
+const char* kValues[] = {"float32", "float64", "float16", "bfloat16"};
+const char* kMasks[] = {"bool", "uint8", "float32", "float64", "float16", "bfloat16"};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int cases = argc > 1 ? std::atoi(argv[1]) : 1500;  // ~5 min under the sanitizers on 2 cores
+  const uint64_t seed = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 20261130;
+  rng.seed(seed);
+
+  for (int i = 0; i < cases; ++i) {
+    const bool packed = uniform(0, 3) != 0;
+    // B up to several fix-up blocks (64 segments each) in one case in eight.
+    const Case c = random_case(packed, uniform(0, 7) == 0 ? 5 * lossagg::cuda::kSegmentsPerBlock : 40);
+    const int vk = static_cast<int>(uniform(0, 3)), mk = static_cast<int>(uniform(0, 5)), ok = static_cast<int>(uniform(0, 1));
+    case_name = "case " + std::to_string(i) + ": B=" + std::to_string(c.B) + " K=" + std::to_string(c.K) + " T=" + std::to_string(c.T) +
+        (packed ? (ok ? " packed64" : " packed32") : " padded row_len=" + std::to_string(c.row_len)) + " values=" + kValues[vk] +
+        " mask=" + kMasks[mk] + " phases=" + std::to_string(c.values_phase) + "/" + std::to_string(c.mask_phase);
+    run_any(c, seed + i, vk, mk, ok);
+  }
+
+  // Invalid tables, every defect, with the device checks off.
+  for (int i = 0; i < 200; ++i) {
+    Case c = random_case(true, 150);
+    if (c.B < 2) {
+      c = random_case(true, 150);
+      if (c.B < 2) {
+        continue;
+      }
+    }
+    const int defect = i % 4;
+    case_name = "bad table " + std::to_string(i) + ": defect " + std::to_string(defect) + " B=" + std::to_string(c.B) + " T=" + std::to_string(c.T);
+    if (i % 2) {
+      run_bad_table_case<float, BoolMask, int32_t>(c, defect);
+    } else {
+      run_bad_table_case<c10::BFloat16, float, int64_t>(c, defect);
+    }
+  }
+
+  // More metrics than the gridDim.y limit (lowered for this build, see CMakeLists.txt):
+  // the kernels loop over the rest, forward and backward.
+  {
+    Case c;
+    c.K = lossagg::cuda::kMaxGridY + 3;
+    c.B = 2;
+    c.cu = {0, 2, 3};
+    c.T = 3;
+    case_name = "K beyond gridDim.y";
+    Inputs<float, BoolMask, int32_t> in(c);
+    std::vector<double> ref, abs;
+    reference_sums(c, in.v64, in.m64, ref, abs);
+    std::vector<float> out(static_cast<size_t>(c.K * c.B), 12345.0f);
+    HostDevice dev;
+    lossagg::cuda::launch_segment_sum<float>(dev, in.layout(c), in.segments(c), in.values.data, in.mask.data, out.data());
+    bool ok = true;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      ok = ok && close(out[i], ref[i], abs[i], 2e-6);
+    }
+    expect(ok, "segment_sum with K beyond gridDim.y matches the reference");
+    std::vector<float> g(static_cast<size_t>(c.K * c.B), 1.5f);
+    std::vector<float> grad(static_cast<size_t>(c.K * c.T), 12345.0f);
+    HostDevice dev2;
+    lossagg::cuda::launch_expand<float, float>(dev2, in.layout(c), in.segments(c), grad.data(), in.mask.data, lossagg::cuda::SegmentGrad<float>{g.data(), c.B});
+    bool gok = true;
+    for (int64_t k = 0; k < c.K; ++k) {
+      for (int64_t t = 0; t < c.T; ++t) {
+        gok = gok && grad[k * c.T + t] == (in.m64[t] != 0.0 ? 1.5f : 0.0f);
+      }
+    }
+    expect(gok, "segment_sum_backward with K beyond gridDim.y writes every metric");
+  }
+
+  std::printf("cuda_host: %d passed, %d failed\n", passed, failed);
+  return failed == 0 ? 0 : 1;
+}
