@@ -6,8 +6,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 min=$(sed -n 's/^requires-python = ">=\([0-9.]*\)"/\1/p' pyproject.toml)
 py=""
-for cand in "${LOSSAGG_MIN_PYTHON:-}" "python$min" "$HOME"/.pyenv/versions/"$min".*/bin/python; do
-  if [ -n "$cand" ] && command -v "$cand" >/dev/null 2>&1; then py=$(command -v "$cand"); break; fi
+for cand in "${LOSSAGG_MIN_PYTHON:-}" "$HOME"/.pyenv/versions/"$min".*/bin/python "python$min"; do
+  # a pyenv shim may exist and still refuse to run: try it
+  if [ -n "$cand" ] && command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys' >/dev/null 2>&1; then
+    py=$(command -v "$cand"); break
+  fi
 done
 if [ -z "$py" ]; then
   echo "min-python: no Python $min interpreter found (set LOSSAGG_MIN_PYTHON): not checked"
