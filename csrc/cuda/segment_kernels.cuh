@@ -376,7 +376,7 @@ __global__ void __launch_bounds__(kThreads) segment_sum_fixup_kernel(
       for (int i = 0; i < kSegmentsPerBlock; ++i) {
         block_total += weighted[i];
       }
-      block_sums[blockIdx.x] = block_total;
+      block_sums[blockIdx.x] = table_bad ? quiet_nan<acc_t>() : block_total;  // also when B == 0
       __threadfence();
       const unsigned int done = atomicAdd(counter, 1u);
       is_last_block = done == gridDim.x - 1;
