@@ -183,16 +183,24 @@ void check_cu_seqlens_data(const char* op, const std::optional<at::Tensor>& cu_s
       layout.num_tokens, ", got ", p[n - 1]);
 }
 
-void check_sample_denoms_data(const char* op, const at::Tensor& sample_denoms) {
+void check_sample_denoms_data(const char* op, const at::Tensor& sample_denoms, c10::ScalarType values_dtype) {
   if (!wants_data_checks(sample_denoms)) {
     return;
   }
-  const at::Tensor d = sample_denoms.to(at::kCPU, at::kDouble).contiguous();
-  const double* p = d.const_data_ptr<double>();
-  for (int64_t i = 0; i < d.size(0); ++i) {
+  // The kernels divide in the accumulation dtype: check the values they divide by.
+  const c10::ScalarType acc = values_dtype == c10::kDouble ? c10::kDouble : c10::kFloat;
+  const at::Tensor given = sample_denoms.to(at::kCPU, at::kDouble).contiguous();
+  const at::Tensor used = sample_denoms.to(at::kCPU, acc).to(at::kDouble).contiguous();
+  const double* p = given.const_data_ptr<double>();
+  const double* q = used.const_data_ptr<double>();
+  for (int64_t i = 0; i < given.size(0); ++i) {
     TORCH_CHECK_VALUE(
-        std::isfinite(p[i]) && p[i] > 0.0, "lossagg.", op,
-        ": sample_denoms must be finite and > 0, got sample_denoms[", i, "] = ", p[i]);
+        std::isfinite(p[i]) && p[i] > 0.0, "lossagg.", op, ": sample_denoms must be finite and > 0, got sample_denoms[", i,
+        "] = ", p[i]);
+    TORCH_CHECK_VALUE(
+        std::isfinite(q[i]) && q[i] > 0.0, "lossagg.", op, ": sample_denoms[", i, "] = ", p[i], " is ", q[i], " in ", acc,
+        ", the dtype the division happens in for ", values_dtype,
+        " values; it must be finite and > 0 there (rescale the denominators or use float64 values)");
   }
 }
 
@@ -213,7 +221,7 @@ TokenLayout check_reduce_inputs(
   const TokenLayout layout = check_token_layout("reduce", values, mask, cu_seqlens, /*allow_metric_dim=*/false);
   check_sample_denoms("reduce", sample_denoms, layout, values);
   check_cu_seqlens_data("reduce", cu_seqlens, layout);
-  check_sample_denoms_data("reduce", sample_denoms);
+  check_sample_denoms_data("reduce", sample_denoms, values.scalar_type());
   return layout;
 }
 
@@ -221,7 +229,8 @@ TokenLayout check_reduce_backward_inputs(
     const at::Tensor& grad,
     const at::Tensor& mask,
     const std::optional<at::Tensor>& cu_seqlens,
-    const at::Tensor& sample_denoms) {
+    const at::Tensor& sample_denoms,
+    c10::ScalarType values_dtype) {
   const char* op = "reduce_backward";
   TORCH_CHECK_VALUE(
       grad.dim() == 0, "lossagg.", op, ": grad must be a 0-dim tensor, got shape ", grad.sizes());
@@ -232,7 +241,7 @@ TokenLayout check_reduce_backward_inputs(
   check_sample_denoms(op, sample_denoms, layout, mask);
   check_same_device(op, "grad", grad, mask, "mask");
   check_cu_seqlens_data(op, cu_seqlens, layout);
-  check_sample_denoms_data(op, sample_denoms);
+  check_sample_denoms_data(op, sample_denoms, values_dtype);
   return layout;
 }
 

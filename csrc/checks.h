@@ -46,7 +46,8 @@ TokenLayout check_reduce_backward_inputs(
     const at::Tensor& grad,
     const at::Tensor& mask,
     const std::optional<at::Tensor>& cu_seqlens,
-    const at::Tensor& sample_denoms);
+    const at::Tensor& sample_denoms,
+    c10::ScalarType values_dtype);
 TokenLayout check_segment_sum_backward_inputs(
     const at::Tensor& grad,
     const at::Tensor& mask,
@@ -57,6 +58,6 @@ void check_sample_denoms(const char* op, const at::Tensor& sample_denoms, const 
 // Data checks: run always for CPU tensors, for CUDA tensors only when
 // device_checks_enabled() (they copy to the host and synchronise).
 void check_cu_seqlens_data(const char* op, const std::optional<at::Tensor>& cu_seqlens, const TokenLayout& layout);
-void check_sample_denoms_data(const char* op, const at::Tensor& sample_denoms);
+void check_sample_denoms_data(const char* op, const at::Tensor& sample_denoms, c10::ScalarType values_dtype);
 
 }  // namespace lossagg

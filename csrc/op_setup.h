@@ -83,8 +83,9 @@ inline TokenCall reduce_backward_call(
     const at::Tensor& grad,
     const at::Tensor& mask,
     const std::optional<at::Tensor>& cu_seqlens,
-    const at::Tensor& sample_denoms) {
-  return make_call(check_reduce_backward_inputs(grad, mask, cu_seqlens, sample_denoms), at::Tensor(), mask, cu_seqlens);
+    const at::Tensor& sample_denoms,
+    c10::ScalarType values_dtype) {
+  return make_call(check_reduce_backward_inputs(grad, mask, cu_seqlens, sample_denoms, values_dtype), at::Tensor(), mask, cu_seqlens);
 }
 
 }  // namespace lossagg

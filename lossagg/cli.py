@@ -79,7 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(f"lossagg {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # never a traceback from the command line: one line, exit 1
+        from lossagg.config.errors import short_repr
+
+        print(f"lossagg {args.command}: {type(exc).__name__}: {short_repr(str(exc), 300, quote=False)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -11,11 +11,19 @@ from __future__ import annotations
 
 import torch
 
+from lossagg.layout import check_cu_seqlens
+
+
+def _check_int(name: str, value, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    return value
+
 
 def zigzag_chunk_sizes(cu_seqlens: torch.Tensor, cp_size: int) -> torch.Tensor:
     """Chunk size of each sequence: ceil(len / (2 cp)) (sequences padded to a multiple of 2 cp)."""
-    if cp_size < 1:
-        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    _check_int("cp_size", cp_size, 1)
+    check_cu_seqlens(cu_seqlens)
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     return (lengths + 2 * cp_size - 1) // (2 * cp_size)
 
@@ -34,8 +42,9 @@ def zigzag_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> to
     Sequence i is padded to ``2 cp c_i`` tokens and cut into ``2 cp`` chunks of ``c_i``;
     rank r holds chunks r and ``2 cp - 1 - r``.
     """
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank}")
+    _check_int("cp_size", cp_size, 1)
+    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must be an integer in [0, {cp_size}), got {cp_rank!r}")
     chunks = zigzag_chunk_sizes(cu_seqlens, cp_size)
     starts = cu_seqlens[:-1].long()
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
@@ -51,6 +60,9 @@ def zigzag_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> to
 
 def zigzag_shard(x: torch.Tensor, cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int, pad_value=0) -> torch.Tensor:
     """This CP rank's tokens of a packed tensor (tokens on the last dim), padding filled with ``pad_value``."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise TypeError(f"x must be a tensor with tokens on its last dimension, got {type(x).__name__}")
+    check_cu_seqlens(cu_seqlens, x.shape[-1])
     pos = zigzag_positions(cu_seqlens, cp_size, cp_rank).to(x.device)
     gathered = x.index_select(-1, pos.clamp(min=0))
     pad = torch.full((), pad_value, dtype=x.dtype, device=x.device)

@@ -16,9 +16,20 @@ import torch
 from lossagg.modes import DenomInputs, StepTotals, mode_spec
 
 
+def _as_tensor(name: str, value, what: str, device=None) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value if device is None else value.to(device)
+    try:
+        return torch.as_tensor(value, device=device)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__}") from None
+
+
 def check_token_counts(token_counts) -> torch.Tensor:
-    """``M[i]`` as a float64 ``[N]`` tensor; finite and >= 0."""
-    counts = torch.as_tensor(token_counts)
+    """``M[i]`` as a float64 ``[N]`` tensor; real, finite and >= 0."""
+    counts = _as_tensor("token_counts", token_counts, "a 1-D tensor of per-sample token counts")
+    if counts.is_complex() or counts.dtype == torch.bool:
+        raise TypeError(f"token_counts must hold real numbers (token counts), got dtype {counts.dtype}")
     if counts.dim() != 1:
         raise ValueError(f"token_counts must be a 1-D [N] tensor of per-sample token counts, got shape {tuple(counts.shape)}")
     if counts.is_floating_point() and not torch.isfinite(counts).all():
@@ -35,7 +46,9 @@ def check_group_index(group_index, num_samples: int, device=None) -> torch.Tenso
             "group_index is required under mode=prompt_mean: every sample needs the index of its prompt group "
             "(samples without one are never grouped silently)"
         )
-    group_index = torch.as_tensor(group_index, device=device)
+    group_index = _as_tensor(
+        "group_index", group_index, "a 1-D tensor of integer prompt-group indices (map prompt ids such as strings to integers first)", device
+    )
     if group_index.dim() != 1 or group_index.shape[0] != num_samples:
         raise ValueError(f"group_index must be a 1-D tensor with one entry per sample (N = {num_samples}), got shape {tuple(group_index.shape)}")
     if group_index.is_floating_point() or group_index.is_complex() or group_index.dtype == torch.bool:

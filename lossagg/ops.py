@@ -69,42 +69,119 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _num_segments(values_token_shape, cu_seqlens):
+# ---------------------------------------------------------------------- fake kernels
+# The fakes (meta tensors, torch.compile) check what the native kernels check without
+# reading data: dtypes, shapes, devices, with the same messages; so a mistake is named
+# at trace time instead of surfacing as a backend failure or an uninitialised result.
+_VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_MASK_DTYPES = (torch.bool, torch.uint8, *_VALUE_DTYPES)
+
+
+def _fail(kind, op: str, message: str):
+    raise kind(f"lossagg.{op}: {message}")
+
+
+def _check_device(op, name, t, like, like_name):
+    if t.device != like.device:
+        _fail(ValueError, op, f"{name} must be on the same device as {like_name} ({like.device}), got {t.device}")
+
+
+def _check_cu_seqlens(op, cu_seqlens, like):
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        _fail(TypeError, op, f"cu_seqlens must have dtype int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
+        _fail(ValueError, op, f"cu_seqlens must be a 1-D [B+1] tensor with at least one element, got shape {tuple(cu_seqlens.shape)}")
+    _check_device(op, "cu_seqlens", cu_seqlens, like, "the token tensors")
+
+
+def _check_mask_dtype(op, mask):
+    if mask.dtype not in _MASK_DTYPES:
+        _fail(TypeError, op, f"mask must have dtype bool, uint8 or a floating dtype, got {mask.dtype}")
+
+
+def _token_layout(op, values, mask, cu_seqlens, allow_metric_dim):
+    """(B, has_metric_dim) of a forward call, checked."""
+    if values.dtype not in _VALUE_DTYPES:
+        _fail(TypeError, op, f"values must have dtype float32, bfloat16, float16 or float64, got {values.dtype}")
+    _check_mask_dtype(op, mask)
+    _check_device(op, "mask", mask, values, "values")
+    token_dims = 1 if cu_seqlens is not None else 2
+    if values.dim() != token_dims and not (allow_metric_dim and values.dim() == token_dims + 1):
+        layout = "packed (cu_seqlens given): [T] or [K, T]" if cu_seqlens is not None else "padded (cu_seqlens None): [B, T] or [K, B, T]"
+        _fail(ValueError, op, f"values has shape {list(values.shape)}, which does not fit the {layout} layout")
+    has_k = values.dim() == token_dims + 1
+    token_shape = tuple(values.shape[1:] if has_k else values.shape)
+    if tuple(mask.shape) != token_shape:
+        _fail(ValueError, op, f"mask must have the token shape of values {list(token_shape)}, got shape {list(mask.shape)}")
     if cu_seqlens is not None:
-        torch._check(cu_seqlens.dim() == 1, lambda: "cu_seqlens must be a 1-D [B+1] tensor")
+        _check_cu_seqlens(op, cu_seqlens, values)
+        return cu_seqlens.shape[0] - 1, has_k
+    return token_shape[0], has_k
+
+
+def _mask_layout(op, mask, cu_seqlens):
+    """B of a backward call, checked."""
+    _check_mask_dtype(op, mask)
+    if cu_seqlens is not None:
+        if mask.dim() != 1:
+            _fail(ValueError, op, f"mask must be [T] when cu_seqlens is given (packed layout), got shape {list(mask.shape)}")
+        _check_cu_seqlens(op, cu_seqlens, mask)
         return cu_seqlens.shape[0] - 1
-    return values_token_shape[0]
+    if mask.dim() != 2:
+        _fail(ValueError, op, f"mask must be [B, T] when cu_seqlens is None (padded layout), got shape {list(mask.shape)}")
+    return mask.shape[0]
+
+
+def _check_sample_denoms(op, sample_denoms, num_segments, like):
+    if not sample_denoms.dtype.is_floating_point:
+        _fail(TypeError, op, f"sample_denoms must have a floating dtype, got {sample_denoms.dtype}")
+    if sample_denoms.dim() != 1 or sample_denoms.shape[0] != num_segments:
+        _fail(
+            ValueError,
+            op,
+            f"sample_denoms must be a 1-D tensor of length B = {num_segments} (one denominator per sample), got shape {list(sample_denoms.shape)}",
+        )
+    _check_device(op, "sample_denoms", sample_denoms, like, "the token tensors")
 
 
 @torch.library.register_fake("lossagg::segment_sum")
 def _segment_sum_fake(values, mask, cu_seqlens):
-    token_dims = 1 if cu_seqlens is not None else 2
-    torch._check(
-        values.dim() in (token_dims, token_dims + 1),
-        lambda: f"lossagg.segment_sum: values has an unexpected shape {tuple(values.shape)}",
-    )
-    has_k = values.dim() == token_dims + 1
-    b = _num_segments(values.shape[1:] if has_k else values.shape, cu_seqlens)
+    b, has_k = _token_layout("segment_sum", values, mask, cu_seqlens, allow_metric_dim=True)
     shape = (values.shape[0], b) if has_k else (b,)
     return values.new_empty(shape, dtype=_acc_dtype(values.dtype))
 
 
 @torch.library.register_fake("lossagg::segment_sum_backward")
 def _segment_sum_backward_fake(grad, mask, cu_seqlens, values_dtype):
+    op = "segment_sum_backward"
+    if grad.dim() not in (1, 2):
+        _fail(ValueError, op, f"grad must be [B] or [K, B], got shape {list(grad.shape)}")
+    b = _mask_layout(op, mask, cu_seqlens)
+    if grad.shape[-1] != b:
+        _fail(ValueError, op, f"grad must have B = {b} entries in its last dimension, got shape {list(grad.shape)}")
+    _check_device(op, "grad", grad, mask, "mask")
     shape = (grad.shape[0], *mask.shape) if grad.dim() == 2 else tuple(mask.shape)
     return mask.new_empty(shape, dtype=values_dtype)
 
 
 @torch.library.register_fake("lossagg::reduce")
 def _reduce_fake(values, mask, cu_seqlens, sample_denoms):
+    b, _ = _token_layout("reduce", values, mask, cu_seqlens, allow_metric_dim=False)
+    _check_sample_denoms("reduce", sample_denoms, b, values)
     return values.new_empty((), dtype=_acc_dtype(values.dtype))
 
 
 @torch.library.register_fake("lossagg::reduce_backward")
 def _reduce_backward_fake(grad, mask, cu_seqlens, sample_denoms, values_dtype):
+    op = "reduce_backward"
+    if grad.dim() != 0:
+        _fail(ValueError, op, f"grad must be a 0-dim tensor, got shape {list(grad.shape)}")
+    b = _mask_layout(op, mask, cu_seqlens)
+    _check_sample_denoms(op, sample_denoms, b, mask)
+    _check_device(op, "grad", grad, mask, "mask")
     return mask.new_empty(mask.shape, dtype=values_dtype)
 
 
-# Autograd of reduce and segment_sum is registered in C++ (csrc/autograd.cpp) under the
-# Autograd key, so libtorch users get it too and a step pays no Python round trip; the
-# backward ops it calls have the fake kernels above.
+# Autograd of every op is registered in C++ (csrc/autograd.cpp) under the Autograd key,
+# so libtorch users get it too and a step pays no Python round trip; the backward ops
+# are differentiable in their incoming gradient (exact double backward).

@@ -16,7 +16,7 @@ only, and token counts from the full (unsharded) rollout masks (see
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -61,6 +61,12 @@ class StepPlan:
         if num_groups is not None:
             warnings.warn("StepPlan(num_groups=) is renamed num_group_labels=", DeprecationWarning, stacklevel=2)
             num_group_labels = num_groups if num_group_labels is None else num_group_labels
+        if num_group_labels is not None and (isinstance(num_group_labels, bool) or not isinstance(num_group_labels, int) or num_group_labels < 1):
+            raise ValueError(f"num_group_labels must be an integer >= 1, got {num_group_labels!r}")
+        if isinstance(config, Mapping):
+            config = LossAggregationConfig.from_dict(config)
+        if not isinstance(config, LossAggregationConfig):
+            raise TypeError(f"config must be a LossAggregationConfig (or a mapping of its settings), got {type(config).__name__}")
         self.config = config
         self.token_counts = check_token_counts(token_counts)
         self.device = self.token_counts.device
@@ -140,8 +146,42 @@ class StepPlan:
     # ------------------------------------------------------------------- use
     def sample_denoms_for(self, samples: Samples, *, dtype=torch.float32, device=None) -> torch.Tensor:
         """``sample_denoms`` of a micro-batch, given its samples' positions among this rank's samples."""
-        d = self.sample_denoms[_select(samples, self.device)]
+        d = self.sample_denoms[self._positions(samples)]
         return d.to(dtype=dtype, device=device or self.device)
+
+    def _positions(self, samples: Samples) -> torch.Tensor:
+        """Positions among this rank's samples: integers in [0, n_local), a slice, or a bool selection of length n_local."""
+        n = self.token_counts.shape[0]
+        if isinstance(samples, slice):
+            return torch.arange(n, device=self.device)[samples]
+        if isinstance(samples, (int, bool)) or (isinstance(samples, torch.Tensor) and samples.dim() == 0):
+            raise TypeError("samples must be a 1-D selection of this rank's samples (integer positions, a slice or a bool mask), got a scalar")
+        try:
+            pos = samples.to(self.device) if isinstance(samples, torch.Tensor) else torch.as_tensor(samples, device=self.device)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"samples must be integer positions, a slice or a bool selection, got {type(samples).__name__}") from None
+        if pos.dim() != 1:
+            raise ValueError(f"samples must be 1-D, got shape {tuple(pos.shape)}")
+        if pos.dtype == torch.bool:
+            if pos.shape[0] != n:
+                raise ValueError(f"samples as a bool selection must have one entry per sample of this rank ({n}), got {pos.shape[0]}")
+            return torch.nonzero(pos).flatten()
+        if pos.numel() == 0:
+            return pos.to(torch.long)
+        if pos.is_floating_point() or pos.is_complex():
+            raise TypeError(f"samples must hold integer positions, got dtype {pos.dtype}")
+        lo, hi = int(pos.min()), int(pos.max())
+        if lo < 0 or hi >= n:
+            raise ValueError(f"samples must be positions in [0, {n}) among this rank's samples, got values in [{lo}, {hi}]")
+        return pos.to(torch.long)
+
+    def _micro_batch_denoms(self, samples: Samples, mask: torch.Tensor, cu_seqlens, device) -> torch.Tensor:
+        d = self.sample_denoms_for(samples, dtype=torch.float64, device=device)
+        b = (cu_seqlens.shape[0] - 1 if cu_seqlens.dim() == 1 else -1) if isinstance(cu_seqlens, torch.Tensor) else mask.shape[0]
+        if b >= 0 and d.shape[0] != b:
+            layout = "cu_seqlens has" if cu_seqlens is not None else "the padded mask has"
+            raise ValueError(f"samples selects {d.shape[0]} sample(s) but {layout} {b}: one position per sample of the micro-batch")
+        return d
 
     def denoms(self, samples: Samples, *, dtype=torch.float32, device=None) -> torch.Tensor:
         """Deprecated name of :meth:`sample_denoms_for`."""
@@ -156,7 +196,7 @@ class StepPlan:
         cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """This micro-batch's contribution to J (on this CP rank's tokens, if sharded)."""
-        d = self.sample_denoms_for(samples, dtype=torch.float64, device=per_token_loss.device)
+        d = self._micro_batch_denoms(samples, mask, cu_seqlens, per_token_loss.device)
         return reduce(per_token_loss, mask, cu_seqlens=cu_seqlens, sample_denoms=d)
 
     def metrics(
@@ -175,17 +215,18 @@ class StepPlan:
         names = list(metrics)
         if not names:
             return {}
+        for k in names:
+            if not isinstance(metrics[k], torch.Tensor) or tuple(metrics[k].shape) != tuple(mask.shape):
+                got = tuple(metrics[k].shape) if isinstance(metrics[k], torch.Tensor) else type(metrics[k]).__name__
+                raise ValueError(f"metric {k!r} must have the token shape of mask {tuple(mask.shape)}, got {got}")
         stacked = torch.stack([metrics[k].detach() for k in names])
         sums = segment_sum(stacked, mask, cu_seqlens)
-        d = self.metric_denoms[_select(samples, self.device)].to(sums.device, torch.float64)
+        positions = self._positions(samples)
+        if positions.shape[0] != sums.shape[-1]:
+            raise ValueError(f"samples selects {positions.shape[0]} sample(s) but the micro-batch holds {sums.shape[-1]}")
+        d = self.metric_denoms[positions].to(sums.device, torch.float64)
         contrib = (sums.to(torch.float64) / d).sum(-1)
         return {k: contrib[i] for i, k in enumerate(names)}
-
-
-def _select(samples, device):
-    if isinstance(samples, slice):
-        return samples
-    return torch.as_tensor(samples, dtype=torch.long, device=device)
 
 
 def gradient_scale(convention: str, *, dp_size: int = 1, cp_size: int = 1, num_micro_batches: int = 1) -> float:

@@ -11,7 +11,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q --disable-pip-version-check "${LOSSAGG_TORCH_SPEC:-torch==2.14.1}"
 fi
 "$PY" -m pip install -q --disable-pip-version-check \
-  "pydantic>=2.6" "pyyaml>=6" "pytest>=8" "matplotlib>=3.8" ninja "setuptools>=64" wheel \
+  "pydantic>=2.6" "pyyaml>=6" "pytest>=8" "hypothesis>=6" "matplotlib>=3.8" ninja "setuptools>=64" wheel \
   "tomli>=2; python_version < '3.11'"
 
 # Rebuild when a source is newer than the library or the build settings changed.

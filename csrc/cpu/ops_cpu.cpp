@@ -73,7 +73,7 @@ at::Tensor reduce_backward(
     const std::optional<at::Tensor>& cu_seqlens,
     const at::Tensor& sample_denoms,
     at::ScalarType values_dtype) {
-  const TokenCall call = reduce_backward_call(grad, mask, cu_seqlens, sample_denoms);
+  const TokenCall call = reduce_backward_call(grad, mask, cu_seqlens, sample_denoms, values_dtype);
   at::Tensor out = call.new_token_grad(values_dtype);
   const at::ScalarType acc_dtype = acc_scalar_type(values_dtype);
   const at::Tensor denoms = sample_denoms.to(acc_dtype).contiguous();

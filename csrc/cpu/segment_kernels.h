@@ -29,11 +29,12 @@ inline acc_t select_kept(acc_t x, acc_t w) {
 constexpr int kBlock = 64;  // tokens converted per step
 constexpr int kLanes = 16;  // independent accumulators
 
-// x where the bool mask byte b is 1, else +0.0.
+// x where the bool mask byte b is non-zero, else +0.0. Any non-zero byte is true (a bool
+// tensor viewed from uint8 may hold other bytes than 1).
 template <typename acc_t>
 inline acc_t select_bit(acc_t x, uint8_t b) {
   using bits_t = std::conditional_t<sizeof(acc_t) == 8, uint64_t, uint32_t>;
-  return std::bit_cast<acc_t>(static_cast<bits_t>(std::bit_cast<bits_t>(x) & (bits_t(0) - static_cast<bits_t>(b))));
+  return std::bit_cast<acc_t>(static_cast<bits_t>(std::bit_cast<bits_t>(x) & (bits_t(0) - static_cast<bits_t>(b != 0))));
 }
 
 // m[i] * x with masked-out tokens selected away: for bool masks the weight is 1, so the

@@ -75,7 +75,7 @@ at::Tensor reduce_backward(
     const std::optional<at::Tensor>& cu_seqlens,
     const at::Tensor& sample_denoms,
     at::ScalarType values_dtype) {
-  const TokenCall call = reduce_backward_call(grad, mask, cu_seqlens, sample_denoms);
+  const TokenCall call = reduce_backward_call(grad, mask, cu_seqlens, sample_denoms, values_dtype);
   const c10::cuda::CUDAGuard guard(mask.device());
   const at::Tensor d = sample_denoms.contiguous();
   at::Tensor out = call.new_token_grad(values_dtype);

@@ -58,13 +58,14 @@ __device__ __forceinline__ double select_kept(double x, double w) {
       __double_as_longlong(x) & static_cast<long long>(0ull - static_cast<unsigned long long>(w != 0.0)));
 }
 
-// m * x with masked-out tokens selected away (bool masks: no multiply, the weight is 1).
+// m * x with masked-out tokens selected away (bool masks: no multiply, the weight is 1;
+// any non-zero byte is true).
 __device__ __forceinline__ float select_bit(float x, uint8_t b) {
-  return __uint_as_float(__float_as_uint(x) & (0u - static_cast<unsigned>(b)));
+  return __uint_as_float(__float_as_uint(x) & (0u - static_cast<unsigned>(b != 0)));
 }
 __device__ __forceinline__ double select_bit(double x, uint8_t b) {
   return __longlong_as_double(
-      __double_as_longlong(x) & static_cast<long long>(0ull - static_cast<unsigned long long>(b)));
+      __double_as_longlong(x) & static_cast<long long>(0ull - static_cast<unsigned long long>(b != 0)));
 }
 template <typename acc_t, typename mask_t>
 __device__ __forceinline__ acc_t masked_term(acc_t x, mask_t m) {

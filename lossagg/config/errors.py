@@ -16,26 +16,55 @@ class ConfigError(ValueError):
         self.source = source
         where = f"{source}: " if source else ""
         lines = [f"{where}{path}: {msg}" if path else f"{where}{msg}" for path, msg in issues]
-        header = f"invalid loss aggregation config ({len(issues)} error{'s' if len(issues) != 1 else ''})"
-        super().__init__(header + "\n  " + "\n  ".join(lines))
+        if len(lines) == 1:  # one problem: one line
+            super().__init__(f"invalid loss aggregation config: {lines[0]}")
+        else:
+            header = f"invalid loss aggregation config ({len(issues)} errors)"
+            super().__init__(header + "\n  " + "\n  ".join(lines))
+
+
+MAX_QUOTED = 80  # characters of a user's value quoted in a message
+
+
+def short_repr(value: Any, limit: int = MAX_QUOTED, quote: bool = True) -> str:
+    """``repr(value)`` (or the string itself) cut to ``limit`` characters, without building
+    the repr of a huge or deeply nested value."""
+    if isinstance(value, (dict, list, tuple, set)) and len(value) > 8:
+        return f"<{type(value).__name__} of {len(value)} items>"
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
+        return f"<an integer of {value.bit_length()} bits>"
+    try:
+        text = repr(value) if quote else str(value)
+    except (RecursionError, ValueError):
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def did_you_mean(name: Any, candidates: Iterable[Any]) -> str:
-    """`` (did you mean 'x'?)`` for a close candidate, else ``""``."""
-    close = difflib.get_close_matches(str(name), [str(c) for c in candidates], n=1, cutoff=0.6)
+    """`` (did you mean 'x'?)`` for a close candidate, else ``""``; only for short strings."""
+    if not isinstance(name, str) or len(name) > 64:
+        return ""
+    close = difflib.get_close_matches(name, [c for c in candidates if isinstance(c, str)], n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def issues_from_validation(exc, *, fields: Iterable[str], modes: Iterable[str], migration_names: Iterable[str]) -> list[tuple[str, str]]:
-    """(path, message) for each error of a pydantic ``ValidationError`` of the config model."""
+def issues_from_validation(
+    exc, *, fields: Iterable[str], modes: Iterable[str], migration_names: Iterable[str], invalid: Iterable[str] = ()
+) -> list[tuple[str, str]]:
+    """(path, message) for each error of a pydantic ``ValidationError`` of the config model.
+
+    Cross-field problems that depend on a setting in ``invalid`` are left out: they would
+    be judged against a default standing in for the user's invalid value.
+    """
+    invalid = set(invalid)
     fields, modes, migration_names = list(fields), list(modes), sorted(migration_names)
     issues: list[tuple[str, str]] = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
+        loc = ".".join(short_repr(p, quote=False) for p in err["loc"])
         ctx = err.get("ctx") or {}
         kind = err["type"]
         if kind == "loss_aggregation_rules":
-            issues.extend((p, m) for p, m in ctx["problems"])
+            issues.extend((p, m) for p, m, depends in ctx["problems"] if not invalid & set(depends))
         elif kind == "refused_mode":
             issues.append(("mode", err["msg"]))
         elif kind == "extra_forbidden":
@@ -44,12 +73,12 @@ def issues_from_validation(exc, *, fields: Iterable[str], modes: Iterable[str], 
             issues.append(
                 (
                     "mode",
-                    f"unknown mode {err['input']!r}{did_you_mean(err['input'], modes + migration_names)}; expected one of "
+                    f"unknown mode {short_repr(err['input'])}{did_you_mean(err['input'], modes + migration_names)}; expected one of "
                     f"{', '.join(modes)} (or a migration name: {', '.join(migration_names)})",
                 )
             )
         elif kind == "bool_type" and isinstance(err.get("input"), str):
-            issues.append((loc, f"expected a boolean (true/false, unquoted), got the string {err['input']!r}"))
+            issues.append((loc, f"expected a boolean (true/false, unquoted), got the string {short_repr(err['input'])}"))
         else:
-            issues.append((loc, f"{err['msg']}, got {err.get('input')!r}"))
+            issues.append((loc, f"{err['msg']}, got {short_repr(err.get('input'))}"))
     return issues

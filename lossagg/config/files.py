@@ -1,17 +1,26 @@
 """Reading a config from a JSON, YAML or TOML file, optionally one (dotted) section of a
-larger training config."""
+larger training config.
+
+Bounded work whatever the file holds: at most :data:`MAX_FILE_BYTES` are read (so
+``/dev/zero`` or a huge file is refused before parsing), the parsed structure may hold at
+most :data:`MAX_NODES` values nested at most :data:`MAX_DEPTH` deep (YAML aliases are
+counted where they are used, so an alias bomb is refused), and a key given twice in one
+mapping is an error in every format. Every problem is a :class:`ConfigError` naming the
+file: never a Python traceback.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 from collections.abc import Mapping
 from typing import Any
 
 import yaml
 
-from lossagg.config.errors import ConfigError, did_you_mean
+from lossagg.config.errors import ConfigError, did_you_mean, short_repr
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -21,28 +30,106 @@ else:  # Python 3.10: the same parser, from PyPI
 EXTENSIONS = (".json", ".yaml", ".yml", ".toml")
 #: The section used when the caller names none and the file has it.
 DEFAULT_SECTION = "loss_aggregation"
+MAX_FILE_BYTES = 4 * 1024 * 1024
+MAX_DEPTH = 64
+MAX_NODES = 200_000
+
+
+def _open_bounded(path: str) -> bytes:
+    """The file's bytes, refusing what is not a readable regular file of a sane size."""
+    try:
+        st = os.stat(path)  # follows links; a loop raises ELOOP
+    except FileNotFoundError:
+        raise ConfigError([("", "file not found")], path) from None
+    except OSError as exc:
+        raise ConfigError([("", f"cannot read the file: {exc.strerror or exc}")], path) from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ConfigError([("", "is a directory; expected a .json, .yaml/.yml or .toml file")], path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError([("", f"cannot read the file: {exc.strerror or exc}")], path) from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise ConfigError([("", f"the file is larger than {MAX_FILE_BYTES // (1024 * 1024)} MiB; a loss aggregation config is a few lines")], path)
+    return raw
+
+
+def _no_duplicate_pairs(pairs):
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key):
+        super().__init__(f"the key {short_repr(key)} is given twice in one mapping")
+
+
+class _StrictYamlLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                hashable = hash(key) is not None
+            except TypeError:
+                hashable = False
+            if hashable and key in seen:
+                raise _DuplicateKey(key)
+            if hashable:
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _check_shape(data: Any, path: str) -> None:
+    """Depth and node count of the parsed structure, counting a shared (aliased) node each time it is used."""
+    nodes = 0
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        nodes += 1
+        if nodes > MAX_NODES:
+            raise ConfigError([("", f"the file holds more than {MAX_NODES} values (YAML aliases count where used)")], path)
+        if depth > MAX_DEPTH:
+            raise ConfigError([("", f"the file nests deeper than {MAX_DEPTH} levels")], path)
+        if isinstance(value, Mapping):
+            stack.extend((v, depth + 1) for v in value.values())
+            stack.extend((k, depth + 1) for k in value.keys())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((v, depth + 1) for v in value)
+
+
+def _parse(raw: bytes, ext: str) -> Any:
+    if ext == ".json":
+        return json.loads(raw, object_pairs_hook=_no_duplicate_pairs)
+    if ext == ".toml":
+        return tomllib.loads(raw.decode("utf-8"))
+    return yaml.load(raw, Loader=_StrictYamlLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def read_file(path: str) -> Mapping:
     """The top-level mapping of a config file; ConfigError naming the file otherwise."""
-    if not os.path.exists(path):
-        raise ConfigError([("", "file not found")], path)
     ext = os.path.splitext(path)[1].lower()
+    raw = _open_bounded(path)
     if ext not in EXTENSIONS:
-        raise ConfigError([("", f"unknown file type {ext!r}; expected {', '.join(EXTENSIONS)}")], path)
-    with open(path, "rb") as f:
-        raw = f.read()
+        raise ConfigError([("", f"unknown file type {short_repr(ext)}; expected {', '.join(EXTENSIONS)}")], path)
     if not raw.strip():
         raise ConfigError([("", "the file is empty; expected a mapping of loss aggregation settings")], path)
     try:
-        if ext == ".json":
-            data = json.loads(raw)
-        elif ext == ".toml":
-            data = tomllib.loads(raw.decode("utf-8"))
-        else:
-            data = yaml.safe_load(raw)
-    except (json.JSONDecodeError, yaml.YAMLError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError([("", f"cannot parse the file: {exc}")], path) from None
+        data = _parse(raw, ext)
+    except _DuplicateKey as exc:
+        raise ConfigError([("", str(exc))], path) from None
+    except RecursionError:
+        raise ConfigError([("", f"the file nests deeper than the parser can follow (limit {MAX_DEPTH} levels)")], path) from None
+    except (json.JSONDecodeError, yaml.YAMLError, tomllib.TOMLDecodeError, UnicodeDecodeError, ValueError, OverflowError) as exc:
+        raise ConfigError([("", f"cannot parse the file: {short_repr(str(exc), 300, quote=False)}")], path) from None
+    _check_shape(data, path)
     if not isinstance(data, Mapping):
         raise ConfigError([("", f"expected a mapping at the top of the file, got {type(data).__name__}")], path)
     return data
@@ -50,14 +137,20 @@ def read_file(path: str) -> Mapping:
 
 def select_section(data: Mapping, path: str, section: str | None) -> tuple[Any, str]:
     """The settings of ``section`` (dotted) or, without one, of a top-level
-    ``loss_aggregation`` mapping when there is one, else the whole file; and where they came from."""
+    ``loss_aggregation`` entry when there is one (empty means every default), else the
+    whole file; and where they came from."""
     if section:
         for part in section.split("."):
             if not isinstance(data, Mapping) or part not in data:
-                keys = list(data) if isinstance(data, Mapping) else []
+                keys = [k for k in data if isinstance(k, str)] if isinstance(data, Mapping) else []
                 raise ConfigError([(section, f"section not found{did_you_mean(part, keys)}")], path)
             data = data[part]
-        return data, f"{path} [{section}]"
-    if isinstance(data.get(DEFAULT_SECTION), Mapping):
-        return data[DEFAULT_SECTION], f"{path} [{DEFAULT_SECTION}]"
+        return ({} if data is None else data), f"{path} [{section}]"
+    if DEFAULT_SECTION in data:
+        value = data[DEFAULT_SECTION]
+        if value is None:  # `loss_aggregation:` with nothing under it
+            return {}, f"{path} [{DEFAULT_SECTION}]"
+        if not isinstance(value, Mapping):
+            raise ConfigError([(DEFAULT_SECTION, f"expected a mapping of settings, got {type(value).__name__}")], path)
+        return value, f"{path} [{DEFAULT_SECTION}]"
     return data, path

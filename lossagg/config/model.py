@@ -27,7 +27,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
-from lossagg.config.errors import ConfigError, issues_from_validation
+from lossagg.config.errors import ConfigError, issues_from_validation, short_repr
 from lossagg.config.files import read_file, select_section
 from lossagg.modes import DEFAULT_MODE, MODE_NAMES, MODES
 
@@ -117,7 +117,7 @@ class LossAggregationConfig(BaseModel):
         problems = _rule_problems(model, mode)
         if problems:
             raise PydanticCustomError(
-                "loss_aggregation_rules", "{summary}", {"summary": "; ".join(f"{p}: {m}" for p, m in problems), "problems": problems}
+                "loss_aggregation_rules", "{summary}", {"summary": "; ".join(f"{p}: {m}" for p, m, _ in problems), "problems": problems}
             )
         # The resolved settings are validated once more (into the same instance): the mode
         # the legacy flag chose, and the flag derived from the mode (true exactly under token_mean).
@@ -144,6 +144,9 @@ class LossAggregationConfig(BaseModel):
         """Validate a mapping; raises :class:`ConfigError` listing every problem."""
         if not isinstance(data, Mapping):
             raise ConfigError([("", f"expected a mapping of settings, got {type(data).__name__}")], source)
+        odd_keys = [k for k in data if not isinstance(k, str)]
+        if odd_keys:
+            raise ConfigError([("", f"setting names must be strings, got {short_repr(odd_keys[0])}")], source)
         try:
             return cls.model_validate(dict(data))
         except ValidationError as exc:
@@ -156,7 +159,7 @@ class LossAggregationConfig(BaseModel):
             try:
                 cls.model_validate(valid_part)
             except ValidationError as exc:
-                found += [(p, m) for p, m in _issues(exc) if p.split(".")[0] not in bad]
+                found += [(p, m) for p, m in _issues(exc, invalid=bad) if p.split(".")[0] not in bad]
         raise ConfigError(found, source)
 
     @classmethod
@@ -171,9 +174,9 @@ class LossAggregationConfig(BaseModel):
         return cls.from_dict(data, source=where)
 
 
-def _rule_problems(model: LossAggregationConfig, mode) -> list[tuple[str, str]]:
-    """The cross-field rules, on validated fields and the resolved mode."""
-    problems: list[tuple[str, str]] = []
+def _rule_problems(model: LossAggregationConfig, mode) -> list[tuple[str, str, tuple[str, ...]]]:
+    """The cross-field rules, on validated fields and the resolved mode: (path, message, the settings it depends on)."""
+    problems: list[tuple[str, str, tuple[str, ...]]] = []
     spec = MODES[mode.value]
     flag = model.calculate_per_token_loss
     if flag is True and mode.value != _TOKEN_MEAN:
@@ -181,17 +184,25 @@ def _rule_problems(model: LossAggregationConfig, mode) -> list[tuple[str, str]]:
             (
                 "calculate_per_token_loss",
                 f"calculate_per_token_loss=true contradicts mode={mode.value} (it means token_mean); drop the flag or set mode=token_mean",
+                ("mode", "calculate_per_token_loss"),
             )
         )
     elif flag is False and "calculate_per_token_loss" in model.model_fields_set and mode.value == _TOKEN_MEAN:
-        problems.append(("calculate_per_token_loss", "calculate_per_token_loss=false contradicts mode=token_mean; drop the flag"))
+        problems.append(
+            (
+                "calculate_per_token_loss",
+                "calculate_per_token_loss=false contradicts mode=token_mean; drop the flag",
+                ("mode", "calculate_per_token_loss"),
+            )
+        )
     if spec.needs_divisor and model.divisor is None:
-        problems.append(("divisor", f"mode={mode.value} needs divisor (L, a finite number > 0)"))
+        problems.append(("divisor", f"mode={mode.value} needs divisor (L, a finite number > 0)", ("mode", "calculate_per_token_loss", "divisor")))
     elif not spec.needs_divisor and model.divisor is not None:
         problems.append(
             (
                 "divisor",
                 f"divisor is only used with mode={', '.join(m.name for m in MODES.values() if m.needs_divisor)}, got it with mode={mode.value}",
+                ("mode", "calculate_per_token_loss", "divisor"),
             )
         )
     n = model.n_samples_per_prompt
@@ -201,10 +212,11 @@ def _rule_problems(model: LossAggregationConfig, mode) -> list[tuple[str, str]]:
                 "global_batch_size",
                 f"under {mode.value} global_batch_size ({model.global_batch_size}) must be a multiple of "
                 f"n_samples_per_prompt ({model.n_samples_per_prompt}) so that prompt groups stay whole",
+                ("mode", "calculate_per_token_loss", "global_batch_size", "n_samples_per_prompt"),
             )
         )
     return problems
 
 
-def _issues(exc: ValidationError) -> list[tuple[str, str]]:
-    return issues_from_validation(exc, fields=LossAggregationConfig.model_fields, modes=MODE_NAMES, migration_names=MIGRATION_NAMES)
+def _issues(exc: ValidationError, invalid=()) -> list[tuple[str, str]]:
+    return issues_from_validation(exc, fields=LossAggregationConfig.model_fields, modes=MODE_NAMES, migration_names=MIGRATION_NAMES, invalid=invalid)

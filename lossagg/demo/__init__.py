@@ -28,6 +28,26 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="a config file; its mode's run uses it (lossagg check format)")
 
 
+def _check_demo_args(args) -> str | None:
+    """What is wrong with the demo's options, if anything (one line)."""
+    import math
+
+    for flag, value, least in (
+        ("--steps", args.steps, 1),
+        ("--prompts-per-step", args.prompts_per_step, 1),
+        # group-relative advantages need at least two samples per prompt (a std of one is NaN)
+        ("--n-samples-per-prompt", args.n_samples_per_prompt, 2),
+        ("--micro-batches", args.micro_batches, 1),
+    ):
+        if value < least:
+            return f"{flag} must be >= {least}, got {value}"
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        return f"--lr must be a finite number > 0, got {args.lr}"
+    if not (math.isfinite(args.clip) and args.clip >= 0):
+        return f"--clip must be a finite number >= 0, got {args.clip}"
+    return None
+
+
 def _progress_printer(total: int, start: float):
     tty = sys.stdout.isatty()
     done = [0]
@@ -66,10 +86,19 @@ def run_demo(args) -> int:
         # the groups the demo samples must be the config's groups
         if args.config_obj.n_samples_per_prompt is not None:
             args.n_samples_per_prompt = args.config_obj.n_samples_per_prompt
-    if args.steps < 1:
-        print("--steps must be >= 1", file=sys.stderr)
+    problem = _check_demo_args(args)
+    if problem:
+        print(f"lossagg demo: {problem}", file=sys.stderr)
         return 2
-    os.makedirs(args.out, exist_ok=True)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+        probe = os.path.join(args.out, ".lossagg-write-test")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as exc:
+        print(f"lossagg demo: --out {args.out!r} is not a writable folder ({exc.strerror or exc})", file=sys.stderr)
+        return 2
     torch.set_num_threads(1)
     start = time.perf_counter()
     progress = _progress_printer(args.steps * len(args.modes), start)
