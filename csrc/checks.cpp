@@ -26,7 +26,8 @@ std::atomic<bool>& device_checks_flag() {
 }
 
 bool is_mask_dtype(c10::ScalarType t) {
-  return t == c10::kBool || t == c10::kByte || c10::isFloatingType(t);
+  return t == c10::kBool || t == c10::kByte || t == c10::kChar || t == c10::kShort || t == c10::kInt || t == c10::kLong ||
+      t == c10::kFloat || t == c10::kDouble || t == c10::kHalf || t == c10::kBFloat16;
 }
 
 bool is_values_dtype(c10::ScalarType t) {
@@ -83,7 +84,7 @@ TokenLayout check_token_layout(
       "lossagg.", op, ": values must have dtype float32, bfloat16, float16 or float64, got ", values.scalar_type());
   TORCH_CHECK_TYPE(
       is_mask_dtype(mask.scalar_type()),
-      "lossagg.", op, ": mask must have dtype bool, uint8 or a floating dtype, got ", mask.scalar_type());
+      "lossagg.", op, ": mask must have dtype bool, an integer dtype (uint8, int8/16/32/64) or a floating dtype, got ", mask.scalar_type());
   check_same_device(op, "mask", mask, values, "values");
 
   TokenLayout layout{};
@@ -131,7 +132,7 @@ TokenLayout check_mask_layout(
     bool has_metric_dim) {
   TORCH_CHECK_TYPE(
       is_mask_dtype(mask.scalar_type()),
-      "lossagg.", op, ": mask must have dtype bool, uint8 or a floating dtype, got ", mask.scalar_type());
+      "lossagg.", op, ": mask must have dtype bool, an integer dtype (uint8, int8/16/32/64) or a floating dtype, got ", mask.scalar_type());
   TokenLayout layout{};
   layout.packed = cu_seqlens.has_value();
   layout.has_metric_dim = has_metric_dim;

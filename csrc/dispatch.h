@@ -46,6 +46,14 @@ void dispatch_mask_dtype(c10::ScalarType t, F&& f) {
       return f(type_tag<BoolMask>{});
     case c10::kByte:
       return f(type_tag<uint8_t>{});
+    case c10::kChar:
+      return f(type_tag<int8_t>{});
+    case c10::kShort:
+      return f(type_tag<int16_t>{});
+    case c10::kInt:
+      return f(type_tag<int32_t>{});
+    case c10::kLong:
+      return f(type_tag<int64_t>{});
     default:
       return dispatch_floating(t, "mask", f);
   }

@@ -57,9 +57,14 @@ inline constexpr bool is_binary_mask_v = std::is_same_v<mask_t, BoolMask>;
 // The weight a mask element gives its token: its value. Tokens whose weight is 0 are
 // selected out (never multiplied), so a NaN or inf loss under a zero mask contributes
 // exactly 0. A float64 mask keeps its full precision for float64 values.
+// Integer masks (trainers' int64 masks, 0/1) read as their value: outside {0, 1} a weight.
 template <typename acc_t, typename mask_t>
 LOSSAGG_HD acc_t mask_weight(mask_t m) {
-  return static_cast<acc_t>(static_cast<float>(m));
+  if constexpr (std::is_integral_v<mask_t>) {
+    return static_cast<acc_t>(m);
+  } else {
+    return static_cast<acc_t>(static_cast<float>(m));
+  }
 }
 template <>
 LOSSAGG_HD double mask_weight<double, double>(double m) {

@@ -74,7 +74,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 # reading data: dtypes, shapes, devices, with the same messages; so a mistake is named
 # at trace time instead of surfacing as a backend failure or an uninitialised result.
 _VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_MASK_DTYPES = (torch.bool, torch.uint8, *_VALUE_DTYPES)
+_MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, *_VALUE_DTYPES)
 
 
 def _fail(kind, op: str, message: str):
@@ -96,7 +96,7 @@ def _check_cu_seqlens(op, cu_seqlens, like):
 
 def _check_mask_dtype(op, mask):
     if mask.dtype not in _MASK_DTYPES:
-        _fail(TypeError, op, f"mask must have dtype bool, uint8 or a floating dtype, got {mask.dtype}")
+        _fail(TypeError, op, f"mask must have dtype bool, an integer dtype (uint8, int8/16/32/64) or a floating dtype, got {mask.dtype}")
 
 
 def _token_layout(op, values, mask, cu_seqlens, allow_metric_dim):

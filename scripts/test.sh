@@ -12,6 +12,8 @@ bash scripts/cmake_build.sh || exit 1
 
 bash scripts/test_min_python.sh || exit 1
 
+bash scripts/install_peers.sh
+
 "$PY" -m pytest tests "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then

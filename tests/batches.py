@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 VALUE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-MASK_DTYPES = [torch.bool, torch.uint8, torch.float32]
+MASK_DTYPES = [torch.bool, torch.uint8, torch.int64, torch.int32, torch.float32]
 LAYOUTS = ["packed32", "packed64", "padded"]
 
 
@@ -27,8 +27,8 @@ def make_mask(shape, mask_dtype, generator, keep=0.7):
     keep_t = torch.rand(shape, generator=generator) < keep
     if mask_dtype == torch.bool:
         return keep_t
-    if mask_dtype == torch.uint8:
-        return keep_t.to(torch.uint8)
+    if not mask_dtype.is_floating_point:  # integer masks as trainers hand them: 0/1
+        return keep_t.to(mask_dtype)
     # floating masks carry weights (e.g. truncated importance weights)
     weights = 0.25 + torch.rand(shape, generator=generator)
     return torch.where(keep_t, weights, torch.zeros(())).to(mask_dtype)

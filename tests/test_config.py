@@ -152,15 +152,20 @@ def test_frozen():
         ("grpo", "sample_mean", {}),
         ("dapo", "token_mean", {}),
         ("dr_grpo", "constant", {"divisor": 1024}),
+        ("seq-mean-token-sum", "constant", {}),
+        ("seq_mean", "sample_mean", {}),
+        ("token_mean", "token_mean", {}),
     ],
 )
 def test_migration_names_map_and_say_so(name, mode, extra):
     c = LossAggregationConfig.from_dict({"mode": name, **extra})
     assert c.mode.value == mode
-    assert any(name in note for note in c.resolution_notes)
+    assert name == mode or any(name in note for note in c.resolution_notes)
+    if name == "seq-mean-token-sum":
+        assert c.divisor == 1.0
 
 
-@pytest.mark.parametrize("name,why", [("bnpo", "micro-batch"), ("seq-mean-token-sum", "divisor=1")])
+@pytest.mark.parametrize("name,why", [("bnpo", "micro-batch"), ("token-sum", "no normalisation")])
 def test_refused_names_explain(name, why):
     found, _ = issues(mode=name)
     assert "not supported" in found["mode"] and why in found["mode"]

@@ -31,7 +31,7 @@ CASES = {
     "values_dim_reduce_metric": (ValueError, ["values", "[T]", "[2, 10]"]),
     "values_dim_padded": (ValueError, ["values", "[B, T]", "[10]"]),
     "mask_shape": (ValueError, ["mask", "token shape", "[9]"]),
-    "mask_dtype": (TypeError, ["mask", "bool", "Int"]),
+    "mask_dtype": (TypeError, ["mask", "bool", "integer", "ComplexFloat"]),
     "cu_dtype": (TypeError, ["cu_seqlens", "int32", "Float"]),
     "cu_dim": (ValueError, ["cu_seqlens", "1-D", "[1, 3]"]),
     "cu_empty": (ValueError, ["cu_seqlens", "at least one", "[0]"]),
@@ -63,7 +63,7 @@ def call(case, device):
     if case == "mask_shape":
         return lossagg.reduce(v, m[:9], cu_seqlens=cu, sample_denoms=d)
     if case == "mask_dtype":
-        return lossagg.reduce(v, m.int(), cu_seqlens=cu, sample_denoms=d)
+        return lossagg.reduce(v, m.to(torch.complex64), cu_seqlens=cu, sample_denoms=d)
     if case == "cu_dtype":
         return lossagg.reduce(v, m, cu_seqlens=cu.float(), sample_denoms=d)
     if case == "cu_dim":

@@ -49,7 +49,11 @@ MIGRATION_NAMES: dict[str, tuple[str, str]] = {
     "dapo": ("token_mean", "TRL GRPOConfig.loss_type (tokens of the whole accumulated batch)"),
     "dr_grpo": ("constant", "TRL GRPOConfig.loss_type (divisor = max_completion_length)"),
     "per_token": ("token_mean", "Megatron --calculate-per-token-loss"),
+    "seq-mean-token-sum": ("constant", "verl loss_agg_mode: token sums over the global batch size, i.e. divisor 1"),
+    "seq_mean": ("sample_mean", "AReaL loss_agg_mode"),
 }
+# Settings a migration name implies when the user gives none.
+MIGRATION_DEFAULTS: dict[str, dict[str, Any]] = {"seq-mean-token-sum": {"divisor": 1.0}}
 
 # Names whose maths is not one of ours: refused with the reason, never mapped.
 REFUSED_NAMES: dict[str, str] = {
@@ -57,8 +61,9 @@ REFUSED_NAMES: dict[str, str] = {
         "TRL's 'bnpo' divides by the active tokens of each local micro-batch, so the loss changes with the "
         "micro-batch split; use mode=token_mean for the step-global token mean"
     ),
-    "seq-mean-token-sum": (
-        "verl's 'seq-mean-token-sum' sums tokens per sequence with no divisor; write mode=constant with divisor=1 to get exactly that"
+    "token-sum": (
+        "verl's 'token-sum' adds every token of the step with no normalisation at all, so the loss scale grows with the batch "
+        "and the response lengths; use mode=constant with a divisor for a fixed scale, or token_mean"
     ),
 }
 
@@ -74,7 +79,8 @@ def _canonical_mode_name(data: Any) -> tuple[Any, str | None]:
     if name in REFUSED_NAMES:
         raise PydanticCustomError("refused_mode", "mode '{name}' is not supported: {reason}", {"name": data["mode"], "reason": REFUSED_NAMES[name]})
     if name in MIGRATION_NAMES:
-        return dict(data, mode=MIGRATION_NAMES[name][0]), name
+        implied = {k: v for k, v in MIGRATION_DEFAULTS.get(name, {}).items() if k not in data}
+        return dict(data, mode=MIGRATION_NAMES[name][0], **implied), name
     if name.replace("-", "_") in MODES:
         return dict(data, mode=name.replace("-", "_")), None
     return data, None
@@ -110,6 +116,9 @@ class LossAggregationConfig(BaseModel):
         notes: list[str] = []
         if migrated:
             notes.append(f"mode {migrated!r} ({MIGRATION_NAMES[migrated][1]}) resolved to {model.mode.value}")
+            for key, value in MIGRATION_DEFAULTS.get(migrated, {}).items():
+                if getattr(model, key) == value:
+                    notes.append(f"{key}={value} implied by mode {migrated!r}")
         mode = model.mode
         if model.calculate_per_token_loss is True and "mode" not in model.model_fields_set:
             mode = AggregationMode(_TOKEN_MEAN)

@@ -80,7 +80,7 @@ double to_double<double>(double x) {
 }
 template <>
 double to_double<BoolMask>(BoolMask x) {
-  return x.value;
+  return x.value != 0 ? 1.0 : 0.0;  // any non-zero byte is true
 }
 
 template <typename T>
@@ -89,7 +89,8 @@ T from_double(double x) {
 }
 template <>
 BoolMask from_double<BoolMask>(double x) {
-  return BoolMask{static_cast<uint8_t>(x != 0.0)};
+  // a bool tensor viewed from uint8 may hold any non-zero byte for true
+  return BoolMask{static_cast<uint8_t>(x == 0.0 ? 0 : uniform(1, 255))};
 }
 
 // A buffer of n elements starting `phase` elements past a 64-byte boundary: every
@@ -156,7 +157,7 @@ struct Inputs {
     std::normal_distribution<double> normal;
     for (int64_t t = 0; t < c.T; ++t) {
       double m = uniform(0, 9) < 7 ? 1.0 : 0.0;
-      if constexpr (!std::is_same_v<M, BoolMask> && !std::is_same_v<M, uint8_t>) {
+      if constexpr (!std::is_same_v<M, BoolMask> && !std::is_integral_v<M>) {
         m *= 0.25 + std::uniform_real_distribution<double>(0.0, 1.0)(rng);
       }
       mask.data[t] = from_double<M>(m);
@@ -377,7 +378,9 @@ void run_with_mask(const Case& c, uint64_t seed, int mask_kind, int offsets) {
     case 2: return run_with_offsets<S, float>(c, seed, offsets);
     case 3: return run_with_offsets<S, double>(c, seed, offsets);
     case 4: return run_with_offsets<S, c10::Half>(c, seed, offsets);
-    default: return run_with_offsets<S, c10::BFloat16>(c, seed, offsets);
+    case 5: return run_with_offsets<S, c10::BFloat16>(c, seed, offsets);
+    case 6: return run_with_offsets<S, int32_t>(c, seed, offsets);
+    default: return run_with_offsets<S, int64_t>(c, seed, offsets);
   }
 }
 
@@ -391,7 +394,7 @@ void run_any(const Case& c, uint64_t seed, int values_kind, int mask_kind, int o
 }
 
 const char* kValues[] = {"float32", "float64", "float16", "bfloat16"};
-const char* kMasks[] = {"bool", "uint8", "float32", "float64", "float16", "bfloat16"};
+const char* kMasks[] = {"bool", "uint8", "float32", "float64", "float16", "bfloat16", "int32", "int64"};
 
 }  // namespace
 
@@ -404,7 +407,7 @@ int main(int argc, char** argv) {
     const bool packed = uniform(0, 3) != 0;
     // B up to several fix-up blocks (64 segments each) in one case in eight.
     const Case c = random_case(packed, uniform(0, 7) == 0 ? 5 * lossagg::cuda::kSegmentsPerBlock : 40);
-    const int vk = static_cast<int>(uniform(0, 3)), mk = static_cast<int>(uniform(0, 5)), ok = static_cast<int>(uniform(0, 1));
+    const int vk = static_cast<int>(uniform(0, 3)), mk = static_cast<int>(uniform(0, 7)), ok = static_cast<int>(uniform(0, 1));
     case_name = "case " + std::to_string(i) + ": B=" + std::to_string(c.B) + " K=" + std::to_string(c.K) + " T=" + std::to_string(c.T) +
         (packed ? (ok ? " packed64" : " packed32") : " padded row_len=" + std::to_string(c.row_len)) + " values=" + kValues[vk] +
         " mask=" + kMasks[mk] + " phases=" + std::to_string(c.values_phase) + "/" + std::to_string(c.mask_phase);
