@@ -98,6 +98,56 @@ class StepPlan:
         """The plan of this rank's samples given their rollout mask (token counts are counted from it)."""
         return cls(config, _token_counts(rollout_mask, cu_seqlens), **kwargs)
 
+    @classmethod
+    def from_totals(
+        cls,
+        config: LossAggregationConfig,
+        token_counts: torch.Tensor,
+        *,
+        num_samples: int,
+        total_tokens: float | None = None,
+        num_groups: int | None = None,
+        group_token_sums: torch.Tensor | None = None,
+    ) -> StepPlan:
+        """The plan of this rank's samples from step totals a trainer already has (no collective).
+
+        ``num_samples`` is ``N`` (verl's ``global_batch_size``), ``total_tokens`` is ``T``
+        (verl's ``batch_num_tokens``, TRL's ``num_items_in_batch``), ``num_groups`` is ``P``
+        and ``group_token_sums`` is ``Sg[g(i)]`` of each local sample; a mode needs only the
+        totals its ``d[i]`` is made of (``lossagg.MODES[mode]``). ``token_counts`` are this
+        rank's ``M[i]``.
+        """
+        if isinstance(config, Mapping):
+            config = LossAggregationConfig.from_dict(config)
+        spec = mode_spec(config.mode)
+        counts = check_token_counts(token_counts)
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < counts.shape[0]:
+            raise ValueError(f"num_samples must be an integer >= the {counts.shape[0]} local sample(s), got {num_samples!r}")
+        if total_tokens is None:
+            if spec.name == "token_mean":
+                raise ValueError("total_tokens (T, the step's rollout tokens; TRL's num_items_in_batch) is required under mode=token_mean")
+            total_tokens = float(counts.sum())
+        total = float(total_tokens)
+        if not (total >= 0 and total != float("inf")):
+            raise ValueError(f"total_tokens must be a finite number >= 0, got {total_tokens!r}")
+        sums = None
+        if spec.needs_groups:
+            if num_groups is None or group_token_sums is None:
+                raise ValueError(f"mode={spec.name} needs num_groups (P) and group_token_sums (Sg[g(i)] of each local sample)")
+            if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
+                raise ValueError(f"num_groups must be an integer >= 1, got {num_groups!r}")
+            sums = check_token_counts(group_token_sums)
+            if sums.shape != counts.shape:
+                raise ValueError(f"group_token_sums must have one entry per local sample ({counts.shape[0]}), got shape {tuple(sums.shape)}")
+        plan = cls.__new__(cls)
+        plan.config = config
+        plan.token_counts = counts
+        plan.device = counts.device
+        plan.totals = StepTotals(num_samples=num_samples, num_groups=num_groups or 0, total_tokens=total)
+        plan.sample_denoms = denoms_from_totals(config.mode, counts, plan.totals, group_token_sums=sums, divisor=config.divisor)
+        plan.metric_denoms = denoms_from_totals(METRIC_MODE, counts, plan.totals)
+        return plan
+
     # ------------------------------------------------------------ construction
     def _group_labels(self, group_index, process_group, num_group_labels) -> tuple[torch.Tensor, torch.Tensor]:
         """(labels, dense index of each sample's label). Distributed: global labels 0..G-1."""

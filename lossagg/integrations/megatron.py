@@ -1,0 +1,68 @@
+"""The loss function a Megatron-style ``forward_step`` returns, built on a :class:`lossagg.StepPlan`.
+
+Megatron's schedule calls ``loss_func(output_tensor)`` once per micro-batch and then:
+
+* ``calculate_per_token_loss`` off: divides the returned loss by the number of
+  micro-batches, and the data-parallel gradient reduction averages over DP×CP;
+* ``calculate_per_token_loss`` on: keeps the loss as returned, sums gradients over DP×CP
+  and divides them by the sum of the ``num_tokens`` every micro-batch returned.
+
+:func:`make_loss_func` returns a ``loss_func`` whose result, after either treatment, makes
+the final gradient the gradient of the step scalar J of the plan's mode, on any split::
+
+    loss_func = make_loss_func(plan, samples, cu_seqlens, loss_mask,
+                               num_micro_batches=num_microbatches, dp_size=dp, cp_size=cp,
+                               calculate_per_token_loss=args.calculate_per_token_loss)
+    return output_tensor, functools.partial(loss_func)   # in forward_step
+
+``output_tensor`` is the per-token loss of this micro-batch on this rank (packed ``[T]``
+with ``cu_seqlens``, or padded ``[B, T]``). The reports are this micro-batch's
+contributions (sum them over micro-batches and ranks for the step's value): ``pg_loss``
+and the default-reducer value of each metric in ``metrics``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from lossagg.layout import token_counts
+from lossagg.step import StepPlan, gradient_scale
+
+
+def make_loss_func(
+    plan: StepPlan,
+    samples,
+    cu_seqlens: torch.Tensor | None,
+    loss_mask: torch.Tensor,
+    *,
+    num_micro_batches: int,
+    dp_size: int = 1,
+    cp_size: int = 1,
+    calculate_per_token_loss: bool = False,
+    rollout_mask: torch.Tensor | None = None,
+    metrics: dict[str, torch.Tensor] | None = None,
+) -> Callable[[torch.Tensor], tuple]:
+    """``loss_func(output_tensor)`` in Megatron's convention (see the module docstring).
+
+    With ``calculate_per_token_loss`` the returned ``num_tokens`` is this shard's count of
+    rollout-mask tokens (``rollout_mask``, default ``loss_mask``), so that Megatron's sum of
+    them over the step is the plan's ``T``.
+    """
+    if calculate_per_token_loss:
+        local_tokens = token_counts(loss_mask if rollout_mask is None else rollout_mask, cu_seqlens).sum()
+        scale = plan.totals.total_tokens
+    else:
+        scale = gradient_scale("megatron", dp_size=dp_size, cp_size=cp_size, num_micro_batches=num_micro_batches)
+
+    def loss_func(output_tensor: torch.Tensor):
+        contribution = plan.loss(output_tensor, loss_mask, samples, cu_seqlens)
+        report = {"pg_loss": contribution.detach()}
+        if metrics:
+            report.update(plan.metrics(metrics, loss_mask, samples, cu_seqlens))
+        if calculate_per_token_loss:
+            return contribution * scale, local_tokens.to(torch.int64), report
+        return contribution * scale, report
+
+    return loss_func
