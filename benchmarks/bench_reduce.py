@@ -30,6 +30,25 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import lossagg
 
 
+def cpu_description() -> str:
+    """The CPU's model name and the widest vector ISA it reports, read from the machine."""
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown CPU":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        import platform
+
+        model = platform.processor() or model
+    isa = next((name for name, flag in (("AVX-512", "avx512f"), ("AVX2", "avx2"), ("SSE4.2", "sse4_2")) if flag in flags), "baseline")
+    return f"{model}, {isa}"
+
+
 # --------------------------------------------------------------------------- batches
 def make_packed(num_samples: int, mean_len: int, device: str, dtype=torch.float32, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
@@ -251,7 +270,7 @@ def main(argv=None):
     if device == "cuda":
         print(f" ({torch.cuda.get_device_name()})", end="")
     else:
-        print(f" ({torch.get_num_threads()} threads)", end="")
+        print(f" ({cpu_description()}, {torch.get_num_threads()} threads)", end="")
     print()
 
     copy_gbps = None
@@ -277,6 +296,17 @@ def main(argv=None):
         b = make_packed(n, mean_len, device)
         totals[name] = b["total"]
         rows += bench_case(name, b, device, repeats, list(CONTENDERS), all_passes)
+    print_table(rows, bytes_by_pass, totals, copy_gbps)
+
+    print("## reduce, small calls and tiny segments (packed)\n")
+    small_cases = [("B=64 x ~64", 64, 64), ("B=1M x ~4", 1 << 20, 4)]
+    if args.quick:
+        small_cases = [("B=64 x ~64", 64, 64)]
+    rows, totals = [], {}
+    for name, n, mean_len in small_cases:
+        b = make_packed(n, mean_len, device)
+        totals[name] = b["total"]
+        rows += bench_case(name, b, device, repeats, ["lossagg", "vectorised", "segment_red"], all_passes)
     print_table(rows, bytes_by_pass, totals, copy_gbps)
 
     print("## reduce, large inputs (B=64)\n")

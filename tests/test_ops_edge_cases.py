@@ -35,8 +35,15 @@ def test_bitwise_deterministic_across_reruns(device, dtype):
             assert torch.equal(x, y)
 
 
-def test_bitwise_deterministic_across_thread_counts():
-    b = long_batch("cpu")
+def many_short_batch(seed=0):
+    # 40,000 segments of 0..8 tokens: many pieces, split by tokens across threads
+    lengths = torch.randint(0, 9, (40_000,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return make_batch("packed32", lengths=lengths, seed=seed, requires_grad=True)
+
+
+@pytest.mark.parametrize("make", [long_batch, many_short_batch], ids=["long", "many_short"])
+def test_bitwise_deterministic_across_thread_counts(make):
+    b = make("cpu") if make is long_batch else make()
     old = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -121,11 +121,26 @@ std::vector<int64_t> plan_pieces(const Segments<offset_t>& seg, int64_t num_segm
   return offsets;
 }
 
-// Calls f(segment, piece, lo, hi) for every piece, in parallel over pieces.
+// Below this much work (tokens x metrics) a call stays on the calling thread: opening a
+// parallel region costs more than it saves, and under load it waits for a busy core.
+constexpr int64_t kSerialWork = int64_t(1) << 16;
+// A parallel task gets at least about this much work.
+constexpr int64_t kTaskWork = int64_t(1) << 15;
+
+// Token where piece p starts (pieces follow the segments in token order).
+template <typename offset_t>
+int64_t piece_start(const Segments<offset_t>& seg, const std::vector<int64_t>& piece_offsets, int64_t p) {
+  const int64_t s = std::upper_bound(piece_offsets.begin(), piece_offsets.end(), p) - piece_offsets.begin() - 1;
+  return seg.begin(s) + (p - piece_offsets[s]) * kPieceTokens;
+}
+
+// Calls f(segment, piece, lo, hi) for every piece. Small calls run on the calling thread;
+// larger ones are cut into tasks of about equal token counts (not piece counts). Each
+// piece's result depends on the piece alone, so the bits never depend on the partition.
 template <typename offset_t, typename F>
-void for_each_piece(const Segments<offset_t>& seg, const std::vector<int64_t>& piece_offsets, F&& f) {
+void for_each_piece(const Segments<offset_t>& seg, const std::vector<int64_t>& piece_offsets, int64_t num_tokens, int64_t work_per_token, F&& f) {
   const int64_t num_pieces = piece_offsets.back();
-  at::parallel_for(0, num_pieces, 1, [&](int64_t first, int64_t last) {
+  auto run = [&](int64_t first, int64_t last) {
     // The segment holding piece `first`: the last s with piece_offsets[s] <= first.
     int64_t s = std::upper_bound(piece_offsets.begin(), piece_offsets.end(), first) - piece_offsets.begin() - 1;
     for (int64_t p = first; p < last; ++p) {
@@ -135,6 +150,34 @@ void for_each_piece(const Segments<offset_t>& seg, const std::vector<int64_t>& p
       const int64_t lo = seg.begin(s) + (p - piece_offsets[s]) * kPieceTokens;
       const int64_t hi = std::min(seg.end(s), lo + kPieceTokens);
       f(s, p, lo, hi);
+    }
+  };
+  const int64_t work = num_tokens * std::max<int64_t>(work_per_token, 1);
+  const int64_t threads = at::get_num_threads();
+  if (num_pieces <= 1 || threads <= 1 || work < kSerialWork || at::in_parallel_region()) {
+    run(0, num_pieces);
+    return;
+  }
+  const int64_t tasks = std::min({num_pieces, threads * 4, std::max<int64_t>(1, work / kTaskWork)});
+  std::vector<int64_t> bounds(tasks + 1, num_pieces);
+  bounds[0] = 0;
+  for (int64_t c = 1; c < tasks; ++c) {
+    // first piece starting at or after the c-th equal share of the tokens
+    const int64_t target = num_tokens * c / tasks;
+    int64_t lo = bounds[c - 1], hi = num_pieces;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (piece_start(seg, piece_offsets, mid) < target) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    bounds[c] = lo;
+  }
+  at::parallel_for(0, tasks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      run(bounds[c], bounds[c + 1]);
     }
   });
 }
@@ -149,12 +192,12 @@ void segment_sums(const scalar_t* v, const mask_t* m, const TokenLayout& layout,
   const std::vector<int64_t> pieces = plan_pieces(seg, num_segments);
   const int64_t num_pieces = pieces.back();
   std::vector<acc_t> partial(static_cast<size_t>(num_metrics * num_pieces));
-  for_each_piece(seg, pieces, [&](int64_t, int64_t p, int64_t lo, int64_t hi) {
+  for_each_piece(seg, pieces, num_tokens, num_metrics, [&](int64_t, int64_t p, int64_t lo, int64_t hi) {
     for (int64_t k = 0; k < num_metrics; ++k) {
       partial[k * num_pieces + p] = masked_sum<acc_t>(v + k * num_tokens, m, lo, hi);
     }
   });
-  at::parallel_for(0, num_segments, 256, [&](int64_t first, int64_t last) {
+  auto combine = [&](int64_t first, int64_t last) {
     for (int64_t k = 0; k < num_metrics; ++k) {
       for (int64_t s = first; s < last; ++s) {
         acc_t total = acc_t(0);
@@ -164,7 +207,12 @@ void segment_sums(const scalar_t* v, const mask_t* m, const TokenLayout& layout,
         out[k * num_segments + s] = total;
       }
     }
-  });
+  };
+  if (num_segments * num_metrics < kSerialWork) {
+    combine(0, num_segments);
+  } else {
+    at::parallel_for(0, num_segments, 4096, combine);
+  }
 }
 
 // o[t] = mask_weight(m[t]) * c for t in [lo, hi) (0 where the mask is 0), in the values
@@ -202,7 +250,7 @@ void masked_fill(scalar_t* o, const mask_t* m, acc_t c, int64_t lo, int64_t hi) 
 template <typename scalar_t, typename acc_t, typename mask_t, typename offset_t, typename Coef>
 void expand_to_tokens(scalar_t* out, const mask_t* m, const TokenLayout& layout, const Segments<offset_t>& seg, Coef&& coef) {
   const std::vector<int64_t> pieces = plan_pieces(seg, layout.num_segments);
-  for_each_piece(seg, pieces, [&](int64_t s, int64_t, int64_t lo, int64_t hi) {
+  for_each_piece(seg, pieces, layout.num_tokens, layout.num_metrics, [&](int64_t s, int64_t, int64_t lo, int64_t hi) {
     for (int64_t k = 0; k < layout.num_metrics; ++k) {
       masked_fill<scalar_t, acc_t>(out + k * layout.num_tokens, m, coef(k, s), lo, hi);
     }
