@@ -207,7 +207,7 @@ class StepPlan:
         if isinstance(samples, (int, bool)) or (isinstance(samples, torch.Tensor) and samples.dim() == 0):
             raise TypeError("samples must be a 1-D selection of this rank's samples (integer positions, a slice or a bool mask), got a scalar")
         try:
-            pos = samples.to(self.device) if isinstance(samples, torch.Tensor) else torch.as_tensor(samples, device=self.device)
+            pos = samples if isinstance(samples, torch.Tensor) else torch.as_tensor(samples)
         except (TypeError, ValueError, RuntimeError):
             raise TypeError(f"samples must be integer positions, a slice or a bool selection, got {type(samples).__name__}") from None
         if pos.dim() != 1:
@@ -215,15 +215,14 @@ class StepPlan:
         if pos.dtype == torch.bool:
             if pos.shape[0] != n:
                 raise ValueError(f"samples as a bool selection must have one entry per sample of this rank ({n}), got {pos.shape[0]}")
-            return torch.nonzero(pos).flatten()
-        if pos.numel() == 0:
-            return pos.to(torch.long)
+            return torch.nonzero(pos).flatten().to(self.device)
         if pos.is_floating_point() or pos.is_complex():
             raise TypeError(f"samples must hold integer positions, got dtype {pos.dtype}")
-        lo, hi = int(pos.min()), int(pos.max())
-        if lo < 0 or hi >= n:
-            raise ValueError(f"samples must be positions in [0, {n}) among this rank's samples, got values in [{lo}, {hi}]")
-        return pos.to(torch.long)
+        if pos.numel() and pos.device.type == "cpu":  # positions on an accelerator are not read back (no host sync)
+            lo, hi = int(pos.min()), int(pos.max())
+            if lo < 0 or hi >= n:
+                raise ValueError(f"samples must be positions in [0, {n}) among this rank's samples, got values in [{lo}, {hi}]")
+        return pos.to(device=self.device, dtype=torch.long)
 
     def _micro_batch_denoms(self, samples: Samples, mask: torch.Tensor, cu_seqlens, device) -> torch.Tensor:
         d = self.sample_denoms_for(samples, dtype=torch.float64, device=device)

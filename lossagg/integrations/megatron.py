@@ -27,7 +27,6 @@ from collections.abc import Callable
 
 import torch
 
-from lossagg.layout import token_counts
 from lossagg.step import StepPlan, gradient_scale
 
 
@@ -51,7 +50,7 @@ def make_loss_func(
     them over the step is the plan's ``T``.
     """
     if calculate_per_token_loss:
-        local_tokens = token_counts(loss_mask if rollout_mask is None else rollout_mask, cu_seqlens).sum()
+        local_tokens = ((loss_mask if rollout_mask is None else rollout_mask) != 0).sum()  # no host sync
         scale = plan.totals.total_tokens
     else:
         scale = gradient_scale("megatron", dp_size=dp_size, cp_size=cp_size, num_micro_batches=num_micro_batches)
