@@ -188,20 +188,29 @@ void check_sample_denoms_data(const char* op, const at::Tensor& sample_denoms, c
   if (!wants_data_checks(sample_denoms)) {
     return;
   }
-  // The kernels divide in the accumulation dtype: check the values they divide by.
+  // The kernels divide in the accumulation dtype: check, in one copy, the values they
+  // divide by; the value as given is read back only to word an error.
   const c10::ScalarType acc = values_dtype == c10::kDouble ? c10::kDouble : c10::kFloat;
-  const at::Tensor given = sample_denoms.to(at::kCPU, at::kDouble).contiguous();
-  const at::Tensor used = sample_denoms.to(at::kCPU, acc).to(at::kDouble).contiguous();
-  const double* p = given.const_data_ptr<double>();
-  const double* q = used.const_data_ptr<double>();
-  for (int64_t i = 0; i < given.size(0); ++i) {
-    TORCH_CHECK_VALUE(
-        std::isfinite(p[i]) && p[i] > 0.0, "lossagg.", op, ": sample_denoms must be finite and > 0, got sample_denoms[", i,
-        "] = ", p[i]);
-    TORCH_CHECK_VALUE(
-        std::isfinite(q[i]) && q[i] > 0.0, "lossagg.", op, ": sample_denoms[", i, "] = ", p[i], " is ", q[i], " in ", acc,
-        ", the dtype the division happens in for ", values_dtype,
-        " values; it must be finite and > 0 there (rescale the denominators or use float64 values)");
+  const at::Tensor in_acc = sample_denoms.to(at::kCPU, acc).contiguous();
+  auto check = [&](const auto* q) {
+    for (int64_t i = 0; i < in_acc.size(0); ++i) {
+      if (std::isfinite(q[i]) && q[i] > 0) {
+        continue;
+      }
+      const double given = sample_denoms[i].item<double>();
+      TORCH_CHECK_VALUE(
+          std::isfinite(given) && given > 0.0, "lossagg.", op, ": sample_denoms must be finite and > 0, got sample_denoms[", i,
+          "] = ", given);
+      TORCH_CHECK_VALUE(
+          false, "lossagg.", op, ": sample_denoms[", i, "] = ", given, " is ", static_cast<double>(q[i]), " in ", acc,
+          ", the dtype the division happens in for ", values_dtype,
+          " values; it must be finite and > 0 there (rescale the denominators or use float64 values)");
+    }
+  };
+  if (acc == c10::kDouble) {
+    check(in_acc.const_data_ptr<double>());
+  } else {
+    check(in_acc.const_data_ptr<float>());
   }
 }
 
