@@ -1,19 +1,31 @@
 #!/usr/bin/env bash
-# Installs the peer packages the side-by-side tests import: verl 0.9.1 with --no-deps,
-# plus only what `import verl.trainer.ppo.core_algos` needs, in the versions verl states.
-# torch and numpy stay as they are (constraints). A failure leaves the tests skipped with
-# the reason, never failed.
+# Installs the peer packages the side-by-side tests import, each only if it is not already
+# importable; torch and numpy stay as they are (constraints):
+# * verl 0.9.1 with --no-deps, plus only what `import verl.trainer.ppo.core_algos` needs,
+#   in the versions verl states;
+# * TRL 1.16.0 with its own (light) dependencies: accelerate, datasets, transformers.
+# A failure leaves that peer's tests skipped with the reason, never failed.
 set -uo pipefail
 PY=${PYTHON:-python3}
+cons=$(mktemp)
+trap 'rm -f "$cons"' EXIT
+"$PY" -c "import torch, numpy; print('torch==' + torch.__version__.split('+')[0]); print('numpy==' + numpy.__version__)" > "$cons"
+pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
+
 if "$PY" -c "import verl.trainer.ppo.core_algos" 2>/dev/null; then
   echo "peers: verl importable"
-  exit 0
+else
+  pip_install --no-deps "verl==0.9.1" \
+    && pip_install -c "$cons" ray "tensordict>=0.8,<=0.10,!=0.9.0" omegaconf "transformers>=5.5.3,<5.11,!=5.6.0" codetiming \
+    || echo "peers: could not install verl's import-time needs: its tests will be skipped"
+  if "$PY" -c "import verl.trainer.ppo.core_algos" 2>/dev/null; then echo "peers: verl importable"; else echo "peers: verl not importable: its tests will be skipped"; fi
 fi
-cons=$(mktemp)
-"$PY" -c "import torch, numpy; print('torch==' + torch.__version__.split('+')[0]); print('numpy==' + numpy.__version__)" > "$cons"
-"$PY" -m pip install -q --disable-pip-version-check --no-deps "verl==0.9.1" \
-  && "$PY" -m pip install -q --disable-pip-version-check -c "$cons" ray "tensordict>=0.8,<=0.10,!=0.9.0" omegaconf \
-    "transformers>=5.5.3,<5.11,!=5.6.0" codetiming \
-  || echo "peers: could not install verl's import-time needs: its tests will be skipped"
-rm -f "$cons"
-if "$PY" -c "import verl.trainer.ppo.core_algos" 2>/dev/null; then echo "peers: verl importable"; else echo "peers: verl not importable: its tests will be skipped"; fi
+
+trl_check="from trl import GRPOTrainer, GRPOConfig; import datasets, tokenizers"
+if "$PY" -c "$trl_check" 2>/dev/null; then
+  echo "peers: trl importable"
+else
+  pip_install -c "$cons" "trl==1.16.0" "transformers>=5.5.3,<5.11,!=5.6.0" \
+    || echo "peers: could not install TRL: its tests will be skipped"
+  if "$PY" -c "$trl_check" 2>/dev/null; then echo "peers: trl importable"; else echo "peers: trl not importable: its tests will be skipped"; fi
+fi

@@ -1,2 +1,3 @@
-"""Drop-in adapters for the trainers people already run. Each module imports nothing of
-its trainer: it reproduces the trainer's call signature and computes through lossagg."""
+"""Drop-in adapters for the trainers people already run. ``verl`` and ``megatron`` import
+nothing of their trainer (they reproduce its call signature and compute through lossagg);
+``trl`` subclasses TRL's ``GRPOTrainer`` and so imports TRL."""

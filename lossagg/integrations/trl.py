@@ -1,0 +1,246 @@
+"""TRL's ``GRPOTrainer`` with the policy loss aggregated by lossagg (written against TRL 1.16).
+
+Switch with one line::
+
+    # from trl import GRPOTrainer
+    from lossagg.integrations.trl import GRPOTrainer
+
+``GRPOConfig.loss_type`` then accepts TRL's names and lossagg's:
+
+============  ==============================================================================
+loss_type     aggregation (J of the whole optimizer step, on every rank and split)
+============  ==============================================================================
+grpo          ``sample_mean`` (TRL's maths; equal to TRL's result)
+dapo          ``token_mean`` over the step's tokens (TRL's maths; equal to TRL's result)
+dr_grpo       ``constant`` with divisor ``max_completion_length`` (equal to TRL's result)
+bnpo          ``token_mean`` over the *step's* tokens: TRL divides by each micro-batch's
+              tokens, so its loss changes with the accumulation split; a warning says so
+sample_mean,  lossagg's modes; ``prompt_mean`` groups the ``num_generations`` completions of
+prompt_mean,  each prompt (TRL's advantage groups). ``constant`` takes its divisor from
+token_mean,   ``loss_aggregation`` or, by default, ``max_completion_length``
+constant
+============  ==============================================================================
+
+A full :class:`lossagg.LossAggregationConfig` can be given instead with
+``GRPOTrainer(..., loss_aggregation=config)``.
+
+How it stays exact: when TRL generates a generation batch (which, with
+``steps_per_generation == gradient_accumulation_steps``, TRL's default, is exactly one
+optimizer step on every rank), the adapter gathers every completion's loss-token count
+over the processes, builds the step's :class:`lossagg.StepPlan` from them and stores each
+completion's denominator ``d[i]`` with it. TRL then shuffles and splits the batch into
+micro-batches; each micro-batch's loss is ``lossagg.reduce(per_token_loss, mask,
+sample_denoms=d)`` times the process count (DDP/FSDP average gradients over processes),
+so the micro-batch gradients add up to the gradient of J whatever the split.
+
+The per-token objective is TRL's clipped surrogate (token- or sequence-level importance
+sampling, ``epsilon_low``/``epsilon_high``, ``delta``, the ``beta`` KL term, vLLM's
+importance-sampling correction, the off-policy mask and the top-entropy mask). Parts of
+TRL whose loss is not this surrogate are refused when the trainer is built, naming the
+setting: the ``cispo``/``sapo``/``vespo``/``luspo`` objectives, the entropy bonus and a
+router auxiliary loss (their own normalisation is per micro-batch).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+try:
+    import trl as _trl
+    from trl import GRPOTrainer as _TRLGRPOTrainer
+except ImportError as exc:  # pragma: no cover - exercised only without TRL
+    raise ImportError(f"lossagg.integrations.trl needs TRL (pip install trl): {exc}") from exc
+
+from lossagg.config import MIGRATION_DEFAULTS, MIGRATION_NAMES, ConfigError, LossAggregationConfig
+from lossagg.modes import MODES
+from lossagg.ops import reduce
+from lossagg.step import StepPlan
+
+__all__ = ["GRPOTrainer", "TRL_LOSS_TYPES", "config_for_loss_type"]
+
+#: TRL loss types whose aggregation lossagg takes over, and the lossagg mode each becomes.
+TRL_LOSS_TYPES: Mapping[str, str] = {"grpo": "sample_mean", "dapo": "token_mean", "dr_grpo": "constant", "bnpo": "token_mean"}
+# TRL objectives that are not the clipped surrogate this adapter computes.
+_OTHER_OBJECTIVES = ("cispo", "sapo", "vespo", "luspo")
+# Inputs TRL's _compute_loss forwards to the model (multimodal models); passed on when present.
+_MODEL_INPUT_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+DENOMS_KEY = "lossagg_sample_denoms"
+
+
+def config_for_loss_type(loss_type: str, *, num_generations: int, max_completion_length: int | None) -> LossAggregationConfig:
+    """The lossagg config a ``GRPOConfig.loss_type`` stands for (see the module docstring)."""
+    if not isinstance(loss_type, str):
+        raise TypeError(f"loss_type must be a string, got {type(loss_type).__name__}")
+    if loss_type in _OTHER_OBJECTIVES:
+        raise ValueError(
+            f"loss_type={loss_type!r} is a different per-token objective than the clipped surrogate lossagg's TRL adapter computes; "
+            f"use trl.GRPOTrainer for it, or one of {', '.join((*TRL_LOSS_TYPES, *MODES))}"
+        )
+    mode = TRL_LOSS_TYPES.get(loss_type, loss_type)
+    if loss_type == "bnpo":
+        warnings.warn(
+            "loss_type='bnpo': lossagg divides by the tokens of the whole optimizer step (token_mean, the same as TRL's 'dapo'); "
+            "TRL's 'bnpo' divides by each micro-batch's tokens, so its loss changes with the gradient-accumulation split",
+            UserWarning,
+            stacklevel=3,
+        )
+    canonical = MIGRATION_NAMES[mode][0] if mode in MIGRATION_NAMES else mode.replace("-", "_")
+    settings: dict[str, Any] = {"mode": mode}
+    if canonical in MODES and MODES[canonical].needs_divisor and mode not in MIGRATION_DEFAULTS:
+        if max_completion_length is None:
+            raise ValueError(f"loss_type={loss_type!r} divides by max_completion_length, which is not set in GRPOConfig")
+        settings["divisor"] = float(max_completion_length)
+    try:
+        config = LossAggregationConfig.from_dict(settings, source="GRPOConfig.loss_type")
+    except ConfigError as exc:
+        raise ValueError(
+            f"loss_type must be one of TRL's {', '.join(TRL_LOSS_TYPES)} or lossagg's {', '.join(MODES)} (or a migration name), "
+            f"got {loss_type!r}: {exc}"
+        ) from None
+    if MODES[config.mode.value].needs_groups:
+        config = config.model_copy(update={"n_samples_per_prompt": num_generations})
+    return config
+
+
+class GRPOTrainer(_TRLGRPOTrainer):
+    """``trl.GRPOTrainer`` whose policy loss is aggregated by lossagg, exactly per optimizer step.
+
+    Takes TRL's arguments, plus ``loss_aggregation`` (a :class:`lossagg.LossAggregationConfig`
+    or a mapping of its settings) to set the mode directly instead of through
+    ``args.loss_type``.
+    """
+
+    def __init__(self, *args, loss_aggregation: LossAggregationConfig | Mapping | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        targs = self.args
+        if loss_aggregation is not None:
+            config = LossAggregationConfig.from_dict(loss_aggregation) if isinstance(loss_aggregation, Mapping) else loss_aggregation
+            if not isinstance(config, LossAggregationConfig):
+                raise TypeError(f"loss_aggregation must be a LossAggregationConfig or a mapping of its settings, got {type(config).__name__}")
+            if MODES[config.mode.value].needs_groups and config.n_samples_per_prompt is None:
+                config = config.model_copy(update={"n_samples_per_prompt": self.num_generations})
+        else:
+            config = config_for_loss_type(targs.loss_type, num_generations=self.num_generations, max_completion_length=targs.max_completion_length)
+        refused = []
+        if targs.loss_type in _OTHER_OBJECTIVES and loss_aggregation is not None:
+            refused.append(f"loss_type={targs.loss_type!r} (a different per-token objective; set loss_type to grpo, dapo, dr_grpo or a lossagg mode)")
+        if self._entropy_bonus_enabled:
+            refused.append("entropy_coef / adaptive entropy (TRL normalises the entropy bonus per micro-batch)")
+        if self.aux_loss_enabled:
+            refused.append(f"router_aux_loss_coef={targs.router_aux_loss_coef} with a router model (set it to 0)")
+        if targs.steps_per_generation != targs.gradient_accumulation_steps:
+            refused.append(
+                f"steps_per_generation={targs.steps_per_generation} with gradient_accumulation_steps={targs.gradient_accumulation_steps} "
+                "(a generation batch must be one optimizer step for the step totals to be exact)"
+            )
+        if refused:
+            raise ValueError("lossagg.integrations.trl.GRPOTrainer does not support: " + "; ".join(refused))
+        self.loss_aggregation = config
+
+    # ------------------------------------------------------------------ step plan
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        output[DENOMS_KEY] = self._step_denoms(output)
+        return output
+
+    def _loss_mask(self, batch) -> torch.Tensor:
+        mask = batch["completion_mask"]
+        return mask if batch.get("tool_mask") is None else mask * batch["tool_mask"]
+
+    def _step_denoms(self, batch) -> torch.Tensor:
+        """``d[i]`` (float64) of this process's completions, from the totals of every process's batch."""
+        counts = self._loss_mask(batch).sum(-1).to(torch.float64)
+        n_local = counts.shape[0]
+        all_counts = self.accelerator.gather(counts)
+        group_index = None
+        if MODES[self.loss_aggregation.mode.value].needs_groups:
+            # TRL's advantage groups: num_generations consecutive completions of the gathered batch
+            group_index = torch.arange(all_counts.shape[0], device=all_counts.device) // self.num_generations
+        plan = StepPlan(self.loss_aggregation, all_counts, group_index=group_index)
+        start = self.accelerator.process_index * n_local
+        return plan.sample_denoms[start : start + n_local]
+
+    # ------------------------------------------------------------------ the loss
+    def _compute_loss(self, model, inputs):
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        mask = self._loss_mask(inputs)
+        extra = {key: inputs[key] for key in _MODEL_INPUT_KEYS if inputs.get(key) is not None}
+        logps, entropies, _ = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True, **extra
+        )
+        per_token_loss, is_clipped = self._surrogate(inputs, logps, entropies, mask)
+
+        denoms = inputs[DENOMS_KEY].to(per_token_loss.device)
+        # the per-token loss is (B, T), or (B, 1) with sequence-level ratios and nothing per-token on top
+        per_token_loss = per_token_loss.expand_as(mask)
+        loss = reduce(per_token_loss, mask, sample_denoms=denoms) * self.accelerator.num_processes
+
+        mode = "train" if self.model.training else "eval"
+        bool_mask = mask.bool()
+        self._metrics[mode]["entropy"].append(self._global_mean(entropies[bool_mask]))
+        self._metrics[mode]["clip_ratio/region_mean"].append(self._global_mean(is_clipped.expand_as(mask)[bool_mask].float()))
+        return loss
+
+    def _global_mean(self, x: torch.Tensor) -> float:
+        totals = self.accelerator.gather(torch.stack([x.detach().float().sum(), x.new_tensor(x.numel(), dtype=torch.float32)]).unsqueeze(0))
+        totals = totals.reshape(-1, 2).sum(0)
+        return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+    def _surrogate(self, inputs, logps, entropies, mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """TRL's clipped policy-gradient objective per token, before aggregation, and where it clipped."""
+        advantages = inputs["advantages"]
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)
+        old_logps = inputs.get("old_per_token_logps")
+        old_logps = logps.detach() if old_logps is None else old_logps
+        log_ratio = logps - old_logps
+        if self.importance_sampling_level == "sequence":
+            log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        elif self.importance_sampling_level != "token":
+            raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {self.importance_sampling_level!r}")
+        ratio = torch.exp(log_ratio)
+        clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
+        if self.args.delta is not None:
+            ratio_for_loss = torch.clamp(ratio, max=self.args.delta)
+        else:
+            ratio_for_loss = ratio
+        unclipped_term = ratio_for_loss * advantages
+        clipped_term = clipped * advantages
+        per_token_loss = -torch.min(unclipped_term, clipped_term)
+        is_clipped = clipped_term < unclipped_term
+
+        if self.off_policy_mask_threshold is not None:
+            sampling_logps = inputs.get("sampling_per_token_logps", old_logps)
+            per_token_loss = per_token_loss * self.get_off_policy_mask(advantages, logps, sampling_logps, mask, self.off_policy_mask_threshold)
+        if self.top_entropy_quantile < 1.0:
+            per_token_loss = per_token_loss * self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]
+        if self.beta != 0.0:
+            ref = inputs["ref_per_token_logps"]
+            kl = torch.exp(ref - logps) - (ref - logps) - 1
+            if self.args.use_bias_correction_kl:
+                kl = kl * torch.exp(log_ratio)
+            per_token_loss = per_token_loss + self.beta * kl
+        return per_token_loss, is_clipped
+
+
+TRL_VERSION = _trl.__version__

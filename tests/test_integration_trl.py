@@ -1,0 +1,242 @@
+"""lossagg.integrations.trl.GRPOTrainer driven by the real, installed TRL on CPU.
+
+A tiny randomly initialised Llama (float64, so that float rounding does not hide a
+split dependence) and a word-level tokenizer built here (no downloads) run real
+``GRPOTrainer.train()`` steps: TRL generates, scores, shuffles and splits the batch into
+gradient-accumulation micro-batches. The gradient of the first optimizer step is captured
+just before the optimizer and compared:
+
+* with 1, 2 and 4 accumulation steps over the same generation batch (ours: equal for every
+  mode; TRL's own ``bnpo``: not equal, which shows the comparison can fail);
+* against TRL's own trainer for the names whose maths lossagg shares (grpo, dapo, dr_grpo).
+
+Skipped, with the reason, when TRL is not importable (scripts/install_peers.sh installs it).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl", reason="TRL is not importable (scripts/install_peers.sh installs it)")
+datasets = pytest.importorskip("datasets", reason="datasets (TRL's dependency) is not importable")
+tokenizers = pytest.importorskip("tokenizers", reason="tokenizers (transformers' dependency) is not importable")
+transformers = pytest.importorskip("transformers")
+try:
+    from trl import GRPOTrainer as TRLGRPOTrainer  # noqa: E402  (TRL imports lazily; a missing dependency shows here)
+except Exception as exc:  # pragma: no cover
+    pytest.skip(f"trl.GRPOTrainer is not importable: {exc}", allow_module_level=True)
+
+from lossagg.config import LossAggregationConfig  # noqa: E402
+from lossagg.integrations.trl import DENOMS_KEY, GRPOTrainer, config_for_loss_type  # noqa: E402
+from lossagg.testing import reference_loss  # noqa: E402
+
+WORDS = [f"w{i}" for i in range(20)]
+VOCAB = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+GENERATION_BATCH = 8
+NUM_GENERATIONS = 4
+MAX_COMPLETION = 8
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=VOCAB, unk_token="<unk>"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    return datasets.Dataset.from_dict({"prompt": [" ".join(WORDS[i : i + 3]) for i in range(8)]})
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
+    return transformers.LlamaForCausalLM(cfg).double()
+
+
+def reward(completions, **kwargs):
+    # varies within a prompt group (completion lengths differ), so advantages are not all 0
+    return [float(len(c.split()) % 3) + 0.1 * c.count("w1") for c in completions]
+
+
+class Capture(transformers.TrainerCallback):
+    """The gradient of the first optimizer step, read just before the optimizer runs."""
+
+    def __init__(self):
+        self.grads = None
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if self.grads is None:
+            self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def run(trainer_cls, loss_type, accumulation_steps, tmp_path, tokenizer, dataset, *, max_steps=1, trainer_kwargs=None, **config):
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path / f"{trainer_cls.__name__}-{loss_type}-{accumulation_steps}"),
+        per_device_train_batch_size=GENERATION_BATCH // accumulation_steps,
+        gradient_accumulation_steps=accumulation_steps,
+        num_generations=NUM_GENERATIONS,
+        max_completion_length=MAX_COMPLETION,
+        max_steps=max_steps,
+        learning_rate=1e-2,
+        report_to="none",
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        loss_type=loss_type,
+        seed=0,
+        max_grad_norm=0.0,
+        **config,
+    )
+    capture = Capture()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = trainer_cls(
+            model=tiny_model(),
+            reward_funcs=reward,
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=[capture],
+            **(trainer_kwargs or {}),
+        )
+        trainer.train()
+    assert capture.grads, "no gradient was captured"
+    return trainer, capture.grads
+
+
+def relative_difference(a, b) -> float:
+    scale = max(v.abs().max().item() for v in a.values())
+    assert scale > 0, "the gradient is zero: the comparison would prove nothing"
+    return max((a[k] - b[k]).abs().max().item() for k in a) / scale
+
+
+OUR_LOSS_TYPES = ["grpo", "dapo", "dr_grpo", "bnpo", "sample_mean", "prompt_mean", "token_mean", "constant"]
+
+
+@pytest.mark.parametrize("loss_type", OUR_LOSS_TYPES)
+def test_gradient_does_not_depend_on_accumulation_steps(loss_type, tmp_path, tokenizer, dataset):
+    _, one = run(GRPOTrainer, loss_type, 1, tmp_path, tokenizer, dataset)
+    for steps in (2, 4):
+        _, split = run(GRPOTrainer, loss_type, steps, tmp_path, tokenizer, dataset)
+        assert relative_difference(one, split) < 1e-6, (loss_type, steps)
+
+
+def test_trl_bnpo_does_depend_on_accumulation_steps(tmp_path, tokenizer, dataset):
+    """The same comparison on TRL's own 'bnpo' fails: the check above can see a split dependence."""
+    _, one = run(TRLGRPOTrainer, "bnpo", 1, tmp_path, tokenizer, dataset)
+    _, two = run(TRLGRPOTrainer, "bnpo", 2, tmp_path, tokenizer, dataset)
+    assert relative_difference(one, two) > 1e-3
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_same_gradient_as_trl(loss_type, tmp_path, tokenizer, dataset):
+    _, ours = run(GRPOTrainer, loss_type, 2, tmp_path, tokenizer, dataset)
+    _, theirs = run(TRLGRPOTrainer, loss_type, 2, tmp_path, tokenizer, dataset)
+    assert relative_difference(theirs, ours) < 1e-9
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "prompt_mean"])
+def test_sequence_level_importance_sampling_is_split_invariant(loss_type, tmp_path, tokenizer, dataset):
+    _, one = run(GRPOTrainer, loss_type, 1, tmp_path, tokenizer, dataset, importance_sampling_level="sequence")
+    _, two = run(GRPOTrainer, loss_type, 2, tmp_path, tokenizer, dataset, importance_sampling_level="sequence")
+    assert relative_difference(one, two) < 1e-6
+
+
+class Recorder(GRPOTrainer):
+    """Keeps every generation batch and every micro-batch loss."""
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        self.generated = getattr(self, "generated", []) + [out]
+        return out
+
+    def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        self.losses = getattr(self, "losses", []) + [loss.detach()]
+        return loss
+
+
+@pytest.mark.parametrize("loss_type", ["prompt_mean", "sample_mean", "token_mean", "dr_grpo"])
+def test_step_loss_is_the_reference_j(loss_type, tmp_path, tokenizer, dataset):
+    """At the first step the ratio is 1, so the per-token loss is -advantage; the micro-batch
+    losses of the step add up to J of SPEC §3 over the generation batch."""
+    trainer, _ = run(Recorder, loss_type, 4, tmp_path, tokenizer, dataset)
+    batch = trainer.generated[0]
+    mask = batch["completion_mask"]
+    values = (-batch["advantages"].to(torch.float64))[:, None].expand_as(mask)
+    lengths = torch.full((mask.shape[0],), mask.shape[1])
+    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    group_index = torch.arange(mask.shape[0]) // NUM_GENERATIONS
+    config = trainer.loss_aggregation
+    expected = reference_loss(config, values.reshape(-1), mask.reshape(-1), cu_seqlens, group_index)
+    got = torch.stack(trainer.losses[:4]).sum()
+    assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-7), (got, expected)  # the loss is float32
+    assert DENOMS_KEY in batch and batch[DENOMS_KEY].dtype == torch.float64
+
+
+def test_a_few_real_training_steps(tmp_path, tokenizer, dataset):
+    trainer, _ = run(GRPOTrainer, "prompt_mean", 2, tmp_path, tokenizer, dataset, max_steps=3)
+    before = tiny_model().state_dict()
+    after = trainer.model.state_dict()
+    assert any(not torch.equal(before[k], after[k].cpu()) for k in before), "training did not change the model"
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    assert trainer.loss_aggregation.mode.value == "prompt_mean"
+    assert trainer.loss_aggregation.n_samples_per_prompt == NUM_GENERATIONS
+
+
+def test_loss_aggregation_config_argument(tmp_path, tokenizer, dataset):
+    config = LossAggregationConfig(mode="constant", divisor=3.0)
+    trainer, grads = run(GRPOTrainer, "grpo", 2, tmp_path, tokenizer, dataset, trainer_kwargs={"loss_aggregation": config})
+    assert trainer.loss_aggregation is config
+    _, one = run(GRPOTrainer, "grpo", 1, tmp_path, tokenizer, dataset, trainer_kwargs={"loss_aggregation": {"mode": "constant", "divisor": 3.0}})
+    assert relative_difference(one, grads) < 1e-6
+
+
+# ------------------------------------------------------------------ refusals
+def test_loss_type_names():
+    assert config_for_loss_type("grpo", num_generations=4, max_completion_length=8).mode.value == "sample_mean"
+    assert config_for_loss_type("dapo", num_generations=4, max_completion_length=8).mode.value == "token_mean"
+    dr = config_for_loss_type("dr_grpo", num_generations=4, max_completion_length=8)
+    assert (dr.mode.value, dr.divisor) == ("constant", 8.0)
+    pm = config_for_loss_type("prompt_mean", num_generations=4, max_completion_length=8)
+    assert (pm.mode.value, pm.n_samples_per_prompt) == ("prompt_mean", 4)
+    assert config_for_loss_type("seq_mean", num_generations=4, max_completion_length=8).mode.value == "sample_mean"
+    with pytest.warns(UserWarning, match="micro-batch"):
+        assert config_for_loss_type("bnpo", num_generations=4, max_completion_length=8).mode.value == "token_mean"
+    with pytest.raises(ValueError, match="loss_type='cispo'"):
+        config_for_loss_type("cispo", num_generations=4, max_completion_length=8)
+    with pytest.raises(ValueError, match=r"loss_type must be one of .* got 'bogus'.*unknown mode"):
+        config_for_loss_type("bogus", num_generations=4, max_completion_length=8)
+    with pytest.raises(ValueError, match="max_completion_length"):
+        config_for_loss_type("constant", num_generations=4, max_completion_length=None)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"loss_type": "sapo"}, "loss_type='sapo'"),
+        ({"loss_type": "dapo", "entropy_coef": 0.1}, "entropy"),
+        ({"loss_type": "dapo", "steps_per_generation": 4}, "steps_per_generation=4"),
+    ],
+)
+def test_unsupported_settings_are_refused(settings, message, tmp_path, tokenizer, dataset):
+    loss_type = settings.pop("loss_type")
+    with pytest.raises(ValueError, match=message):
+        run(GRPOTrainer, loss_type, 2, tmp_path, tokenizer, dataset, **settings)
