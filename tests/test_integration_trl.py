@@ -15,10 +15,15 @@ Skipped, with the reason, when TRL is not importable (scripts/install_peers.sh i
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
 import torch
+
+# no network: TRL/huggingface_hub would otherwise send telemetry or look up the Hub
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 trl = pytest.importorskip("trl", reason="TRL is not importable (scripts/install_peers.sh installs it)")
 datasets = pytest.importorskip("datasets", reason="datasets (TRL's dependency) is not importable")
