@@ -5,10 +5,12 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string>
 
 namespace lossagg {
@@ -166,51 +168,128 @@ void check_sample_denoms(const char* op, const at::Tensor& sample_denoms, const 
   check_same_device(op, "sample_denoms", sample_denoms, like, "the token tensors");
 }
 
-void check_cu_seqlens_data(const char* op, const std::optional<at::Tensor>& cu_seqlens, const TokenLayout& layout) {
-  if (!cu_seqlens.has_value() || !wants_data_checks(*cu_seqlens)) {
-    return;
+namespace {
+
+// Reads p[0..n) (stride in elements) of a host tensor of integer type O. One pass without
+// early exit (it vectorises); the first bad entry is looked for only to word an error.
+template <typename O>
+int64_t check_offsets(const char* op, const O* p, int64_t n, int64_t stride, int64_t num_tokens) {
+  TORCH_CHECK_VALUE(p[0] == 0, "lossagg.", op, ": cu_seqlens[0] must be 0, got ", static_cast<int64_t>(p[0]));
+  int64_t longest = 0;
+  int64_t shortest = 0;
+  if (stride == 1) {
+    for (int64_t i = 1; i < n; ++i) {
+      const int64_t len = static_cast<int64_t>(p[i]) - static_cast<int64_t>(p[i - 1]);
+      longest = std::max(longest, len);
+      shortest = std::min(shortest, len);
+    }
+  } else {
+    for (int64_t i = 1; i < n; ++i) {
+      const int64_t len = static_cast<int64_t>(p[i * stride]) - static_cast<int64_t>(p[(i - 1) * stride]);
+      longest = std::max(longest, len);
+      shortest = std::min(shortest, len);
+    }
   }
-  const at::Tensor cu = cu_seqlens->to(at::kCPU, at::kLong).contiguous();
-  const int64_t* p = cu.const_data_ptr<int64_t>();
-  const int64_t n = cu.size(0);
-  TORCH_CHECK_VALUE(p[0] == 0, "lossagg.", op, ": cu_seqlens[0] must be 0, got ", p[0]);
-  for (int64_t i = 1; i < n; ++i) {
-    TORCH_CHECK_VALUE(
-        p[i] >= p[i - 1], "lossagg.", op, ": cu_seqlens must be non-decreasing, got cu_seqlens[", i, "] = ", p[i],
-        " < cu_seqlens[", i - 1, "] = ", p[i - 1]);
+  if (shortest < 0) {
+    for (int64_t i = 1; i < n; ++i) {
+      const int64_t hi = static_cast<int64_t>(p[i * stride]);
+      const int64_t lo = static_cast<int64_t>(p[(i - 1) * stride]);
+      TORCH_CHECK_VALUE(
+          hi >= lo, "lossagg.", op, ": cu_seqlens must be non-decreasing, got cu_seqlens[", i, "] = ", hi, " < cu_seqlens[", i - 1,
+          "] = ", lo);
+    }
   }
+  const int64_t last = static_cast<int64_t>(p[(n - 1) * stride]);
   TORCH_CHECK_VALUE(
-      p[n - 1] == layout.num_tokens, "lossagg.", op, ": cu_seqlens[-1] must equal the number of tokens T = ",
-      layout.num_tokens, ", got ", p[n - 1]);
+      last == num_tokens, "lossagg.", op, ": cu_seqlens[-1] must equal the number of tokens T = ", num_tokens, ", got ", last);
+  return longest;
+}
+
+// x is finite and > 0 (NaN fails both comparisons); written without a library call so
+// the loop below vectorises.
+template <typename A>
+inline bool positive_finite(A x) {
+  return x > A(0) && x <= std::numeric_limits<A>::max();
+}
+
+}  // namespace
+
+int64_t check_cu_seqlens_data(const char* op, const std::optional<at::Tensor>& cu_seqlens, const TokenLayout& layout) {
+  if (!cu_seqlens.has_value()) {
+    return layout.row_len;
+  }
+  if (!wants_data_checks(*cu_seqlens)) {
+    return -1;
+  }
+  // Read where it is (no copy) on the CPU; a CUDA tensor is copied to the host.
+  const at::Tensor cu = cu_seqlens->device().is_cpu() ? *cu_seqlens : cu_seqlens->to(at::kCPU);
+  const int64_t n = cu.size(0);
+  const int64_t stride = cu.stride(0);
+  if (cu.scalar_type() == c10::kInt) {
+    return check_offsets(op, cu.const_data_ptr<int32_t>(), n, stride, layout.num_tokens);
+  }
+  return check_offsets(op, cu.const_data_ptr<int64_t>(), n, stride, layout.num_tokens);
 }
 
 void check_sample_denoms_data(const char* op, const at::Tensor& sample_denoms, c10::ScalarType values_dtype) {
   if (!wants_data_checks(sample_denoms)) {
     return;
   }
-  // The kernels divide in the accumulation dtype: check, in one copy, the values they
-  // divide by; the value as given is read back only to word an error.
-  const c10::ScalarType acc = values_dtype == c10::kDouble ? c10::kDouble : c10::kFloat;
-  const at::Tensor in_acc = sample_denoms.to(at::kCPU, acc).contiguous();
-  auto check = [&](const auto* q) {
-    for (int64_t i = 0; i < in_acc.size(0); ++i) {
-      if (std::isfinite(q[i]) && q[i] > 0) {
-        continue;
+  // The kernels divide in the accumulation dtype: each value is checked as converted to
+  // it, read in place (no copy) on the CPU. The value as given words the error.
+  const bool in_double = values_dtype == c10::kDouble;
+  const at::Tensor d = sample_denoms.device().is_cpu() ? sample_denoms : sample_denoms.to(at::kCPU);
+  const int64_t n = d.size(0);
+  const int64_t stride = d.stride(0);
+  auto fail = [&](int64_t i, double converted) {
+    const double given = d[i].item<double>();
+    TORCH_CHECK_VALUE(
+        std::isfinite(given) && given > 0.0, "lossagg.", op, ": sample_denoms must be finite and > 0, got sample_denoms[", i, "] = ",
+        given);
+    TORCH_CHECK_VALUE(
+        false, "lossagg.", op, ": sample_denoms[", i, "] = ", given, " is ", converted, " in ", in_double ? "Double" : "Float",
+        ", the dtype the division happens in for ", values_dtype,
+        " values; it must be finite and > 0 there (rescale the denominators or use float64 values)");
+  };
+  auto check = [&]<typename D>(const D* p) {
+    auto scan = [&]<typename A>(A) {
+      bool all_ok = true;
+      if (stride == 1) {
+        for (int64_t i = 0; i < n; ++i) {
+          all_ok &= positive_finite(static_cast<A>(p[i]));
+        }
+      } else {
+        for (int64_t i = 0; i < n; ++i) {
+          all_ok &= positive_finite(static_cast<A>(p[i * stride]));
+        }
       }
-      const double given = sample_denoms[i].item<double>();
-      TORCH_CHECK_VALUE(
-          std::isfinite(given) && given > 0.0, "lossagg.", op, ": sample_denoms must be finite and > 0, got sample_denoms[", i,
-          "] = ", given);
-      TORCH_CHECK_VALUE(
-          false, "lossagg.", op, ": sample_denoms[", i, "] = ", given, " is ", static_cast<double>(q[i]), " in ", acc,
-          ", the dtype the division happens in for ", values_dtype,
-          " values; it must be finite and > 0 there (rescale the denominators or use float64 values)");
+      if (all_ok) {
+        return;
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        const A x = static_cast<A>(p[i * stride]);
+        if (!positive_finite(x)) {
+          fail(i, static_cast<double>(x));
+        }
+      }
+    };
+    if (in_double) {
+      scan(double{});
+    } else {
+      scan(float{});
     }
   };
-  if (acc == c10::kDouble) {
-    check(in_acc.const_data_ptr<double>());
-  } else {
-    check(in_acc.const_data_ptr<float>());
+  switch (d.scalar_type()) {
+    case c10::kDouble:
+      return check(d.const_data_ptr<double>());
+    case c10::kFloat:
+      return check(d.const_data_ptr<float>());
+    case c10::kHalf:
+      return check(d.const_data_ptr<c10::Half>());
+    case c10::kBFloat16:
+      return check(d.const_data_ptr<c10::BFloat16>());
+    default:
+      TORCH_CHECK_TYPE(false, "lossagg.", op, ": sample_denoms must have a floating dtype, got ", d.scalar_type());
   }
 }
 
@@ -218,8 +297,8 @@ TokenLayout check_segment_sum_inputs(
     const at::Tensor& values,
     const at::Tensor& mask,
     const std::optional<at::Tensor>& cu_seqlens) {
-  const TokenLayout layout = check_token_layout("segment_sum", values, mask, cu_seqlens, /*allow_metric_dim=*/true);
-  check_cu_seqlens_data("segment_sum", cu_seqlens, layout);
+  TokenLayout layout = check_token_layout("segment_sum", values, mask, cu_seqlens, /*allow_metric_dim=*/true);
+  layout.max_segment_tokens = check_cu_seqlens_data("segment_sum", cu_seqlens, layout);
   return layout;
 }
 
@@ -228,9 +307,9 @@ TokenLayout check_reduce_inputs(
     const at::Tensor& mask,
     const std::optional<at::Tensor>& cu_seqlens,
     const at::Tensor& sample_denoms) {
-  const TokenLayout layout = check_token_layout("reduce", values, mask, cu_seqlens, /*allow_metric_dim=*/false);
+  TokenLayout layout = check_token_layout("reduce", values, mask, cu_seqlens, /*allow_metric_dim=*/false);
   check_sample_denoms("reduce", sample_denoms, layout, values);
-  check_cu_seqlens_data("reduce", cu_seqlens, layout);
+  layout.max_segment_tokens = check_cu_seqlens_data("reduce", cu_seqlens, layout);
   check_sample_denoms_data("reduce", sample_denoms, values.scalar_type());
   return layout;
 }
@@ -247,10 +326,10 @@ TokenLayout check_reduce_backward_inputs(
   TORCH_CHECK_TYPE(
       c10::isFloatingType(grad.scalar_type()), "lossagg.", op, ": grad must have a floating dtype, got ",
       grad.scalar_type());
-  const TokenLayout layout = check_mask_layout(op, mask, cu_seqlens, 1, false);
+  TokenLayout layout = check_mask_layout(op, mask, cu_seqlens, 1, false);
   check_sample_denoms(op, sample_denoms, layout, mask);
   check_same_device(op, "grad", grad, mask, "mask");
-  check_cu_seqlens_data(op, cu_seqlens, layout);
+  layout.max_segment_tokens = check_cu_seqlens_data(op, cu_seqlens, layout);
   check_sample_denoms_data(op, sample_denoms, values_dtype);
   return layout;
 }
@@ -266,12 +345,12 @@ TokenLayout check_segment_sum_backward_inputs(
       c10::isFloatingType(grad.scalar_type()), "lossagg.", op, ": grad must have a floating dtype, got ",
       grad.scalar_type());
   const bool has_metric_dim = grad.dim() == 2;
-  const TokenLayout layout = check_mask_layout(op, mask, cu_seqlens, has_metric_dim ? grad.size(0) : 1, has_metric_dim);
+  TokenLayout layout = check_mask_layout(op, mask, cu_seqlens, has_metric_dim ? grad.size(0) : 1, has_metric_dim);
   TORCH_CHECK_VALUE(
       grad.size(-1) == layout.num_segments, "lossagg.", op, ": grad must have B = ", layout.num_segments,
       " entries in its last dimension, got shape ", grad.sizes());
   check_same_device(op, "grad", grad, mask, "mask");
-  check_cu_seqlens_data(op, cu_seqlens, layout);
+  layout.max_segment_tokens = check_cu_seqlens_data(op, cu_seqlens, layout);
   return layout;
 }
 

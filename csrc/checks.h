@@ -57,7 +57,9 @@ void check_sample_denoms(const char* op, const at::Tensor& sample_denoms, const 
 
 // Data checks: run always for CPU tensors, for CUDA tensors only when
 // device_checks_enabled() (they copy to the host and synchronise).
-void check_cu_seqlens_data(const char* op, const std::optional<at::Tensor>& cu_seqlens, const TokenLayout& layout);
+// check_cu_seqlens_data returns the longest segment's token count (the row length when
+// padded), or -1 when the data was not read.
+int64_t check_cu_seqlens_data(const char* op, const std::optional<at::Tensor>& cu_seqlens, const TokenLayout& layout);
 void check_sample_denoms_data(const char* op, const at::Tensor& sample_denoms, c10::ScalarType values_dtype);
 
 }  // namespace lossagg

@@ -25,6 +25,7 @@ struct TokenLayout {
   int64_t row_len;       // padded T; 0 when packed
   int64_t num_metrics;   // K; 1 without a leading metric dimension
   bool has_metric_dim;
+  int64_t max_segment_tokens = -1;  // longest segment, when the checks read cu_seqlens; -1 if unknown
 };
 
 // Segments of the token index space. Packed (THD): segment s is

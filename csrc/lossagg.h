@@ -2,6 +2,8 @@
 // through the dispatcher (torch::ops / c10::Dispatcher) as lossagg::<name>.
 #pragma once
 
+#include <string>
+
 namespace lossagg {
 
 // Data-dependent input checks (cu_seqlens monotone and ending at T, sample_denoms
@@ -13,5 +15,12 @@ bool device_checks_enabled();
 
 // True when the library was compiled with its CUDA kernels.
 bool built_with_cuda();
+
+// The vector instruction set of the CPU kernels: "avx512", "avx2" or "baseline". The
+// widest the CPU supports is used, capped by LOSSAGG_CPU_ISA at load time or by
+// set_cpu_isa ("auto" removes the cap). Results are bitwise the same on every one.
+std::string cpu_isa();
+std::string cpu_best_isa();
+void set_cpu_isa(const std::string& name);
 
 }  // namespace lossagg

@@ -14,5 +14,8 @@ PYBIND11_MODULE(_C, m) {
       "set_device_checks", &lossagg::set_device_checks, pybind11::arg("enabled"),
       "Enable the data checks that need a device-to-host copy on CUDA.");
   m.def("device_checks_enabled", &lossagg::device_checks_enabled);
+  m.def("cpu_isa", &lossagg::cpu_isa, "Vector ISA the CPU kernels use now: avx512, avx2 or baseline.");
+  m.def("cpu_best_isa", &lossagg::cpu_best_isa, "Widest vector ISA this CPU supports for the CPU kernels.");
+  m.def("set_cpu_isa", &lossagg::set_cpu_isa, pybind11::arg("isa"), "Cap the CPU kernels' vector ISA (auto, avx512, avx2, baseline).");
   m.attr("torch_version") = TORCH_VERSION;
 }

@@ -38,6 +38,8 @@ _EXPORTS = {
     "built_with_cuda": "lossagg._native",
     "device_checks_enabled": "lossagg._native",
     "set_device_checks": "lossagg._native",
+    "cpu_isa": "lossagg._native",
+    "set_cpu_isa": "lossagg._native",
     # layouts, planning, aggregation
     "cu_seqlens_from_lengths": "lossagg.layout",
     "token_counts": "lossagg.layout",

@@ -134,3 +134,95 @@ def test_float64_denominators_and_mixed_float_mask(device):
     out = lossagg.reduce(b.values, b.mask.to(torch.bfloat16), cu_seqlens=b.cu_seqlens, sample_denoms=b.sample_denoms.double())
     expected = ref_reduce(b.values.cpu(), b.mask.to(torch.bfloat16).cpu(), b.sample_denoms.cpu(), b.cu_seqlens.cpu())
     torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-5, atol=2e-5)
+
+
+# ------------------------------------------------------- instruction sets x threads
+ISAS = [
+    isa
+    for isa in ("baseline", "avx2", "avx512")
+    if ("baseline", "avx2", "avx512").index(isa) <= ("baseline", "avx2", "avx512").index(lossagg._native.cpu_best_isa())
+]
+
+
+def every_path_batch(dtype, mask_dtype, seed=0):
+    # lengths hitting every summation path: windows of 8 and 16 tokens (0..16), the short
+    # loop (17..63), the 16 lanes (64..16384) and several pieces (> 16384); with -0.0 values
+    # and NaN/inf under the mask
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 17, (3000,), generator=g).tolist() + list(range(17, 70)) + [1000, 16_384, 16_385, 40_000]
+    perm = torch.randperm(len(lengths), generator=g).tolist()
+    b = make_batch("packed64", lengths=[lengths[i] for i in perm], dtype=dtype, mask_dtype=mask_dtype, seed=seed, requires_grad=False)
+    values = b.values.detach().clone()
+    values[::97] = -0.0
+    values[(b.mask == 0) & (torch.arange(values.shape[0]) % 3 == 0)] = float("nan")
+    values[(b.mask == 0) & (torch.arange(values.shape[0]) % 3 == 1)] = float("inf")
+    b.values = values.requires_grad_(True)
+    return b
+
+
+def run_metrics(b):
+    stacked = torch.stack([b.values.detach(), b.values.detach() * 0.5, -b.values.detach()])
+    return lossagg.segment_sum(stacked, b.mask, b.cu_seqlens)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "mask_dtype"),
+    [
+        (torch.float32, torch.bool),
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.int64),
+        (torch.float16, torch.uint8),
+        (torch.float64, torch.float64),
+    ],
+)
+def test_bitwise_identical_across_instruction_sets_and_threads(dtype, mask_dtype):
+    b = every_path_batch(dtype, mask_dtype)
+    old_threads, results = torch.get_num_threads(), {}
+    try:
+        for isa in ISAS:
+            lossagg.set_cpu_isa(isa)
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                results[(isa, threads)] = (*run_once(b), run_metrics(b))
+    finally:
+        lossagg.set_cpu_isa("auto")
+        torch.set_num_threads(old_threads)
+    first = next(iter(results.values()))
+    for key, got in results.items():
+        for x, y in zip(first, got, strict=True):
+            assert torch.equal(x, y), key
+    out, grad, sums, _ = first
+    assert torch.isfinite(out) and torch.isfinite(sums).all() and torch.isfinite(grad).all()
+    torch.testing.assert_close(
+        sums.double(), ref_segment_sum(b.values.detach(), b.mask, b.cu_seqlens), rtol=2e-2 if dtype != torch.float64 else 1e-9, atol=1e-2
+    )
+
+
+def test_a_segment_sums_to_the_same_bits_wherever_it_lies():
+    # The same short segments alone (batched window path), after a segment longer than a
+    # piece (every segment then takes the per-segment path) and at the very end of the tensor.
+    lengths = torch.randint(0, 17, (500,), generator=torch.Generator().manual_seed(3)).tolist()
+    b = make_batch("packed64", lengths=lengths, seed=3, requires_grad=False)
+    alone = lossagg.segment_sum(b.values, b.mask, b.cu_seqlens)
+    long = 20_000
+    values = torch.cat([torch.randn(long), b.values])
+    mask = torch.cat([torch.ones(long, dtype=b.mask.dtype), b.mask])
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), b.cu_seqlens + long])
+    after_long = lossagg.segment_sum(values, mask, cu)[1:]
+    assert torch.equal(alone, after_long)
+    for i in (0, 250, 499):  # one segment at the end of its own tensor
+        lo, hi = int(b.cu_seqlens[i]), int(b.cu_seqlens[i + 1])
+        single = lossagg.segment_sum(b.values[lo:hi], b.mask[lo:hi], torch.tensor([0, hi - lo]))
+        assert torch.equal(single[0], alone[i])
+
+
+def test_cpu_isa_switch():
+    assert lossagg.cpu_isa() in ("baseline", "avx2", "avx512")
+    with pytest.raises(ValueError, match="isa must be one of"):
+        lossagg.set_cpu_isa("sse9")
+    try:
+        lossagg.set_cpu_isa("baseline")
+        assert lossagg.cpu_isa() == "baseline"
+    finally:
+        lossagg.set_cpu_isa("auto")
+    assert lossagg.cpu_isa() == lossagg._native.cpu_best_isa()

@@ -22,8 +22,9 @@ at::Tensor segment_sum(const at::Tensor& values, const at::Tensor& mask, const s
   return out;
 }
 
-// sum_i segment_sum[i] / sample_denoms[i], samples added in a fixed order:
-// deterministic whatever the thread count.
+// sum_i segment_sum[i] / sample_denoms[i], samples added in a fixed order (weighted_total):
+// deterministic whatever the thread count or instruction set. The denominators are read in their own dtype
+// and converted one at a time (the same value a .to(acc dtype) copy would hold).
 at::Tensor reduce(
     const at::Tensor& values,
     const at::Tensor& mask,
@@ -31,18 +32,15 @@ at::Tensor reduce(
     const at::Tensor& sample_denoms) {
   const TokenCall call = reduce_call(values, mask, cu_seqlens, sample_denoms);
   const at::ScalarType acc_dtype = acc_scalar_type(values.scalar_type());
-  const at::Tensor denoms = sample_denoms.to(acc_dtype).contiguous();
+  const at::Tensor denoms = sample_denoms.contiguous();
   at::Tensor out = at::empty({}, values.options().dtype(acc_dtype));
   call.dispatch(values.scalar_type(), [&]<typename S, typename M>(type_tag<S>, type_tag<M>, auto seg) {
     using acc_t = acc_t_of<S>;
     std::vector<acc_t> sums(static_cast<size_t>(call.layout.num_segments));
     segment_sums<acc_t>(call.values.const_data_ptr<S>(), call.mask_data<M>(), call.layout, seg, sums.data());
-    const acc_t* d = denoms.const_data_ptr<acc_t>();
-    acc_t total = acc_t(0);
-    for (int64_t s = 0; s < call.layout.num_segments; ++s) {
-      total += sums[s] / d[s];
-    }
-    *out.mutable_data_ptr<acc_t>() = total;
+    dispatch_floating(denoms.scalar_type(), "sample_denoms", [&]<typename D>(type_tag<D>) {
+      *out.mutable_data_ptr<acc_t>() = weighted_total(sums.data(), denoms.const_data_ptr<D>(), call.layout.num_segments);
+    });
   });
   return out;
 }
@@ -58,10 +56,7 @@ at::Tensor segment_sum_backward(
   const at::Tensor g = grad.to(acc_scalar_type(values_dtype)).contiguous();
   call.dispatch(values_dtype, [&]<typename S, typename M>(type_tag<S>, type_tag<M>, auto seg) {
     using acc_t = acc_t_of<S>;
-    const acc_t* gp = g.const_data_ptr<acc_t>();
-    const int64_t B = call.layout.num_segments;
-    expand_to_tokens<S, acc_t>(
-        out.mutable_data_ptr<S>(), call.mask_data<M>(), call.layout, seg, [&](int64_t k, int64_t s) { return gp[k * B + s]; });
+    expand_to_tokens<S, acc_t>(out.mutable_data_ptr<S>(), call.mask_data<M>(), call.layout, seg, g.const_data_ptr<acc_t>());
   });
   return out;
 }
@@ -76,12 +71,19 @@ at::Tensor reduce_backward(
   const TokenCall call = reduce_backward_call(grad, mask, cu_seqlens, sample_denoms, values_dtype);
   at::Tensor out = call.new_token_grad(values_dtype);
   const at::ScalarType acc_dtype = acc_scalar_type(values_dtype);
-  const at::Tensor denoms = sample_denoms.to(acc_dtype).contiguous();
+  const at::Tensor denoms = sample_denoms.contiguous();
   call.dispatch(values_dtype, [&]<typename S, typename M>(type_tag<S>, type_tag<M>, auto seg) {
     using acc_t = acc_t_of<S>;
     const acc_t g = grad.to(acc_dtype).item<acc_t>();
-    const acc_t* d = denoms.const_data_ptr<acc_t>();
-    expand_to_tokens<S, acc_t>(out.mutable_data_ptr<S>(), call.mask_data<M>(), call.layout, seg, [&](int64_t, int64_t s) { return g / d[s]; });
+    // one coefficient per sample, g / d[s] in the accumulation dtype
+    std::vector<acc_t> coef(static_cast<size_t>(call.layout.num_segments));
+    dispatch_floating(denoms.scalar_type(), "sample_denoms", [&]<typename D>(type_tag<D>) {
+      const D* d = denoms.const_data_ptr<D>();
+      for (int64_t s = 0; s < call.layout.num_segments; ++s) {
+        coef[s] = g / static_cast<acc_t>(d[s]);
+      }
+    });
+    expand_to_tokens<S, acc_t>(out.mutable_data_ptr<S>(), call.mask_data<M>(), call.layout, seg, coef.data());
   });
   return out;
 }

@@ -1,0 +1,17 @@
+// Which vector instruction set the CPU engine uses, decided at run time: the widest the
+// CPU has (AVX-512, AVX2, or the baseline x86-64/other build), capped by the environment
+// variable LOSSAGG_CPU_ISA (read once) or set_cpu_isa(). Every path adds in the same order,
+// so the choice changes the speed, never a bit of the result.
+#pragma once
+
+namespace lossagg::cpu {
+
+enum class Isa : int { baseline = 0, avx2 = 1, avx512 = 2 };
+
+// The ISA the next call will use (the CPU's best, capped).
+Isa active_isa();
+// The widest ISA this CPU and this build support.
+Isa best_isa();
+const char* isa_name(Isa isa);
+
+}  // namespace lossagg::cpu
