@@ -9,9 +9,13 @@ One run measures every contender on the same packed batches:
   floor        forward: values.sum() (one read of the values);
                CUDA: also a device-to-device copy of values+mask, for achieved GB/s
 
-It prints medians (ms), ratios against lossagg and the peak extra memory each
-contender allocates as tensors (tracked through a dispatch mode, so it counts every
-intermediate tensor, not allocator caching).
+Contenders of a case are timed interleaved (one call of each per round, the order
+rotated every round) and each figure is the median of the rounds, so a slow spell of a
+shared machine hits every contender alike. It prints medians (ms), ratios against lossagg,
+GB/s where the bytes moved are clear, and the peak extra memory each contender allocates as
+tensors (tracked through a dispatch mode, so it counts every intermediate tensor, not
+allocator caching). The last table checks the speed targets, each a ratio measured in
+this run.
 
     python benchmarks/bench_reduce.py                 # CPU table (docs/benchmarks.md)
     python benchmarks/bench_reduce.py --device cuda   # GPU table
@@ -145,17 +149,22 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def median_ms(fn, device, repeats, warmup=5):
-    for _ in range(warmup):
-        fn()
+def interleaved_medians(runners: dict, device, repeats, warmup=3) -> dict:
+    """Median ms of each runner, timed one call per round in a rotating order."""
+    names = list(runners)
+    for name in names:
+        for _ in range(warmup):
+            runners[name]()
     sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    times = {name: [] for name in names}
+    for r in range(repeats):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            t0 = time.perf_counter()
+            runners[name]()
+            sync(device)
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 class PeakTensorBytes(TorchDispatchMode):
@@ -214,48 +223,53 @@ def bwd_only(fn, b, values_key="values"):
     return lambda: torch.autograd.grad(out, values, grad, retain_graph=True)
 
 
+def runner(fn, b, pass_name, values_key="values"):
+    if pass_name == "fwd":
+
+        def run():
+            with torch.no_grad():
+                return fn(b, b[values_key])
+
+        return run
+    if pass_name == "bwd":
+        return bwd_only(fn, b, values_key)
+    return fwd_bwd(fn, b, values_key)
+
+
 def bench_case(name, b, device, repeats, contenders, passes, table=None, values_key="values"):
+    """Rows (case, pass, contender, median ms, peak extra bytes); contenders interleaved."""
     table = CONTENDERS if table is None else table
-    rows = []
-    for cname in contenders:
-        fn = table[cname]
-        for pass_name in passes:
-            if pass_name != "fwd" and cname == "floor":
-                continue
-            if pass_name == "fwd":
-                with torch.no_grad():
-                    run = lambda fn=fn: fn(b, b[values_key])  # noqa: E731
-                    ms = median_ms(run, device, repeats)
-                    mem = peak_extra_bytes(run)
-            elif pass_name == "bwd":
-                run = bwd_only(fn, b, values_key)
-                ms = median_ms(run, device, repeats)
-                mem = peak_extra_bytes(run)
-            else:
-                run = fwd_bwd(fn, b, values_key)
-                ms = median_ms(run, device, repeats)
-                mem = peak_extra_bytes(run)
-            rows.append((name, pass_name, cname, ms, mem))
-    return rows
+    runners = {
+        (cname, pass_name): runner(table[cname], b, pass_name, values_key)
+        for pass_name in passes
+        for cname in contenders
+        if not (pass_name != "fwd" and cname == "floor")
+    }
+    medians = interleaved_medians(runners, device, repeats)
+    return [(name, pass_name, cname, medians[(cname, pass_name)], peak_extra_bytes(run)) for (cname, pass_name), run in runners.items()]
 
 
 def print_table(rows, bytes_by_pass, total_by_case, copy_gbps=None):
-    """Medians, ratios to lossagg; on CUDA also achieved GB/s against the copy bandwidth."""
+    """Medians, ratios to lossagg and the GB/s of lossagg and of the floor (bytes it must move)."""
     ours = {(r[0], r[1]): r[3] for r in rows if r[2] == "lossagg"}
-    header = "| case | pass | contender | median ms | x lossagg time | peak extra MiB |"
+    header = "| case | pass | contender | median ms | x lossagg time | GB/s | peak extra MiB |"
     if copy_gbps:
-        header += " GB/s | % of copy |"
+        header += " % of copy |"
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for case, pass_name, cname, ms, mem in rows:
         ratio = ms / ours[(case, pass_name)]
-        line = f"| {case} | {pass_name} | {cname} | {ms:.3f} | {ratio:.2f} | {mem / 2**20:.2f} |"
+        per_token = bytes_by_pass.get((cname, pass_name), bytes_by_pass.get(pass_name)) if cname in ("lossagg", "floor") else None
+        gbps = per_token * total_by_case[case] / 1e9 / (ms / 1e3) if per_token else None
+        line = f"| {case} | {pass_name} | {cname} | {ms:.3f} | {ratio:.2f} | {f'{gbps:.1f}' if gbps else ''} | {mem / 2**20:.2f} |"
         if copy_gbps:
-            gbytes = bytes_by_pass[pass_name] * total_by_case[case] / 1e9
-            gbps = gbytes / (ms / 1e3)
-            line += f" {gbps:.0f} | {100 * gbps / copy_gbps:.0f}% |" if cname == "lossagg" else " | |"
+            line += f" {100 * gbps / copy_gbps:.0f}% |" if gbps and cname == "lossagg" else " |"
         print(line)
     print()
+
+
+def lookup(rows, case, pass_name, cname):
+    return next(r[3] for r in rows if r[0] == case and r[1] == pass_name and r[2] == cname)
 
 
 def main(argv=None):
@@ -265,27 +279,28 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     args = p.parse_args(argv)
     device = args.device
-    repeats = args.repeats or (9 if device == "cpu" else 30)
+    repeats = args.repeats or (15 if device == "cpu" else 30)
     print(f"# lossagg benchmark: torch {torch.__version__}, device={device}", end="")
     if device == "cuda":
         print(f" ({torch.cuda.get_device_name()})", end="")
     else:
-        print(f" ({cpu_description()}, {torch.get_num_threads()} threads)", end="")
-    print()
+        print(f" ({cpu_description()}, {torch.get_num_threads()} threads, lossagg CPU kernels: {lossagg.cpu_isa()})", end="")
+    print(f"; medians of {repeats} interleaved rounds\n")
 
     copy_gbps = None
     if device == "cuda":
         x = torch.empty(512 << 20, dtype=torch.uint8, device=device)
         y = torch.empty_like(x)
-        ms = median_ms(lambda: y.copy_(x), device, repeats)
+        ms = interleaved_medians({"copy": lambda: y.copy_(x)}, device, repeats)["copy"]
         copy_gbps = 2 * x.numel() / 1e9 / (ms / 1e3)
         del x, y
-        print(f"# device-to-device copy: {copy_gbps:.0f} GB/s (read + write of 512 MiB)")
+        print(f"# device-to-device copy: {copy_gbps:.0f} GB/s (read + write of 512 MiB)\n")
 
-    # bytes moved per token: values float32 (4) + bool mask (1); backward reads the mask
-    # and writes a float32 gradient
-    bytes_by_pass = {"fwd": 5, "bwd": 5, "fwd+bwd": 10}
+    # bytes per token lossagg must move: float32 values (4) + bool mask (1); the backward
+    # reads the mask and writes a float32 gradient; the floor (values.sum()) reads 4
+    bytes_by_pass = {"fwd": 5, "bwd": 5, "fwd+bwd": 10, ("floor", "fwd"): 4}
     all_passes = ["fwd", "bwd", "fwd+bwd"]
+    targets = []
 
     print("## reduce, RL micro-batches (packed, uneven lengths)\n")
     rl_cases = [("B=256 x ~2k", 256, 2048), ("B=1024 x ~512", 1024, 512), ("B=64 x ~16k", 64, 16384)]
@@ -297,20 +312,28 @@ def main(argv=None):
         totals[name] = b["total"]
         rows += bench_case(name, b, device, repeats, list(CONTENDERS), all_passes)
     print_table(rows, bytes_by_pass, totals, copy_gbps)
+    main_case = rl_cases[1][0] if len(rl_cases) > 1 else rl_cases[0][0]
+    best = min(lookup(rows, main_case, "fwd+bwd", c) for c in ("vectorised", "segment_red"))
+    ratio = best / lookup(rows, main_case, "fwd+bwd", "lossagg")
+    targets.append((f"fwd+bwd, best vectorised torch / lossagg, {main_case}", ratio, ">= 8", lambda x: x >= 8))
 
     print("## reduce, small calls and tiny segments (packed)\n")
     small_cases = [("B=64 x ~64", 64, 64), ("B=1M x ~4", 1 << 20, 4)]
     if args.quick:
-        small_cases = [("B=64 x ~64", 64, 64)]
+        small_cases = [("B=64 x ~64", 64, 64), ("B=64k x ~4", 1 << 16, 4)]
     rows, totals = [], {}
     for name, n, mean_len in small_cases:
         b = make_packed(n, mean_len, device)
         totals[name] = b["total"]
         rows += bench_case(name, b, device, repeats, ["lossagg", "vectorised", "segment_red"], all_passes)
     print_table(rows, bytes_by_pass, totals, copy_gbps)
+    tiny = small_cases[1][0]
+    for pass_name in ("fwd", "fwd+bwd"):
+        speedup = lookup(rows, tiny, pass_name, "segment_red") / lookup(rows, tiny, pass_name, "lossagg")
+        targets.append((f"{pass_name}, segment_reduce / lossagg, {tiny}", speedup, ">= 2", lambda x: x >= 2))
 
     print("## reduce, large inputs (B=64)\n")
-    big = [4 << 20, 16 << 20] if device == "cpu" else [1 << 16, 1 << 20, 16 << 20, 64 << 20]
+    big = [1 << 20, 4 << 20, 16 << 20] if device == "cpu" else [1 << 16, 1 << 20, 16 << 20, 64 << 20]
     if args.quick:
         big = [1 << 20]
     rows, totals = [], {}
@@ -321,19 +344,53 @@ def main(argv=None):
         totals[name] = b["total"]
         contenders = ["lossagg", "vectorised", "floor"] + (["segment_red"] if device == "cuda" else [])
         rows += bench_case(name, b, device, repeats, contenders, all_passes)
+        ratio = lookup(rows, name, "fwd", "lossagg") / lookup(rows, name, "fwd", "floor")
+        goal = 1.1 if tokens >= 16 << 20 else 1.2
+        targets.append((f"fwd, lossagg / values.sum(), {name}", ratio, f"<= {goal}", lambda x, g=goal: x <= g))
     print_table(rows, bytes_by_pass, totals, copy_gbps)
 
-    print("## segment_sum of K=4 metrics (packed, B=256)\n")
-    rows, totals = [], {}
-    sizes = [1 << 19] if args.quick else ([1 << 19, 4 << 20] if device == "cpu" else [1 << 16, 1 << 20, 16 << 20])
-    for tokens in sizes:
-        n = 256
-        b = make_packed(n, tokens // n, device)
-        b["metrics"] = torch.randn(4, b["total"], device=device)
-        name = f"K=4, {b['total'] / 2**20:.2f}M tokens"
+    print("## aggregate(config, ...) without sample_denoms vs the raw op (packed)\n")
+    print("`aggregate` counts the rollout tokens, plans the denominators and reduces; `raw` is `lossagg.reduce` given them.\n")
+    b = make_packed(*((64, 512) if args.quick else (1024, 512)), device)
+    front = f"B={b['lengths'].numel()} x ~512"
+    rows = []
+    for mode in ("sample_mean", "token_mean"):
+        cfg = lossagg.LossAggregationConfig(mode=mode)
+        denoms = lossagg.StepPlan.from_mask(cfg, b["mask"], b["cu"]).sample_denoms.to(device)
+        table = {
+            "lossagg": lambda bb, v, d=denoms: lossagg.reduce(v, bb["mask"], cu_seqlens=bb["cu"], sample_denoms=d),
+            "aggregate": lambda bb, v, c=cfg: lossagg.aggregate(c, v, bb["mask"], cu_seqlens=bb["cu"]),
+        }
+        rows += bench_case(f"{front}, {mode}", b, device, repeats, list(table), ["fwd", "fwd+bwd"], table)
+    print_table(rows, bytes_by_pass, {f"{front}, {m}": b["total"] for m in ("sample_mean", "token_mean")}, copy_gbps)
+    for mode in ("sample_mean", "token_mean"):
+        case = f"{front}, {mode}"
+        ratio = lookup(rows, case, "fwd", "aggregate") / lookup(rows, case, "fwd", "lossagg")
+        targets.append((f"fwd, aggregate / raw op, {case}", ratio, "<= 1.3", lambda x: x <= 1.3))
+
+    print("## segment_sum of K stacked metrics (packed, B=256)\n")
+    rows, totals, seg_bytes = [], {}, {}
+    tokens = 1 << 16 if args.quick else 1 << 19
+    b0 = make_packed(256, tokens // 256, device)
+    for k in (1, 4, 16):
+        b = dict(b0, metrics=torch.randn(k, b0["total"], device=device))
+        name = f"K={k}, {b['total'] / 2**20:.2f}M tokens"
         totals[name] = b["total"]
         rows += bench_case(name, b, device, repeats, list(SEGMENT_SUM_CONTENDERS), ["fwd"], SEGMENT_SUM_CONTENDERS, "metrics")
-    print_table(rows, {"fwd": 4 * 4 + 1}, totals, copy_gbps)
+        seg_bytes[name] = 4 * k + 1
+    # print with the per-case byte counts
+    for name in totals:
+        print_table([r for r in rows if r[0] == name], {"fwd": seg_bytes[name], ("floor", "fwd"): seg_bytes[name] - 1}, totals, copy_gbps)
+    names = list(totals)
+    gbps = {n: seg_bytes[n] * totals[n] / 1e9 / (lookup(rows, n, "fwd", "lossagg") / 1e3) for n in names}
+    targets.append(("segment_sum GB/s, K=16 / K=1", gbps[names[2]] / gbps[names[0]], ">= 1", lambda x: x >= 1))
+
+    print("## Targets (ratios from this run)\n")
+    print("| target | measured | wanted | met |")
+    print("|---|---|---|---|")
+    for what, value, wanted, ok in targets:
+        print(f"| {what} | {value:.2f} | {wanted} | {'yes' if ok(value) else 'no'} |")
+    print()
 
 
 if __name__ == "__main__":

@@ -354,4 +354,10 @@ TokenLayout check_segment_sum_backward_inputs(
   return layout;
 }
 
+TokenLayout check_token_counts_inputs(const at::Tensor& mask, const std::optional<at::Tensor>& cu_seqlens) {
+  TokenLayout layout = check_mask_layout("token_counts", mask, cu_seqlens, 1, false);
+  layout.max_segment_tokens = check_cu_seqlens_data("token_counts", cu_seqlens, layout);
+  return layout;
+}
+
 }  // namespace lossagg

@@ -53,6 +53,8 @@ TokenLayout check_segment_sum_backward_inputs(
     const at::Tensor& mask,
     const std::optional<at::Tensor>& cu_seqlens);
 
+TokenLayout check_token_counts_inputs(const at::Tensor& mask, const std::optional<at::Tensor>& cu_seqlens);
+
 void check_sample_denoms(const char* op, const at::Tensor& sample_denoms, const TokenLayout& layout, const at::Tensor& like);
 
 // Data checks: run always for CPU tensors, for CUDA tensors only when

@@ -88,4 +88,8 @@ inline TokenCall reduce_backward_call(
   return make_call(check_reduce_backward_inputs(grad, mask, cu_seqlens, sample_denoms, values_dtype), at::Tensor(), mask, cu_seqlens);
 }
 
+inline TokenCall token_counts_call(const at::Tensor& mask, const std::optional<at::Tensor>& cu_seqlens) {
+  return make_call(check_token_counts_inputs(mask, cu_seqlens), at::Tensor(), mask, cu_seqlens);
+}
+
 }  // namespace lossagg

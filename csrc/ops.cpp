@@ -15,4 +15,7 @@ TORCH_LIBRARY(lossagg, m) {
   m.def(
       "reduce_backward(Tensor grad, Tensor mask, Tensor? cu_seqlens, Tensor sample_denoms, "
       "ScalarType values_dtype) -> Tensor");
+  // Tokens of each segment whose mask is non-zero: [T] packed / [B, T] padded -> int64 [B].
+  // Not differentiable. CPU kernel in csrc/cpu/ops_cpu.cpp; other devices in lossagg/ops.py.
+  m.def("token_counts(Tensor mask, Tensor? cu_seqlens) -> Tensor");
 }

@@ -34,7 +34,7 @@ def check_token_counts(token_counts) -> torch.Tensor:
         raise ValueError(f"token_counts must be a 1-D [N] tensor of per-sample token counts, got shape {tuple(counts.shape)}")
     if counts.is_floating_point() and not torch.isfinite(counts).all():
         raise ValueError("token_counts must be finite")
-    if (counts < 0).any():
+    if counts.numel() and counts.min() < 0:
         raise ValueError("token_counts must be >= 0")
     return counts.to(torch.float64)
 

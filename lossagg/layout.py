@@ -42,17 +42,21 @@ def check_cu_seqlens(cu_seqlens, num_tokens: int | None = None, *, name: str = "
 
 
 def token_counts(mask: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """``M[i]``: tokens of each sample whose mask is non-zero, counted exactly (int64 ``[B]``)."""
+    """``M[i]``: tokens of each sample whose mask is non-zero, counted exactly (int64 ``[B]``).
+
+    One native pass over the mask (``torch.ops.lossagg.token_counts``); ``cu_seqlens`` is
+    checked as the ops check it.
+    """
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"mask must be a tensor, got {type(mask).__name__}")
-    kept = mask != 0
-    if cu_seqlens is None:
-        if mask.dim() != 2:
-            raise ValueError(f"mask must be [B, T] when cu_seqlens is None (padded layout), got shape {tuple(mask.shape)}")
-        return kept.sum(1, dtype=torch.int64)
-    if mask.dim() != 1:
-        raise ValueError(f"mask must be [T] when cu_seqlens is given (packed layout), got shape {tuple(mask.shape)}")
-    cu = check_cu_seqlens(cu_seqlens, mask.shape[0]).to(device=mask.device, dtype=torch.int64)
-    prefix = torch.zeros(mask.shape[0] + 1, dtype=torch.int64, device=mask.device)
-    prefix[1:] = torch.cumsum(kept, 0)
-    return prefix[cu[1:]] - prefix[cu[:-1]]
+    if cu_seqlens is None and mask.dim() != 2:
+        raise ValueError(f"mask must be [B, T] when cu_seqlens is None (padded layout), got shape {tuple(mask.shape)}")
+    if cu_seqlens is not None:
+        if mask.dim() != 1:
+            raise ValueError(f"mask must be [T] when cu_seqlens is given (packed layout), got shape {tuple(mask.shape)}")
+        if not isinstance(cu_seqlens, torch.Tensor):
+            raise TypeError(f"cu_seqlens must be a 1-D int32/int64 tensor [B+1], got {type(cu_seqlens).__name__}")
+        cu_seqlens = cu_seqlens.to(mask.device)  # host offsets for a device mask are accepted
+    from lossagg import ops  # noqa: F401  (the fake and the non-CPU kernels)
+
+    return torch.ops.lossagg.token_counts(mask, cu_seqlens)

@@ -182,6 +182,33 @@ def _reduce_backward_fake(grad, mask, cu_seqlens, sample_denoms, values_dtype):
     return mask.new_empty(mask.shape, dtype=values_dtype)
 
 
+@torch.library.register_fake("lossagg::token_counts")
+def _token_counts_fake(mask, cu_seqlens):
+    b = _mask_layout("token_counts", mask, cu_seqlens)
+    return mask.new_empty((b,), dtype=torch.int64)
+
+
+def _token_counts_composite(mask, cu_seqlens):
+    """token_counts on devices without a native kernel (CUDA): a prefix count of the kept
+    tokens, read at the segment bounds (int32 while the tokens fit, else int64)."""
+    b = _mask_layout("token_counts", mask, cu_seqlens)
+    kept = mask != 0
+    if cu_seqlens is None:
+        return kept.sum(1, dtype=torch.int64)
+    if b == 0:
+        return torch.zeros(0, dtype=torch.int64, device=mask.device)
+    dtype = torch.int32 if mask.shape[0] < 2**31 - 1 else torch.int64
+    prefix = torch.zeros(mask.shape[0] + 1, dtype=dtype, device=mask.device)
+    torch.cumsum(kept, 0, dtype=dtype, out=prefix[1:])
+    from lossagg.layout import check_cu_seqlens
+
+    cu = check_cu_seqlens(cu_seqlens, mask.shape[0]).long()  # read on the host, as the native checks do
+    return (prefix[cu[1:]] - prefix[cu[:-1]]).long()
+
+
+torch.library.impl("lossagg::token_counts", "CUDA")(_token_counts_composite)
+
+
 # Autograd of every op is registered in C++ (csrc/autograd.cpp) under the Autograd key,
 # so libtorch users get it too and a step pays no Python round trip; the backward ops
 # are differentiable in their incoming gradient (exact double backward).

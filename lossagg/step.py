@@ -15,6 +15,7 @@ only, and token counts from the full (unsharded) rollout masks (see
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Mapping, Sequence
 
@@ -75,17 +76,23 @@ class StepPlan:
         labels, dense = (None, None)
         if spec.needs_groups:
             labels, dense = self._group_labels(group_index, process_group, num_group_labels)
-        buf = self._local_totals(dense, 0 if labels is None else labels.numel())
-        if process_group is not None:
-            import torch.distributed as dist
+        if process_group is None and labels is None:  # one process, no groups: N and T are local
+            self.totals, group_token_sums = StepTotals(self.token_counts.shape[0], 0, float(self.token_counts.sum())), None
+        else:
+            buf = self._local_totals(dense, 0 if labels is None else labels.numel())
+            if process_group is not None:
+                import torch.distributed as dist
 
-            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=process_group)
-        self.totals, group_token_sums = self._read_totals(buf, labels, dense)
+                dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=process_group)
+            self.totals, group_token_sums = self._read_totals(buf, labels, dense)
         self.sample_denoms = denoms_from_totals(
             config.mode, self.token_counts, self.totals, group_token_sums=group_token_sums, divisor=config.divisor
         )
-        # The default reducer, for metrics other than the PG loss.
-        self.metric_denoms = denoms_from_totals(METRIC_MODE, self.token_counts, self.totals)
+
+    @functools.cached_property
+    def metric_denoms(self) -> torch.Tensor:
+        """``d[i]`` of the default reducer (sample_mean), for metrics other than the PG loss."""
+        return denoms_from_totals(METRIC_MODE, self.token_counts, self.totals)
 
     @classmethod
     def from_mask(
@@ -145,7 +152,6 @@ class StepPlan:
         plan.device = counts.device
         plan.totals = StepTotals(num_samples=num_samples, num_groups=num_groups or 0, total_tokens=total)
         plan.sample_denoms = denoms_from_totals(config.mode, counts, plan.totals, group_token_sums=sums, divisor=config.divisor)
-        plan.metric_denoms = denoms_from_totals(METRIC_MODE, counts, plan.totals)
         return plan
 
     # ------------------------------------------------------------ construction

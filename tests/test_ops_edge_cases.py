@@ -226,3 +226,38 @@ def test_cpu_isa_switch():
     finally:
         lossagg.set_cpu_isa("auto")
     assert lossagg.cpu_isa() == lossagg._native.cpu_best_isa()
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.uint8, torch.int8, torch.int64, torch.float16, torch.float32])
+@pytest.mark.parametrize("layout", ["packed32", "packed64", "padded"])
+def test_token_counts_op_counts_nonzero_mask_entries(mask_dtype, layout):
+    lengths = [0, 1, 5, 31, 32, 33, 100, 4000] + torch.randint(0, 9, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    b = make_batch(layout, lengths=lengths, row_len=70, mask_dtype=mask_dtype, seed=1)
+    mask = b.mask.clone()
+    if mask_dtype in (torch.uint8, torch.int8, torch.int64, torch.float16, torch.float32):
+        mask[mask != 0] = 3  # a weight, still one kept token
+        mask.view(-1)[::11] = 0
+    counts = lossagg.token_counts(mask, b.cu_seqlens)
+    kept = (mask != 0).long()
+    expected = (
+        kept.sum(1)
+        if b.cu_seqlens is None
+        else torch.stack([kept[a:c].sum() for a, c in zip(b.cu_seqlens[:-1].tolist(), b.cu_seqlens[1:].tolist(), strict=True)])
+    )
+    assert counts.dtype == torch.int64 and torch.equal(counts, expected)
+    if mask_dtype == torch.bool:  # bytes other than 1 in a bool tensor are True
+        raw = mask.view(torch.uint8).clone()
+        raw[raw != 0] = 7
+        assert torch.equal(lossagg.token_counts(raw.view(torch.bool), b.cu_seqlens), expected)
+
+
+def test_token_counts_op_checks_its_offsets():
+    mask = torch.ones(6, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"lossagg.token_counts: cu_seqlens must be non-decreasing"):
+        torch.ops.lossagg.token_counts(mask, torch.tensor([0, 4, 3, 6]))
+    with pytest.raises(ValueError, match=r"cu_seqlens\[-1\] must equal the number of tokens T = 6"):
+        torch.ops.lossagg.token_counts(mask, torch.tensor([0, 4]))
+    with pytest.raises(TypeError, match="cu_seqlens must have dtype int32 or int64"):
+        torch.ops.lossagg.token_counts(mask, torch.tensor([0.0, 6.0]))
+    fake = torch.empty(6, dtype=torch.bool, device="meta")
+    assert torch.ops.lossagg.token_counts(fake, torch.empty(4, dtype=torch.int64, device="meta")).shape == (3,)

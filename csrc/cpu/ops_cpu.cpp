@@ -88,9 +88,19 @@ at::Tensor reduce_backward(
   return out;
 }
 
+at::Tensor token_counts(const at::Tensor& mask, const std::optional<at::Tensor>& cu_seqlens) {
+  const TokenCall call = token_counts_call(mask, cu_seqlens);
+  at::Tensor out = at::empty({call.layout.num_segments}, mask.options().dtype(at::kLong));
+  call.dispatch(at::kFloat, [&]<typename S, typename M>(type_tag<S>, type_tag<M>, auto seg) {
+    count_kept(call.mask_data<M>(), call.layout, seg, out.mutable_data_ptr<int64_t>());
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(lossagg, CPU, m) {
+  m.impl("token_counts", &token_counts);
   m.impl("segment_sum", &segment_sum);
   m.impl("segment_sum_backward", &segment_sum_backward);
   m.impl("reduce", &reduce);

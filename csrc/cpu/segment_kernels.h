@@ -26,6 +26,9 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#endif
 
 namespace lossagg::cpu {
 
@@ -41,7 +44,7 @@ inline acc_t select_kept(acc_t x, acc_t w) {
 }
 
 constexpr int kBlock = 64;  // tokens converted per step
-constexpr int kLanes = 16;  // independent accumulators
+constexpr int kLanes = 32;  // independent accumulators (two AVX-512 or four AVX2 registers)
 
 // x where the bool mask byte b is non-zero, else +0.0. Any non-zero byte is true (a bool
 // tensor viewed from uint8 may hold other bytes than 1).
@@ -403,11 +406,11 @@ class PiecePlan {
 // calling thread for small calls, else tasks of about equal token counts. Each piece's
 // result depends on the piece alone, so the bits never depend on the partition.
 template <typename offset_t, typename G>
-void for_each_task(const PiecePlan<offset_t>& plan, int64_t num_tokens, int64_t work_per_token, G&& g) {
+void for_each_task(const PiecePlan<offset_t>& plan, int64_t num_tokens, int64_t work_per_token, G&& g, int64_t serial_work = kSerialWork) {
   const int64_t num_pieces = plan.num_pieces();
   const int64_t work = num_tokens * std::max<int64_t>(work_per_token, 1) + num_pieces;
   const int64_t threads = at::get_num_threads();
-  if (num_pieces <= 1 || threads <= 1 || work < kSerialWork || at::in_parallel_region()) {
+  if (num_pieces <= 1 || threads <= 1 || work < serial_work || at::in_parallel_region()) {
     g(int64_t(0), num_pieces);
     return;
   }
@@ -563,6 +566,111 @@ void expand_to_tokens(scalar_t* out, const mask_t* m, const TokenLayout& layout,
       masked_fill<scalar_t, acc_t>(isa, out + k * num_tokens, m, coef[k * num_segments + s], lo, hi);
     }
   });
+}
+
+// Tokens of m[lo, hi) whose mask is non-zero, counted in 32-bit lanes over chunks (so
+// the loop vectorises) and added up in 64 bits.
+#define LOSSAGG_COUNT_BODY                                                     \
+  int64_t total = 0;                                                           \
+  for (int64_t c = lo; c < hi; c += kCountChunk) {                             \
+    const int64_t e = std::min(hi, c + kCountChunk);                           \
+    uint32_t n = 0;                                                            \
+    for (int64_t t = c; t < e; ++t) {                                          \
+      n += static_cast<uint32_t>(is_kept(m[t]));                               \
+    }                                                                          \
+    total += n;                                                                \
+  }                                                                            \
+  return total;
+
+constexpr int64_t kCountChunk = int64_t(1) << 20;
+
+template <typename mask_t>
+inline bool is_kept(mask_t m) {
+  if constexpr (is_binary_mask_v<mask_t>) {
+    return m.value != 0;
+  } else {
+    return m != mask_t(0);
+  }
+}
+
+template <typename mask_t>
+int64_t count_kept_baseline(const mask_t* __restrict m, int64_t lo, int64_t hi) {
+  LOSSAGG_COUNT_BODY
+}
+
+#ifdef LOSSAGG_HAVE_X86_PATHS
+template <typename mask_t>
+__attribute__((target("avx2,f16c"))) int64_t count_kept_avx2(const mask_t* __restrict m, int64_t lo, int64_t hi) {
+  LOSSAGG_COUNT_BODY
+}
+
+template <typename mask_t>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c,prefer-vector-width=512"))) int64_t
+count_kept_avx512(const mask_t* __restrict m, int64_t lo, int64_t hi) {
+  LOSSAGG_COUNT_BODY
+}
+#endif
+
+#ifdef LOSSAGG_HAVE_X86_PATHS
+// One-byte masks (bool, uint8, int8): 32 bytes compared with 0 at a time, the kept ones
+// counted from the compare's bit mask.
+__attribute__((target("avx2,popcnt"))) inline int64_t count_nonzero_bytes_avx2(const uint8_t* p, int64_t n) {
+  int64_t total = 0;
+  int64_t i = 0;
+  const __m256i zero = _mm256_setzero_si256();
+  for (; i + 32 <= n; i += 32) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
+    const uint32_t zeros = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(x, zero)));
+    total += 32 - __builtin_popcount(zeros);
+  }
+  for (; i < n; ++i) {
+    total += p[i] != 0;
+  }
+  return total;
+}
+#endif
+
+template <typename mask_t>
+inline int64_t count_kept_range(Isa isa, const mask_t* m, int64_t lo, int64_t hi) {
+#ifdef LOSSAGG_HAVE_X86_PATHS
+  if constexpr (sizeof(mask_t) == 1) {
+    if (isa != Isa::baseline && hi - lo >= 32) {
+      return count_nonzero_bytes_avx2(reinterpret_cast<const uint8_t*>(m) + lo, hi - lo);
+    }
+  }
+#endif
+  if (hi - lo < 32) {
+    int64_t n = 0;
+    for (int64_t t = lo; t < hi; ++t) {
+      n += is_kept(m[t]);
+    }
+    return n;
+  }
+#ifdef LOSSAGG_HAVE_X86_PATHS
+  if (isa == Isa::avx512) {
+    return count_kept_avx512(m, lo, hi);
+  }
+  if (isa == Isa::avx2) {
+    return count_kept_avx2(m, lo, hi);
+  }
+#endif
+  return count_kept_baseline(m, lo, hi);
+}
+
+// out[s] = number of tokens of segment s whose mask is non-zero (exact, int64).
+template <typename mask_t, typename offset_t>
+void count_kept(const mask_t* m, const TokenLayout& layout, const Segments<offset_t>& seg, int64_t* out) {
+  const Isa isa = active_isa();
+  const PiecePlan<offset_t> plan(seg, layout.num_segments, 0);  // integers: one piece per segment, any order is exact
+  // counting is cheap: a thread is worth waking only for about a million tokens
+  for_each_task(
+      plan, layout.num_tokens, 1,
+      [&](int64_t first, int64_t last) {
+        for (int64_t s = first; s < last; ++s) {
+          out[s] = count_kept_range(isa, m, seg.begin(s), seg.end(s));
+        }
+      },
+      int64_t(1) << 20);
 }
 
 // sum_s x[s] / d[s] in a fixed order: lane l takes s = l, l + kLanes, ...; lanes are
