@@ -58,6 +58,7 @@ class StepPlan:
         process_group=None,
         num_group_labels: int | None = None,
         num_groups: int | None = None,
+        _counts_checked: bool = False,
     ):
         if num_groups is not None:
             warnings.warn("StepPlan(num_groups=) is renamed num_group_labels=", DeprecationWarning, stacklevel=2)
@@ -69,7 +70,8 @@ class StepPlan:
         if not isinstance(config, LossAggregationConfig):
             raise TypeError(f"config must be a LossAggregationConfig (or a mapping of its settings), got {type(config).__name__}")
         self.config = config
-        self.token_counts = check_token_counts(token_counts)
+        # counts from lossagg.token_counts are exact int64 >= 0: not checked again
+        self.token_counts = token_counts.to(torch.float64) if _counts_checked else check_token_counts(token_counts)
         self.device = self.token_counts.device
         spec = mode_spec(config.mode)
 
@@ -103,7 +105,7 @@ class StepPlan:
         **kwargs,
     ) -> StepPlan:
         """The plan of this rank's samples given their rollout mask (token counts are counted from it)."""
-        return cls(config, _token_counts(rollout_mask, cu_seqlens), **kwargs)
+        return cls(config, _token_counts(rollout_mask, cu_seqlens), _counts_checked=True, **kwargs)
 
     @classmethod
     def from_totals(
