@@ -245,3 +245,30 @@ def test_unsupported_settings_are_refused(settings, message, tmp_path, tokenizer
     loss_type = settings.pop("loss_type")
     with pytest.raises(ValueError, match=message):
         run(GRPOTrainer, loss_type, 2, tmp_path, tokenizer, dataset, **settings)
+
+
+def test_evaluation_with_another_group_size(tmp_path, tokenizer, dataset):
+    """prompt_mean in evaluation groups TRL's num_generations_eval completions of each prompt."""
+    trainer, _ = run(
+        Recorder,
+        "prompt_mean",
+        2,
+        tmp_path,
+        tokenizer,
+        dataset,
+        trainer_kwargs={"eval_dataset": dataset},
+        num_generations_eval=2,
+        per_device_eval_batch_size=4,
+    )
+    trainer.generated, trainer.losses = [], []
+    metrics = trainer.evaluate()
+    assert torch.isfinite(torch.tensor(metrics["eval_loss"]))
+    batch = trainer.generated[0]
+    assert batch["completion_mask"].shape[0] == 4 and batch[DENOMS_KEY].shape == (4,)
+    # the eval batch is its own step: its loss is J over its 2 groups of 2 (ratio 1: loss -A)
+    mask = batch["completion_mask"]
+    values = (-batch["advantages"].to(torch.float64))[:, None].expand_as(mask)
+    cu = torch.arange(0, mask.numel() + 1, mask.shape[1])
+    config = LossAggregationConfig(mode="prompt_mean", n_samples_per_prompt=2)
+    expected = reference_loss(config, values.reshape(-1), mask.reshape(-1), cu, torch.arange(4) // 2)
+    assert torch.allclose(trainer.losses[0].double(), expected, rtol=1e-5, atol=1e-7)

@@ -545,6 +545,9 @@ void segment_sums(const scalar_t* v, const mask_t* m, const TokenLayout& layout,
         const int64_t lo = seg.begin(s), hi = seg.end(e - 1);
         for (int64_t k = 0; k < num_metrics; ++k) {
           masked_terms<acc_t>(isa, buf, v + k * num_tokens, m, lo, hi);
+          for (int j = 0; j < kWindow; ++j) {  // window_sum may read up to kWindow past the batch (and ignores it)
+            buf[hi - lo + j] = acc_t(0);
+          }
           for (int64_t r = s; r < e; ++r) {
             out[k * num_segments + r] = window_sum(buf + (seg.begin(r) - lo), seg.end(r) - seg.begin(r));
           }

@@ -168,10 +168,15 @@ class GRPOTrainer(_TRLGRPOTrainer):
         n_local = counts.shape[0]
         all_counts = self.accelerator.gather(counts)
         group_index = None
-        if MODES[self.loss_aggregation.mode.value].needs_groups:
+        config = self.loss_aggregation
+        if MODES[config.mode.value].needs_groups:
             # TRL's advantage groups: num_generations consecutive completions of the gathered batch
-            group_index = torch.arange(all_counts.shape[0], device=all_counts.device) // self.num_generations
-        plan = StepPlan(self.loss_aggregation, all_counts, group_index=group_index)
+            # (num_generations_eval of them in evaluation)
+            group_size = self.num_generations if self.model.training else self.num_generations_eval
+            group_index = torch.arange(all_counts.shape[0], device=all_counts.device) // group_size
+            if config.n_samples_per_prompt is not None and config.n_samples_per_prompt != group_size:
+                config = config.model_copy(update={"n_samples_per_prompt": group_size})
+        plan = StepPlan(config, all_counts, group_index=group_index)
         start = self.accelerator.process_index * n_local
         return plan.sample_denoms[start : start + n_local]
 
