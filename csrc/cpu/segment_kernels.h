@@ -70,8 +70,9 @@ inline acc_t masked_term(acc_t x, mask_t m) {
 // into a small buffer (a loop without a reduction, which vectorises), then added into
 // kLanes fixed lanes: lane l takes tokens lo+l, lo+l+kLanes, ...; the tail goes to lane 0;
 // lanes are combined in a fixed order. The order depends only on (lo, hi), so the AVX-512,
-// AVX2 and baseline builds of this loop (no FMA in any: a fused multiply-add would round
-// differently) give the same bits.
+// AVX2 and baseline builds of this loop give the same bits. No build fuses a multiply and
+// an add (-ffp-contract=off in setup.py and CMakeLists.txt: the AVX-512 target has FMA,
+// and a fused multiply-add rounds once where the others round twice).
 #define LOSSAGG_MASKED_SUM_BODY                                   \
   acc_t lane[kLanes] = {};                                        \
   int64_t i = lo;                                                 \
