@@ -104,13 +104,16 @@ acc_t masked_sum_baseline(const scalar_t* __restrict v, const mask_t* __restrict
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define LOSSAGG_HAVE_X86_PATHS 1
+// The targets every per-ISA clone below is compiled for (the same source each time).
+#define LOSSAGG_TARGET_AVX2 __attribute__((target("avx2,f16c")))
+#define LOSSAGG_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,prefer-vector-width=512")))
 template <typename acc_t, typename scalar_t, typename mask_t>
-__attribute__((target("avx2,f16c"))) acc_t masked_sum_avx2(const scalar_t* __restrict v, const mask_t* __restrict m, int64_t lo, int64_t hi) {
+LOSSAGG_TARGET_AVX2 acc_t masked_sum_avx2(const scalar_t* __restrict v, const mask_t* __restrict m, int64_t lo, int64_t hi) {
   LOSSAGG_MASKED_SUM_BODY
 }
 
 template <typename acc_t, typename scalar_t, typename mask_t>
-__attribute__((target("avx512f,avx512bw,avx512vl,f16c,prefer-vector-width=512"))) acc_t
+LOSSAGG_TARGET_AVX512 acc_t
 masked_sum_avx512(const scalar_t* __restrict v, const mask_t* __restrict m, int64_t lo, int64_t hi) {
   LOSSAGG_MASKED_SUM_BODY
 }
@@ -161,7 +164,6 @@ inline acc_t window_sum(const acc_t* buf, int64_t len) {
 }
 
 #if defined(__SSE2__)
-#define LOSSAGG_HAVE_SSE2_WINDOW 1
 template <>
 inline float window_sum<float>(const float* buf, int64_t len) {
   const __m128i n = _mm_set1_epi32(static_cast<int32_t>(len));
@@ -281,13 +283,13 @@ void masked_terms_baseline(acc_t* __restrict buf, const scalar_t* __restrict v, 
 
 #ifdef LOSSAGG_HAVE_X86_PATHS
 template <typename acc_t, typename scalar_t, typename mask_t>
-__attribute__((target("avx2,f16c"))) void
+LOSSAGG_TARGET_AVX2 void
 masked_terms_avx2(acc_t* __restrict buf, const scalar_t* __restrict v, const mask_t* __restrict m, int64_t lo, int64_t hi) {
   LOSSAGG_TERMS_BODY
 }
 
 template <typename acc_t, typename scalar_t, typename mask_t>
-__attribute__((target("avx512f,avx512bw,avx512vl,f16c,prefer-vector-width=512"))) void
+LOSSAGG_TARGET_AVX512 void
 masked_terms_avx512(acc_t* __restrict buf, const scalar_t* __restrict v, const mask_t* __restrict m, int64_t lo, int64_t hi) {
   LOSSAGG_TERMS_BODY
 }
@@ -320,12 +322,12 @@ void masked_fill_baseline(scalar_t* __restrict o, const mask_t* __restrict m, ac
 
 #ifdef LOSSAGG_HAVE_X86_PATHS
 template <typename scalar_t, typename acc_t, typename mask_t>
-__attribute__((target("avx2,f16c"))) void masked_fill_avx2(scalar_t* __restrict o, const mask_t* __restrict m, acc_t c, int64_t lo, int64_t hi) {
+LOSSAGG_TARGET_AVX2 void masked_fill_avx2(scalar_t* __restrict o, const mask_t* __restrict m, acc_t c, int64_t lo, int64_t hi) {
   LOSSAGG_FILL_BODY
 }
 
 template <typename scalar_t, typename acc_t, typename mask_t>
-__attribute__((target("avx512f,avx512bw,avx512vl,f16c,prefer-vector-width=512"))) void
+LOSSAGG_TARGET_AVX512 void
 masked_fill_avx512(scalar_t* __restrict o, const mask_t* __restrict m, acc_t c, int64_t lo, int64_t hi) {
   LOSSAGG_FILL_BODY
 }
@@ -333,11 +335,8 @@ masked_fill_avx512(scalar_t* __restrict o, const mask_t* __restrict m, acc_t c, 
 
 template <typename scalar_t, typename acc_t, typename mask_t>
 inline void masked_fill(Isa isa, scalar_t* o, const mask_t* m, acc_t c, int64_t lo, int64_t hi) {
-  if (hi - lo < kBlock) {
-    for (int64_t i = lo; i < hi; ++i) {
-      o[i] = static_cast<scalar_t>(masked_term(c, m[i]));
-    }
-    return;
+  if (hi - lo < kBlock) {  // not worth a call into a wider clone
+    return masked_fill_baseline(o, m, c, lo, hi);
   }
 #ifdef LOSSAGG_HAVE_X86_PATHS
   if (isa == Isa::avx512) {
@@ -364,13 +363,13 @@ void masked_scale_baseline(scalar_t* __restrict o, const mask_t* __restrict m, c
 
 #ifdef LOSSAGG_HAVE_X86_PATHS
 template <typename scalar_t, typename acc_t, typename mask_t>
-__attribute__((target("avx2,f16c"))) void
+LOSSAGG_TARGET_AVX2 void
 masked_scale_avx2(scalar_t* __restrict o, const mask_t* __restrict m, const acc_t* __restrict c, int64_t lo, int64_t hi) {
   LOSSAGG_SCALE_BODY
 }
 
 template <typename scalar_t, typename acc_t, typename mask_t>
-__attribute__((target("avx512f,avx512bw,avx512vl,f16c,prefer-vector-width=512"))) void
+LOSSAGG_TARGET_AVX512 void
 masked_scale_avx512(scalar_t* __restrict o, const mask_t* __restrict m, const acc_t* __restrict c, int64_t lo, int64_t hi) {
   LOSSAGG_SCALE_BODY
 }
@@ -661,12 +660,12 @@ int64_t count_kept_baseline(const mask_t* __restrict m, int64_t lo, int64_t hi) 
 
 #ifdef LOSSAGG_HAVE_X86_PATHS
 template <typename mask_t>
-__attribute__((target("avx2,f16c"))) int64_t count_kept_avx2(const mask_t* __restrict m, int64_t lo, int64_t hi) {
+LOSSAGG_TARGET_AVX2 int64_t count_kept_avx2(const mask_t* __restrict m, int64_t lo, int64_t hi) {
   LOSSAGG_COUNT_BODY
 }
 
 template <typename mask_t>
-__attribute__((target("avx512f,avx512bw,avx512vl,f16c,prefer-vector-width=512"))) int64_t
+LOSSAGG_TARGET_AVX512 int64_t
 count_kept_avx512(const mask_t* __restrict m, int64_t lo, int64_t hi) {
   LOSSAGG_COUNT_BODY
 }

@@ -50,7 +50,6 @@ from typing import Any
 import torch
 
 try:
-    import trl as _trl
     from trl import GRPOTrainer as _TRLGRPOTrainer
 except ImportError as exc:  # pragma: no cover - exercised only without TRL
     raise ImportError(f"lossagg.integrations.trl needs TRL (pip install trl): {exc}") from exc
@@ -246,6 +245,3 @@ class GRPOTrainer(_TRLGRPOTrainer):
                 kl = kl * torch.exp(log_ratio)
             per_token_loss = per_token_loss + self.beta * kl
         return per_token_loss, is_clipped
-
-
-TRL_VERSION = _trl.__version__
