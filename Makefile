@@ -1,7 +1,7 @@
 # The commands people type. `make demo` and `make test` do all the set-up themselves.
 PY ?= python3
 
-.PHONY: demo test setup bench lint cmake clean
+.PHONY: demo test setup bench lint ctest cuda-report clean
 
 demo: setup
 	$(PY) -m lossagg demo
@@ -15,8 +15,13 @@ setup:
 bench: setup
 	$(PY) benchmarks/bench_reduce.py
 
-cmake: setup
-	bash scripts/cmake_build.sh
+ctest: setup
+	bash scripts/ctest.sh
+
+# The CUDA kernels' resources as ptxas reports them for sm_90 (no GPU needed): a table of
+# kernels, registers, spills, shared memory and occupancy (docs/benchmarks.md).
+cuda-report: setup
+	$(PY) scripts/cuda_report.py
 
 lint:
 	$(PY) -m ruff check lossagg tests benchmarks examples docs
@@ -24,4 +29,4 @@ lint:
 	if command -v clang-format >/dev/null; then clang-format --dry-run --Werror csrc/*.h csrc/*.cpp csrc/cpu/* csrc/cuda/*; else echo "clang-format not installed: C++ not checked"; fi
 
 clean:
-	rm -rf build lossagg/_C*.so *.egg-info
+	rm -rf build lossagg/liblossagg_ops.so lossagg/_build_info.py *.egg-info

@@ -1,60 +1,80 @@
-"""Build of the lossagg native library (``lossagg._C``).
+"""Build of lossagg's native library, driven through CMake (CMakeLists.txt is the one build
+definition: sources, flags, CUDA architectures, the C++ tests).
 
-The CPU kernels are always built; whether the CUDA kernels are is decided by
-``scripts/build_plan.py`` (asked for with ``LOSSAGG_BUILD_CUDA=1`` or
-``TORCH_CUDA_ARCH_LIST``, or a GPU is visible; ``LOSSAGG_BUILD_CUDA=0`` skips them).
-Without ``TORCH_CUDA_ARCH_LIST`` the CUDA kernels target the visible GPU.
+``pip install --no-build-isolation -e .`` (what ``make demo`` runs), ``pip install
+--no-build-isolation .`` and ``make wheel`` all come here: CMake configures ``build/native``
+(``LOSSAGG_BUILD_DIR``), ninja compiles every source once on every core (``MAX_JOBS``),
+and ``liblossagg_ops.so`` is written into the ``lossagg`` package next to ``_build_info.py``,
+which records the torch it was built against (checked at import, lossagg/_native.py).
+``scripts/test.sh`` then builds the C++ tests in the same tree against the same library.
+
+Build isolation: lossagg compiles against the torch it will run with. Under pip's default
+build isolation pip would install a second, different torch into a throw-away environment
+and build against that one; so the build stops at once and asks for
+``--no-build-isolation`` unless the torch it sees is the one of the environment that pip
+installs into (README.md, "Install").
+
+The CUDA kernels are built when ``scripts/build_plan.py`` says so (``LOSSAGG_BUILD_CUDA=1``
+or ``TORCH_CUDA_ARCH_LIST``, or a visible GPU; ``LOSSAGG_BUILD_CUDA=0`` skips them).
 """
 
 from __future__ import annotations
 
-import glob
 import os
+import shutil
+import subprocess
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
-from build_plan import DEFAULT_CUDA_ARCHS, describe, want_cuda  # noqa: E402
-from find_cuda_home import find_cuda_home  # noqa: E402
-
-_cuda_home = find_cuda_home()
-if _cuda_home:
-    # torch.utils.cpp_extension reads CUDA_HOME when it is imported.
-    os.environ["CUDA_HOME"] = _cuda_home
-
-import torch  # noqa: E402
-from setuptools import setup  # noqa: E402
-from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from build_plan import check_build_isolation, cmake_args, describe, want_cuda  # noqa: E402
 
 
-def _extension():
-    rel = lambda paths: sorted(os.path.relpath(p, ROOT) for p in paths)  # noqa: E731
-    sources = rel(
-        glob.glob(os.path.join(ROOT, "csrc", "*.cpp")) + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp"))
-    )
-    # OpenMP: at::parallel_for. -ffp-contract=off: no a*b+c fused into one rounding, so the
-    # AVX-512 build (which has FMA) adds exactly as the AVX2 and baseline builds do.
-    cxx = ["-O3", "-std=c++20", "-fvisibility=hidden", "-fopenmp", "-ffp-contract=off"]
-    print(describe(), file=sys.stderr)
-    if not want_cuda(torch)[0]:
-        return CppExtension(
-            "lossagg._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"]
-        )
-    if "TORCH_CUDA_ARCH_LIST" not in os.environ and not torch.cuda.is_available():
-        os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCHS
-    sources += rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
-    nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
-    return CUDAExtension(
-        "lossagg._C",
-        sources,
-        define_macros=[("LOSSAGG_WITH_CUDA", None)],
-        extra_compile_args={"cxx": cxx, "nvcc": nvcc},
-        extra_link_args=["-fopenmp"],
-    )
+class CMakeBuild(build_ext):
+    """Builds the one native library with CMake + ninja and puts it into the package."""
+
+    def get_ext_filename(self, fullname: str) -> str:
+        # a plain shared library (no Python module): lossagg/liblossagg_ops.so
+        return os.path.join(*fullname.split(".")) + ".so"
+
+    def build_extension(self, ext: Extension) -> None:
+        check_build_isolation()
+        import torch
+
+        out_dir = os.path.dirname(os.path.abspath(self.get_ext_fullpath(ext.name)))
+        os.makedirs(out_dir, exist_ok=True)
+        build_dir = os.environ.get("LOSSAGG_BUILD_DIR", os.path.join(ROOT, "build", "native"))
+        cuda, why = want_cuda(torch)
+        print(describe(), file=sys.stderr)
+        configure = ["cmake", "-S", ROOT, "-B", build_dir, *cmake_args(torch, cuda)]
+        subprocess.check_call(configure, stdout=subprocess.DEVNULL if os.environ.get("LOSSAGG_QUIET_CMAKE") else None)
+        jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 2)
+        subprocess.check_call(["cmake", "--build", build_dir, "--target", "lossagg_ops", "-j", jobs])
+        # the very file the C++ tests link (scripts/test.sh checks they are the same bytes)
+        shutil.copy2(os.path.join(build_dir, "liblossagg_ops.so"), self.get_ext_fullpath(ext.name))
+        archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "") if cuda else ""
+        # an editable install copies the library into the source tree: the record goes there too
+        targets = {out_dir, os.path.join(ROOT, "lossagg")} if (self.inplace or getattr(self, "editable_mode", False)) else {out_dir}
+        for target in targets:
+            self._write_build_info(target, torch, cuda, archs, why)
+
+    @staticmethod
+    def _write_build_info(folder, torch, cuda, archs, why):
+        with open(os.path.join(folder, "_build_info.py"), "w") as f:
+            f.write(
+                '"""Written by setup.py: what the native library in this folder was built against."""\n\n'
+                f"TORCH_VERSION = {torch.__version__!r}\n"
+                f"TORCH_CUDA = {torch.version.cuda!r}\n"
+                f"BUILT_WITH_CUDA = {cuda!r}\n"
+                f"CUDA_ARCHS = {archs!r}  # empty: the defaults of CMakeLists.txt, or none\n"
+                f"WHY = {why!r}\n"
+            )
 
 
 setup(
-    ext_modules=[_extension()],
-    cmdclass={"build_ext": BuildExtension},
+    ext_modules=[Extension("lossagg.liblossagg_ops", sources=[])],
+    cmdclass={"build_ext": CMakeBuild},
 )

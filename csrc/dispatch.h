@@ -1,15 +1,14 @@
-// From runtime dtypes to kernel template arguments: one list of floating dtypes (values,
-// sample_denoms), one of mask dtypes, and the segment layouts, combined by
-// dispatch_tokens for every op of every backend.
+// From runtime dtypes to kernel template arguments, for every op of every backend: the
+// value dtype (four) and the mask kind (four per value dtype, see kernel_common.h). No
+// other type reaches a kernel template: 16 (values, mask) pairs in all.
 #pragma once
 
 #include "kernel_common.h"
 
-#include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
-#include <optional>
+#include <type_traits>
 
 namespace lossagg {
 
@@ -22,9 +21,9 @@ inline c10::ScalarType acc_scalar_type(c10::ScalarType values_dtype) {
   return values_dtype == c10::kDouble ? c10::kDouble : c10::kFloat;
 }
 
-// f(type_tag<T>) for a floating dtype; `what` names the argument in the error.
+// f(type_tag<S>) for a value dtype; `what` names the argument in the error.
 template <typename F>
-void dispatch_floating(c10::ScalarType t, const char* what, F&& f) {
+void dispatch_values(c10::ScalarType t, const char* what, F&& f) {
   switch (t) {
     case c10::kFloat:
       return f(type_tag<float>{});
@@ -39,52 +38,43 @@ void dispatch_floating(c10::ScalarType t, const char* what, F&& f) {
   }
 }
 
+// f(type_tag<S>, type_tag<M>) for a value dtype and a mask kind the op set-up produced
+// for it (a floating mask is in S's accumulation dtype).
 template <typename F>
-void dispatch_mask_dtype(c10::ScalarType t, F&& f) {
-  switch (t) {
-    case c10::kBool:
-      return f(type_tag<BoolMask>{});
-    case c10::kByte:
-      return f(type_tag<uint8_t>{});
-    case c10::kChar:
-      return f(type_tag<int8_t>{});
-    case c10::kShort:
-      return f(type_tag<int16_t>{});
-    case c10::kInt:
-      return f(type_tag<int32_t>{});
-    case c10::kLong:
-      return f(type_tag<int64_t>{});
-    default:
-      return dispatch_floating(t, "mask", f);
-  }
-}
-
-// f(Segments<offset_t>) for the layout of a call: packed with int32 or int64 offsets, or
-// padded rows.
-template <typename F>
-void dispatch_segments(const std::optional<at::Tensor>& cu_seqlens, const TokenLayout& layout, F&& f) {
-  if (!cu_seqlens.has_value()) {
-    return f(Segments<int64_t>{nullptr, layout.row_len});
-  }
-  if (cu_seqlens->scalar_type() == c10::kInt) {
-    return f(Segments<int32_t>{cu_seqlens->const_data_ptr<int32_t>(), 0});
-  }
-  return f(Segments<int64_t>{cu_seqlens->const_data_ptr<int64_t>(), 0});
-}
-
-// f(type_tag<values type>, type_tag<mask type>, Segments<offset_t>): every combination.
-template <typename F>
-void dispatch_tokens(
-    c10::ScalarType values_dtype,
-    c10::ScalarType mask_dtype,
-    const std::optional<at::Tensor>& cu_seqlens,
-    const TokenLayout& layout,
-    F&& f) {
-  dispatch_floating(values_dtype, "values", [&](auto values_tag) {
-    dispatch_mask_dtype(mask_dtype, [&](auto mask_tag) {
-      dispatch_segments(cu_seqlens, layout, [&](auto seg) { f(values_tag, mask_tag, seg); });
-    });
+void dispatch_kernel_types(c10::ScalarType values_dtype, MaskKind mask, F&& f) {
+  dispatch_values(values_dtype, "values", [&]<typename S>(type_tag<S> s) {
+    switch (mask) {
+      case MaskKind::boolean:
+        return f(s, type_tag<BoolMask>{});
+      case MaskKind::uint8:
+        return f(s, type_tag<uint8_t>{});
+      case MaskKind::int64:
+        return f(s, type_tag<int64_t>{});
+      default:
+        constexpr bool acc_is_double = std::is_same_v<acc_t_of<S>, double>;
+        TORCH_CHECK(
+            (mask == MaskKind::float64) == acc_is_double,
+            "lossagg: internal error: a floating mask must come in the accumulation dtype of the values");
+        return f(s, type_tag<acc_t_of<S>>{});
+    }
   });
+}
+
+// f(type_tag<M>) for any mask kind (token_counts).
+template <typename F>
+void dispatch_mask_kind(MaskKind mask, F&& f) {
+  switch (mask) {
+    case MaskKind::boolean:
+      return f(type_tag<BoolMask>{});
+    case MaskKind::uint8:
+      return f(type_tag<uint8_t>{});
+    case MaskKind::int64:
+      return f(type_tag<int64_t>{});
+    case MaskKind::float32:
+      return f(type_tag<float>{});
+    default:
+      return f(type_tag<double>{});
+  }
 }
 
 }  // namespace lossagg

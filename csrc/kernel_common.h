@@ -1,6 +1,12 @@
 // What the kernels of every backend share: the token layout of a call, segment
-// geometry, mask weights and accumulation types. Free of ATen, so the CUDA kernels
-// also compile for the host emulation in tests/cuda_host/.
+// geometry, the kernel types, mask weights and the masked term. Free of ATen, so the
+// CUDA kernels also compile for the host emulation in tests/cuda_host/.
+//
+// Kernel types. The op set-up (op_setup.h) converts the rare dtypes on the way in, so a
+// kernel is instantiated for the value dtype (float32, float64, float16, bfloat16) and one
+// of four mask kinds: bool, uint8, int64, or a floating mask in the accumulation dtype.
+// Offsets are always int64 and denominators always in the accumulation dtype. Every
+// conversion is exact or the single rounding the kernels did before (see op_setup.h).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -8,6 +14,10 @@
 
 #include <cstdint>
 #include <type_traits>
+
+#if !defined(__CUDA_ARCH__)
+#include <bit>
+#endif
 
 #if defined(__CUDACC__) || defined(LOSSAGG_CUDA_HOST_EMULATION)
 #define LOSSAGG_HD __host__ __device__ __forceinline__
@@ -28,49 +38,28 @@ struct TokenLayout {
   int64_t max_segment_tokens = -1;  // longest segment, when the checks read cu_seqlens; -1 if unknown
 };
 
-// Segments of the token index space. Packed (THD): segment s is
-// [cu_seqlens[s], cu_seqlens[s+1]). Padded ([B, T] rows): cu == nullptr and segment s is
-// [s*row_len, (s+1)*row_len). The padded case uses offset_t = int64_t.
-template <typename offset_t>
+// Segments of the token index space. Packed (THD): segment s is [cu[s], cu[s+1]) with
+// int64 offsets (int32 cu_seqlens are widened by the op set-up). Padded ([B, T] rows):
+// cu == nullptr and segment s is [s*row_len, (s+1)*row_len).
 struct Segments {
-  const offset_t* cu;
+  const int64_t* cu;
   int64_t row_len;
 
   LOSSAGG_HD int64_t begin(int64_t s) const {
-    return cu ? static_cast<int64_t>(cu[s]) : s * row_len;
+    return cu ? cu[s] : s * row_len;
   }
   LOSSAGG_HD int64_t end(int64_t s) const {
-    return cu ? static_cast<int64_t>(cu[s + 1]) : (s + 1) * row_len;
+    return cu ? cu[s + 1] : (s + 1) * row_len;
   }
 };
 
-// A bool mask element, read as its byte (torch stores bool as 0 or 1). Kernels use
-// is_binary_mask_v to skip the multiply by the weight, which is 1 for every kept token.
+// A bool mask element, read as its byte. Any non-zero byte is true (a bool tensor viewed
+// from uint8 may hold other bytes than 1). Kernels skip the multiply by the weight, 1.
 struct BoolMask {
   uint8_t value;
-  LOSSAGG_HD explicit operator float() const {
-    return static_cast<float>(value);
-  }
 };
 template <typename mask_t>
 inline constexpr bool is_binary_mask_v = std::is_same_v<mask_t, BoolMask>;
-
-// The weight a mask element gives its token: its value. Tokens whose weight is 0 are
-// selected out (never multiplied), so a NaN or inf loss under a zero mask contributes
-// exactly 0. A float64 mask keeps its full precision for float64 values.
-// Integer masks (trainers' int64 masks, 0/1) read as their value: outside {0, 1} a weight.
-template <typename acc_t, typename mask_t>
-LOSSAGG_HD acc_t mask_weight(mask_t m) {
-  if constexpr (std::is_integral_v<mask_t>) {
-    return static_cast<acc_t>(m);
-  } else {
-    return static_cast<acc_t>(static_cast<float>(m));
-  }
-}
-template <>
-LOSSAGG_HD double mask_weight<double, double>(double m) {
-  return m;
-}
 
 // Accumulation type: float32 for every value dtype except float64.
 template <typename scalar_t>
@@ -83,5 +72,57 @@ struct acc_type<double> {
 };
 template <typename scalar_t>
 using acc_t_of = typename acc_type<scalar_t>::type;
+
+// The mask kinds a kernel is built for. `floating` is float32 for float32/16/bf16 values
+// (accumulated in float32) and float64 for float64 values; token_counts, which has no
+// values, reads float32 and float64 masks as they are.
+enum class MaskKind : int { boolean, uint8, int64, float32, float64 };
+
+// The weight a mask element gives its token: its value, in the accumulation dtype.
+// Integer masks (trainers' int64 masks, 0/1) read as their value; a floating mask is
+// already in the accumulation dtype.
+template <typename acc_t, typename mask_t>
+LOSSAGG_HD acc_t mask_weight(mask_t m) {
+  static_assert(std::is_integral_v<mask_t> || std::is_same_v<mask_t, acc_t>, "floating masks come in the accumulation dtype");
+  return static_cast<acc_t>(m);
+}
+
+// x where keep, else +0.0 (also when x is NaN or inf): done on the bits, so loops have
+// no control flow and vectorise, and a NaN loss under a zero mask contributes exactly 0.
+LOSSAGG_HD float select_if(float x, bool keep) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(__float_as_uint(x) & (0u - static_cast<unsigned>(keep)));
+#else
+  return std::bit_cast<float>(std::bit_cast<uint32_t>(x) & (uint32_t(0) - static_cast<uint32_t>(keep)));
+#endif
+}
+LOSSAGG_HD double select_if(double x, bool keep) {
+#if defined(__CUDA_ARCH__)
+  return __longlong_as_double(__double_as_longlong(x) & static_cast<long long>(0ull - static_cast<unsigned long long>(keep)));
+#else
+  return std::bit_cast<double>(std::bit_cast<uint64_t>(x) & (uint64_t(0) - static_cast<uint64_t>(keep)));
+#endif
+}
+
+// m * x with masked-out tokens selected away. Bool masks: no multiply (the weight is 1).
+template <typename acc_t, typename mask_t>
+LOSSAGG_HD acc_t masked_term(acc_t x, mask_t m) {
+  if constexpr (is_binary_mask_v<mask_t>) {
+    return select_if(x, m.value != 0);
+  } else {
+    const acc_t w = mask_weight<acc_t>(m);
+    return select_if(x, w != acc_t(0)) * w;
+  }
+}
+
+// Whether a token counts as kept (mask != 0; NaN counts).
+template <typename mask_t>
+LOSSAGG_HD bool is_kept(mask_t m) {
+  if constexpr (is_binary_mask_v<mask_t>) {
+    return m.value != 0;
+  } else {
+    return m != mask_t(0);
+  }
+}
 
 }  // namespace lossagg

@@ -1,4 +1,4 @@
-"""Finds the CUDA toolkit root for builds (setup.py, scripts/cmake_build.sh).
+"""Finds the CUDA toolkit root for builds (scripts/build_plan.py, used by setup.py).
 
 Run as a script it prints the root, or nothing when there is no toolkit.
 """

@@ -1,31 +1,44 @@
 #!/usr/bin/env bash
-# Installs what lossagg needs and builds it in place. Safe to run again: it skips the
-# native build when the compiled library is newer than every source.
+# Installs what lossagg needs and builds it in place (pip install -e, which drives CMake:
+# setup.py). Safe to run again: it skips the build when the library is newer than every
+# source and the build settings are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
 
 if ! "$PY" -c "import torch" 2>/dev/null; then
   # torch 2.14.1 (CUDA 13.0 build) is what lossagg is developed and tested against;
   # any torch >= 2.4 works. Override with LOSSAGG_TORCH_SPEC.
-  "$PY" -m pip install -q --disable-pip-version-check "${LOSSAGG_TORCH_SPEC:-torch==2.14.1}"
+  pip_install "${LOSSAGG_TORCH_SPEC:-torch==2.14.1}"
 fi
-"$PY" -m pip install -q --disable-pip-version-check \
-  "pydantic>=2.6" "pyyaml>=6" "pytest>=8" "hypothesis>=6" "matplotlib>=3.8" ninja "setuptools>=64" wheel \
-  "tomli>=2; python_version < '3.11'"
+# what the package, the demo and the tests import, and the build tools (cmake, ninja)
+missing=$("$PY" - <<'PYEOF'
+import importlib.util, shutil
+need = {"pydantic": "pydantic>=2.6", "yaml": "pyyaml>=6", "pytest": "pytest>=8", "hypothesis": "hypothesis>=6",
+        "matplotlib": "matplotlib>=3.8", "setuptools": "setuptools>=64", "wheel": "wheel", "numpy": "numpy"}
+out = [spec for mod, spec in need.items() if importlib.util.find_spec(mod) is None]
+out += [tool for tool in ("cmake", "ninja") if shutil.which(tool) is None]
+print(" ".join(out))
+PYEOF
+)
+if [ -n "$missing" ]; then
+  # shellcheck disable=SC2086
+  pip_install $missing
+fi
 
 # Rebuild when a source is newer than the library or the build settings changed.
 stamp_file=build/.lossagg-build-settings
 plan=$("$PY" scripts/build_plan.py)
-settings="torch=$("$PY" -c 'import torch; print(torch.__version__)') plan=$plan cuda_home=${CUDA_HOME:-auto}"
-so=$(ls lossagg/_C*.so 2>/dev/null | head -n1 || true)
-if [ -n "$so" ] && [ -z "$(find csrc setup.py scripts/find_cuda_home.py scripts/build_plan.py -newer "$so" -type f | head -n1)" ] \
+settings="torch=$("$PY" -c 'import torch; print(torch.__version__)') plan=$plan cuda_home=${CUDA_HOME:-auto} archs=${TORCH_CUDA_ARCH_LIST:-}"
+so=lossagg/liblossagg_ops.so
+if [ -f "$so" ] && [ -z "$(find csrc CMakeLists.txt setup.py scripts/find_cuda_home.py scripts/build_plan.py -newer "$so" -type f | head -n1)" ] \
    && [ "$(cat "$stamp_file" 2>/dev/null)" = "$settings" ] && "$PY" -c "import lossagg" 2>/dev/null; then
   echo "lossagg: native library up to date ($so)"
 else
   echo "$plan"
   start=$(date +%s)
-  MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation -e .
+  LOSSAGG_QUIET_CMAKE=1 MAX_JOBS=${MAX_JOBS:-$(nproc)} pip_install --no-build-isolation -e .
   mkdir -p build && echo "$settings" > "$stamp_file"
   echo "lossagg: built in $(( $(date +%s) - start )) s"
 fi

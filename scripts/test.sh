@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The test command: set-up, the CMake build of the ops with its C++ test (ctest), the
-# configuration tests under the oldest supported Python, and the pytest suite. Fails if
-# pytest collects no tests.
+# The test command: set-up (build), the C++ tests (ctest, against the library setup.py
+# built), the configuration tests under the oldest supported Python, the peer packages
+# (installed once, only when absent), and the pytest suite. Fails if pytest collects no
+# tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
 bash scripts/setup.sh || exit 1
 
-bash scripts/cmake_build.sh || exit 1
+bash scripts/ctest.sh || exit 1
 
 bash scripts/test_min_python.sh || exit 1
 

@@ -1,7 +1,8 @@
-// The CPU kernels of every lossagg op, registered in one place. Checks, layouts and
-// dispatch are shared with CUDA (op_setup.h); the engine is segment_kernels.h.
+// The CPU kernels of every lossagg op, registered in one place. Checks, conversions to
+// kernel types and dispatch are shared with CUDA (op_setup.h); the loops are the engine
+// (engine.h), whose instruction set is chosen once per op.
 #include "../op_setup.h"
-#include "segment_kernels.h"
+#include "engine.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -12,19 +13,48 @@
 namespace lossagg::cpu {
 namespace {
 
+KernelArgs kernel_args(const TokenCall& call, c10::ScalarType values_dtype) {
+  return KernelArgs{
+      call.values.defined() ? call.values.const_data_ptr() : nullptr, values_dtype, call.mask.const_data_ptr(), call.mask_kind, call.layout,
+      call.segments()};
+}
+
+const Engine& engine() {
+  return engine_for(active_isa());
+}
+
+// sum_s x[s] / d[s] in a fixed order: lane l takes s = l, l + kLanes, ...; lanes are
+// combined pairwise as in the engine's sums. Depends only on the input.
+template <typename acc_t>
+acc_t weighted_total(const acc_t* x, const acc_t* d, int64_t n) {
+  constexpr int kLanes = 32;
+  acc_t lane[kLanes] = {};
+  int64_t s = 0;
+  for (; s + kLanes <= n; s += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      lane[l] += x[s + l] / d[s + l];
+    }
+  }
+  for (; s < n; ++s) {
+    lane[0] += x[s] / d[s];
+  }
+  for (int width = kLanes / 2; width > 0; width /= 2) {
+    for (int l = 0; l < width; ++l) {
+      lane[l] += lane[l + width];
+    }
+  }
+  return lane[0];
+}
+
 at::Tensor segment_sum(const at::Tensor& values, const at::Tensor& mask, const std::optional<at::Tensor>& cu_seqlens) {
   const TokenCall call = segment_sum_call(values, mask, cu_seqlens);
   at::Tensor out = call.new_segment_sums(values.scalar_type());
-  call.dispatch(values.scalar_type(), [&]<typename S, typename M>(type_tag<S>, type_tag<M>, auto seg) {
-    using acc_t = acc_t_of<S>;
-    segment_sums<acc_t>(call.values.const_data_ptr<S>(), call.mask_data<M>(), call.layout, seg, out.mutable_data_ptr<acc_t>());
-  });
+  engine().segment_sums(kernel_args(call, values.scalar_type()), out.mutable_data_ptr());
   return out;
 }
 
 // sum_i segment_sum[i] / sample_denoms[i], samples added in a fixed order (weighted_total):
-// deterministic whatever the thread count or instruction set. The denominators are read in their own dtype
-// and converted one at a time (the same value a .to(acc dtype) copy would hold).
+// deterministic whatever the thread count or instruction set.
 at::Tensor reduce(
     const at::Tensor& values,
     const at::Tensor& mask,
@@ -32,15 +62,12 @@ at::Tensor reduce(
     const at::Tensor& sample_denoms) {
   const TokenCall call = reduce_call(values, mask, cu_seqlens, sample_denoms);
   const at::ScalarType acc_dtype = acc_scalar_type(values.scalar_type());
-  const at::Tensor denoms = sample_denoms.contiguous();
+  const at::Tensor denoms = kernel_denoms(sample_denoms, values.scalar_type());
+  at::Tensor sums = at::empty({call.layout.num_segments}, values.options().dtype(acc_dtype));
+  engine().segment_sums(kernel_args(call, values.scalar_type()), sums.mutable_data_ptr());
   at::Tensor out = at::empty({}, values.options().dtype(acc_dtype));
-  call.dispatch(values.scalar_type(), [&]<typename S, typename M>(type_tag<S>, type_tag<M>, auto seg) {
-    using acc_t = acc_t_of<S>;
-    std::vector<acc_t> sums(static_cast<size_t>(call.layout.num_segments));
-    segment_sums<acc_t>(call.values.const_data_ptr<S>(), call.mask_data<M>(), call.layout, seg, sums.data());
-    dispatch_floating(denoms.scalar_type(), "sample_denoms", [&]<typename D>(type_tag<D>) {
-      *out.mutable_data_ptr<acc_t>() = weighted_total(sums.data(), denoms.const_data_ptr<D>(), call.layout.num_segments);
-    });
+  dispatch_values(acc_dtype, "values", [&]<typename A>(type_tag<A>) {
+    *out.mutable_data_ptr<A>() = weighted_total(sums.const_data_ptr<A>(), denoms.const_data_ptr<A>(), call.layout.num_segments);
   });
   return out;
 }
@@ -51,13 +78,10 @@ at::Tensor segment_sum_backward(
     const at::Tensor& mask,
     const std::optional<at::Tensor>& cu_seqlens,
     at::ScalarType values_dtype) {
-  const TokenCall call = segment_sum_backward_call(grad, mask, cu_seqlens);
+  const TokenCall call = segment_sum_backward_call(grad, mask, cu_seqlens, values_dtype);
   at::Tensor out = call.new_token_grad(values_dtype);
   const at::Tensor g = grad.to(acc_scalar_type(values_dtype)).contiguous();
-  call.dispatch(values_dtype, [&]<typename S, typename M>(type_tag<S>, type_tag<M>, auto seg) {
-    using acc_t = acc_t_of<S>;
-    expand_to_tokens<S, acc_t>(out.mutable_data_ptr<S>(), call.mask_data<M>(), call.layout, seg, g.const_data_ptr<acc_t>());
-  });
+  engine().expand_to_tokens(kernel_args(call, values_dtype), g.const_data_ptr(), out.mutable_data_ptr());
   return out;
 }
 
@@ -71,29 +95,25 @@ at::Tensor reduce_backward(
   const TokenCall call = reduce_backward_call(grad, mask, cu_seqlens, sample_denoms, values_dtype);
   at::Tensor out = call.new_token_grad(values_dtype);
   const at::ScalarType acc_dtype = acc_scalar_type(values_dtype);
-  const at::Tensor denoms = sample_denoms.contiguous();
-  call.dispatch(values_dtype, [&]<typename S, typename M>(type_tag<S>, type_tag<M>, auto seg) {
-    using acc_t = acc_t_of<S>;
-    const acc_t g = grad.to(acc_dtype).item<acc_t>();
-    // one coefficient per sample, g / d[s] in the accumulation dtype
-    std::vector<acc_t> coef(static_cast<size_t>(call.layout.num_segments));
-    dispatch_floating(denoms.scalar_type(), "sample_denoms", [&]<typename D>(type_tag<D>) {
-      const D* d = denoms.const_data_ptr<D>();
-      for (int64_t s = 0; s < call.layout.num_segments; ++s) {
-        coef[s] = g / static_cast<acc_t>(d[s]);
-      }
-    });
-    expand_to_tokens<S, acc_t>(out.mutable_data_ptr<S>(), call.mask_data<M>(), call.layout, seg, coef.data());
+  const at::Tensor denoms = kernel_denoms(sample_denoms, values_dtype);
+  // one coefficient per sample, g / d[s] in the accumulation dtype
+  at::Tensor coef = at::empty({call.layout.num_segments}, denoms.options());
+  dispatch_values(acc_dtype, "values", [&]<typename A>(type_tag<A>) {
+    const A g = grad.to(acc_dtype).item<A>();
+    const A* d = denoms.const_data_ptr<A>();
+    A* c = coef.mutable_data_ptr<A>();
+    for (int64_t s = 0; s < call.layout.num_segments; ++s) {
+      c[s] = g / d[s];
+    }
   });
+  engine().expand_to_tokens(kernel_args(call, values_dtype), coef.const_data_ptr(), out.mutable_data_ptr());
   return out;
 }
 
 at::Tensor token_counts(const at::Tensor& mask, const std::optional<at::Tensor>& cu_seqlens) {
   const TokenCall call = token_counts_call(mask, cu_seqlens);
   at::Tensor out = at::empty({call.layout.num_segments}, mask.options().dtype(at::kLong));
-  call.dispatch(at::kFloat, [&]<typename S, typename M>(type_tag<S>, type_tag<M>, auto seg) {
-    count_kept(call.mask_data<M>(), call.layout, seg, out.mutable_data_ptr<int64_t>());
-  });
+  engine().count_kept(kernel_args(call, at::kFloat), out.mutable_data_ptr<int64_t>());
   return out;
 }
 

@@ -32,15 +32,15 @@ inline dim3 fixup_grid(int64_t num_segments, int64_t num_metrics) {
 // Segment sums of values ([K, ntok] flattened) into out ([K, B], acc_t). With
 // denoms != nullptr (K == 1), also writes sum_s out[s] / denoms[s] into *result.
 // Two launches: the tile pass and the fix-up.
-template <typename acc_t, typename denom_t, typename Device, typename scalar_t, typename mask_t, typename offset_t>
+template <typename acc_t, typename Device, typename scalar_t, typename mask_t>
 void segment_sum_passes(
     Device& dev,
     const TokenLayout& layout,
-    const Segments<offset_t>& seg,
+    const Segments& seg,
     const scalar_t* values,
     const mask_t* mask,
     acc_t* out,
-    const denom_t* denoms,
+    const acc_t* denoms,
     acc_t* result) {
   const int64_t tiles = num_tiles(layout.num_tokens);
   const int64_t B = layout.num_segments;
@@ -61,51 +61,51 @@ void segment_sum_passes(
   dev.zero(bad_table, 2 * sizeof(unsigned int));
   if (tiles > 0) {
     dev.launch(
-        segment_sum_tiles_kernel<acc_t, scalar_t, mask_t, offset_t>, tile_grid(tiles, K), dim3(kThreads), values, mask, seg, B,
+        segment_sum_tiles_kernel<acc_t, scalar_t, mask_t>, tile_grid(tiles, K), dim3(kThreads), values, mask, seg, B,
         layout.num_tokens, K, tiles, out, first_partial, last_partial, bad_table);
   }
   if (reduce) {
     dev.launch(
-        segment_sum_fixup_kernel<true, acc_t, denom_t, offset_t>, fgrid, dim3(kThreads), seg, B, layout.num_tokens, K, tiles, out,
+        segment_sum_fixup_kernel<true, acc_t>, fgrid, dim3(kThreads), seg, B, layout.num_tokens, K, tiles, out,
         first_partial, last_partial, bad_table, denoms, block_sums, counter, result);
   } else if (B > 0) {
     dev.launch(
-        segment_sum_fixup_kernel<false, acc_t, denom_t, offset_t>, fgrid, dim3(kThreads), seg, B, layout.num_tokens, K, tiles, out,
-        first_partial, last_partial, bad_table, static_cast<const denom_t*>(nullptr), static_cast<acc_t*>(nullptr),
+        segment_sum_fixup_kernel<false, acc_t>, fgrid, dim3(kThreads), seg, B, layout.num_tokens, K, tiles, out,
+        first_partial, last_partial, bad_table, static_cast<const acc_t*>(nullptr), static_cast<acc_t*>(nullptr),
         static_cast<unsigned int*>(nullptr), static_cast<acc_t*>(nullptr));
   }
 }
 
 // segment_sum: out [K, B].
-template <typename acc_t, typename Device, typename scalar_t, typename mask_t, typename offset_t>
+template <typename acc_t, typename Device, typename scalar_t, typename mask_t>
 void launch_segment_sum(
-    Device& dev, const TokenLayout& layout, const Segments<offset_t>& seg, const scalar_t* values, const mask_t* mask, acc_t* out) {
-  segment_sum_passes<acc_t, acc_t>(dev, layout, seg, values, mask, out, static_cast<const acc_t*>(nullptr), static_cast<acc_t*>(nullptr));
+    Device& dev, const TokenLayout& layout, const Segments& seg, const scalar_t* values, const mask_t* mask, acc_t* out) {
+  segment_sum_passes<acc_t>(dev, layout, seg, values, mask, out, static_cast<const acc_t*>(nullptr), static_cast<acc_t*>(nullptr));
 }
 
 // reduce: *result = sum_s segment_sum[s] / denoms[s]; the per-sample sums live in the workspace.
-template <typename acc_t, typename Device, typename scalar_t, typename mask_t, typename offset_t, typename denom_t>
+template <typename acc_t, typename Device, typename scalar_t, typename mask_t>
 void launch_reduce(
     Device& dev,
     const TokenLayout& layout,
-    const Segments<offset_t>& seg,
+    const Segments& seg,
     const scalar_t* values,
     const mask_t* mask,
-    const denom_t* denoms,
+    const acc_t* denoms,
     acc_t* result) {
   acc_t* sums = static_cast<acc_t*>(dev.workspace(std::max<int64_t>(layout.num_segments, 1) * static_cast<int64_t>(sizeof(acc_t))));
-  segment_sum_passes<acc_t, denom_t>(dev, layout, seg, values, mask, sums, denoms, result);
+  segment_sum_passes<acc_t>(dev, layout, seg, values, mask, sums, denoms, result);
 }
 
 // out[k, t] = mask_weight(mask[t]) * coef(k, s(t)). One launch.
-template <typename scalar_t, typename acc_t, typename Device, typename mask_t, typename offset_t, typename Coef>
-void launch_expand(Device& dev, const TokenLayout& layout, const Segments<offset_t>& seg, scalar_t* out, const mask_t* mask, Coef coef) {
+template <typename scalar_t, typename acc_t, typename Device, typename mask_t, typename Coef>
+void launch_expand(Device& dev, const TokenLayout& layout, const Segments& seg, scalar_t* out, const mask_t* mask, Coef coef) {
   const int64_t tiles = num_tiles(layout.num_tokens);
   if (tiles == 0 || layout.num_metrics == 0) {
     return;
   }
   dev.launch(
-      expand_tiles_kernel<scalar_t, acc_t, mask_t, offset_t, Coef>, tile_grid(tiles, layout.num_metrics), dim3(kThreads), out, mask, seg,
+      expand_tiles_kernel<scalar_t, acc_t, mask_t, Coef>, tile_grid(tiles, layout.num_metrics), dim3(kThreads), out, mask, seg,
       layout.num_segments, layout.num_tokens, layout.num_metrics, tiles, coef);
 }
 

@@ -21,9 +21,10 @@ at::Tensor segment_sum(const at::Tensor& values, const at::Tensor& mask, const s
     return out;
   }
   CudaDevice dev(values.options());
-  call.dispatch(values.scalar_type(), [&]<typename S, typename M>(type_tag<S>, type_tag<M>, auto seg) {
+  call.dispatch(values.scalar_type(), [&]<typename S, typename M>(type_tag<S>, type_tag<M>) {
     using acc_t = acc_t_of<S>;
-    launch_segment_sum<acc_t>(dev, call.layout, seg, call.values.const_data_ptr<S>(), call.mask_data<M>(), out.mutable_data_ptr<acc_t>());
+    launch_segment_sum<acc_t>(
+        dev, call.layout, call.segments(), call.values.const_data_ptr<S>(), call.mask_data<M>(), out.mutable_data_ptr<acc_t>());
   });
   return out;
 }
@@ -36,15 +37,14 @@ at::Tensor reduce(
     const at::Tensor& sample_denoms) {
   const TokenCall call = reduce_call(values, mask, cu_seqlens, sample_denoms);
   const c10::cuda::CUDAGuard guard(values.device());
-  const at::Tensor d = sample_denoms.contiguous();
+  const at::Tensor d = kernel_denoms(sample_denoms, values.scalar_type());
   at::Tensor out = at::empty({}, values.options().dtype(acc_scalar_type(values.scalar_type())));
   CudaDevice dev(values.options());
-  call.dispatch(values.scalar_type(), [&]<typename S, typename M>(type_tag<S>, type_tag<M>, auto seg) {
+  call.dispatch(values.scalar_type(), [&]<typename S, typename M>(type_tag<S>, type_tag<M>) {
     using acc_t = acc_t_of<S>;
-    dispatch_floating(d.scalar_type(), "sample_denoms", [&]<typename D>(type_tag<D>) {
-      launch_reduce<acc_t>(
-          dev, call.layout, seg, call.values.const_data_ptr<S>(), call.mask_data<M>(), d.const_data_ptr<D>(), out.mutable_data_ptr<acc_t>());
-    });
+    launch_reduce<acc_t>(
+        dev, call.layout, call.segments(), call.values.const_data_ptr<S>(), call.mask_data<M>(), d.const_data_ptr<acc_t>(),
+        out.mutable_data_ptr<acc_t>());
   });
   return out;
 }
@@ -54,15 +54,15 @@ at::Tensor segment_sum_backward(
     const at::Tensor& mask,
     const std::optional<at::Tensor>& cu_seqlens,
     at::ScalarType values_dtype) {
-  const TokenCall call = segment_sum_backward_call(grad, mask, cu_seqlens);
+  const TokenCall call = segment_sum_backward_call(grad, mask, cu_seqlens, values_dtype);
   const c10::cuda::CUDAGuard guard(mask.device());
   at::Tensor out = call.new_token_grad(values_dtype);
   const at::Tensor g = grad.to(acc_scalar_type(values_dtype)).contiguous();
   CudaDevice dev(mask.options());
-  call.dispatch(values_dtype, [&]<typename S, typename M>(type_tag<S>, type_tag<M>, auto seg) {
+  call.dispatch(values_dtype, [&]<typename S, typename M>(type_tag<S>, type_tag<M>) {
     using acc_t = acc_t_of<S>;
     launch_expand<S, acc_t>(
-        dev, call.layout, seg, out.mutable_data_ptr<S>(), call.mask_data<M>(),
+        dev, call.layout, call.segments(), out.mutable_data_ptr<S>(), call.mask_data<M>(),
         SegmentGrad<acc_t>{g.const_data_ptr<acc_t>(), call.layout.num_segments});
   });
   return out;
@@ -77,17 +77,15 @@ at::Tensor reduce_backward(
     at::ScalarType values_dtype) {
   const TokenCall call = reduce_backward_call(grad, mask, cu_seqlens, sample_denoms, values_dtype);
   const c10::cuda::CUDAGuard guard(mask.device());
-  const at::Tensor d = sample_denoms.contiguous();
+  const at::Tensor d = kernel_denoms(sample_denoms, values_dtype);
   at::Tensor out = call.new_token_grad(values_dtype);
   const at::Tensor g = grad.to(acc_scalar_type(values_dtype)).contiguous();
   CudaDevice dev(mask.options());
-  call.dispatch(values_dtype, [&]<typename S, typename M>(type_tag<S>, type_tag<M>, auto seg) {
+  call.dispatch(values_dtype, [&]<typename S, typename M>(type_tag<S>, type_tag<M>) {
     using acc_t = acc_t_of<S>;
-    dispatch_floating(d.scalar_type(), "sample_denoms", [&]<typename D>(type_tag<D>) {
-      launch_expand<S, acc_t>(
-          dev, call.layout, seg, out.mutable_data_ptr<S>(), call.mask_data<M>(),
-          GradOverDenom<acc_t, D>{g.const_data_ptr<acc_t>(), d.const_data_ptr<D>()});
-    });
+    launch_expand<S, acc_t>(
+        dev, call.layout, call.segments(), out.mutable_data_ptr<S>(), call.mask_data<M>(),
+        GradOverDenom<acc_t>{g.const_data_ptr<acc_t>(), d.const_data_ptr<acc_t>()});
   });
   return out;
 }

@@ -49,33 +49,7 @@ __device__ __forceinline__ T warp_sum(T x) {
   return x;
 }
 
-// x where w != 0, else +0.0 (also for NaN/inf x): a bit select, no branch.
-__device__ __forceinline__ float select_kept(float x, float w) {
-  return __uint_as_float(__float_as_uint(x) & (0u - static_cast<unsigned>(w != 0.0f)));
-}
-__device__ __forceinline__ double select_kept(double x, double w) {
-  return __longlong_as_double(
-      __double_as_longlong(x) & static_cast<long long>(0ull - static_cast<unsigned long long>(w != 0.0)));
-}
-
-// m * x with masked-out tokens selected away (bool masks: no multiply, the weight is 1;
-// any non-zero byte is true).
-__device__ __forceinline__ float select_bit(float x, uint8_t b) {
-  return __uint_as_float(__float_as_uint(x) & (0u - static_cast<unsigned>(b != 0)));
-}
-__device__ __forceinline__ double select_bit(double x, uint8_t b) {
-  return __longlong_as_double(
-      __double_as_longlong(x) & static_cast<long long>(0ull - static_cast<unsigned long long>(b != 0)));
-}
-template <typename acc_t, typename mask_t>
-__device__ __forceinline__ acc_t masked_term(acc_t x, mask_t m) {
-  if constexpr (is_binary_mask_v<mask_t>) {
-    return select_bit(x, m.value);
-  } else {
-    const acc_t w = mask_weight<acc_t>(m);
-    return select_kept(x, w) * w;
-  }
-}
+// masked_term, mask_weight and is_kept come from kernel_common.h (shared with the CPU).
 
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {
@@ -118,8 +92,7 @@ __device__ __forceinline__ VecBody vec_body(int64_t a, int64_t b, int phase) {
 }
 
 // Segment holding token x (x < num_tokens): the last s with begin(s) <= x.
-template <typename offset_t>
-__device__ __forceinline__ int64_t segment_of(const Segments<offset_t>& seg, int64_t num_segments, int64_t x) {
+__device__ __forceinline__ int64_t segment_of(const Segments& seg, int64_t num_segments, int64_t x) {
   if (seg.cu == nullptr) {
     return x / seg.row_len;
   }
@@ -127,7 +100,7 @@ __device__ __forceinline__ int64_t segment_of(const Segments<offset_t>& seg, int
   int64_t hi = num_segments - 1;
   while (lo < hi) {
     const int64_t mid = (lo + hi + 1) / 2;
-    if (static_cast<int64_t>(seg.cu[mid]) <= x) {
+    if (seg.cu[mid] <= x) {
       lo = mid;
     } else {
       hi = mid - 1;
@@ -150,9 +123,8 @@ __device__ __forceinline__ bool warp_any(bool flag) {
 // non-decreasing, cu[B] == T): warp `chunk` of `chunks` checks pairs chunk*32+lane,
 // stepping by chunks*32, so together the warps of a launch read the table once. The
 // same in every lane of the warp.
-template <typename offset_t>
 __device__ __forceinline__ bool table_chunk_bad(
-    const Segments<offset_t>& seg, int64_t num_segments, int64_t num_tokens, int64_t chunk, int64_t chunks, int lane) {
+    const Segments& seg, int64_t num_segments, int64_t num_tokens, int64_t chunk, int64_t chunks, int lane) {
   if (seg.cu == nullptr) {
     return false;
   }
@@ -173,9 +145,9 @@ __device__ __forceinline__ bool table_chunk_bad(
 // tile; where it fails the caller writes NaN instead of trusting the walk (with
 // table_chunk_bad, an invalid table is seen in at least one tile whatever its defect).
 // Every index stays in bounds either way.
-template <typename offset_t, typename F>
+template <typename F>
 __device__ __forceinline__ bool for_each_segment_in_tile(
-    const Segments<offset_t>& seg, int64_t num_segments, int64_t num_tokens, int64_t lo, int64_t hi, F&& f) {
+    const Segments& seg, int64_t num_segments, int64_t num_tokens, int64_t lo, int64_t hi, F&& f) {
   if (seg.cu == nullptr) {  // padded rows: always consistent
     for (int64_t s = lo / seg.row_len; s < num_segments && seg.begin(s) < hi; ++s) {
       const int64_t sb = seg.begin(s);
@@ -246,11 +218,11 @@ __device__ __forceinline__ acc_t lane_masked_sum(
 // tile's first segment (if it starts before the tile or ends after it) and for its last
 // segment (if it ends after the tile). A tile over which cu_seqlens is inconsistent sets
 // *bad_table (a plain integer store; the fix-up then writes NaN).
-template <typename acc_t, typename scalar_t, typename mask_t, typename offset_t>
+template <typename acc_t, typename scalar_t, typename mask_t>
 __global__ void __launch_bounds__(kThreads) segment_sum_tiles_kernel(
     const scalar_t* __restrict__ values,
     const mask_t* __restrict__ mask,
-    Segments<offset_t> seg,
+    Segments seg,
     int64_t num_segments,
     int64_t num_tokens,
     int64_t num_metrics,
@@ -316,9 +288,9 @@ __device__ __forceinline__ acc_t combine_tiles(
 // last block to finish (an integer counter) adds the block sums in block order into
 // *result. With an inconsistent cu_seqlens (seen by a tile, or by this segment's own
 // offsets) every sum is NaN, so is the reduce result: never unwritten memory.
-template <bool kReduce, typename acc_t, typename denom_t, typename offset_t>
+template <bool kReduce, typename acc_t>
 __global__ void __launch_bounds__(kThreads) segment_sum_fixup_kernel(
-    Segments<offset_t> seg,
+    Segments seg,
     int64_t num_segments,
     int64_t num_tokens,
     int64_t num_metrics,
@@ -327,7 +299,7 @@ __global__ void __launch_bounds__(kThreads) segment_sum_fixup_kernel(
     const acc_t* __restrict__ first_partial,
     const acc_t* __restrict__ last_partial,
     const unsigned int* __restrict__ bad_table,
-    const denom_t* __restrict__ denoms,
+    const acc_t* __restrict__ denoms,
     acc_t* __restrict__ block_sums,
     unsigned int* __restrict__ counter,
     acc_t* __restrict__ result) {
@@ -360,7 +332,7 @@ __global__ void __launch_bounds__(kThreads) segment_sum_fixup_kernel(
           out_k[s] = value;
         }
         if constexpr (kReduce) {
-          value = value / static_cast<acc_t>(denoms[s]);
+          value = value / denoms[s];
         }
       }
       if constexpr (kReduce) {
@@ -398,11 +370,11 @@ __global__ void __launch_bounds__(kThreads) segment_sum_fixup_kernel(
 // grid: (ceil(tiles / kWarpsPerBlock), min(K, kMaxGridY)). Every token of the tile is
 // written: with an invalid cu_seqlens (device checks off) the tiles that see it are all
 // NaN, so the gradient holds NaN and never unwritten memory.
-template <typename scalar_t, typename acc_t, typename mask_t, typename offset_t, typename Coef>
+template <typename scalar_t, typename acc_t, typename mask_t, typename Coef>
 __global__ void __launch_bounds__(kThreads) expand_tiles_kernel(
     scalar_t* __restrict__ out,
     const mask_t* __restrict__ mask,
-    Segments<offset_t> seg,
+    Segments seg,
     int64_t num_segments,
     int64_t num_tokens,
     int64_t num_metrics,
@@ -463,12 +435,12 @@ struct SegmentGrad {
 
 // reduce_backward: the scalar incoming gradient (read on the device: no host sync)
 // over the sample's denominator.
-template <typename acc_t, typename denom_t>
+template <typename acc_t>
 struct GradOverDenom {
   const acc_t* grad;
-  const denom_t* denoms;
+  const acc_t* denoms;
   __device__ acc_t operator()(int64_t, int64_t s) const {
-    return *grad / static_cast<acc_t>(denoms[s]);
+    return *grad / denoms[s];
   }
 };
 

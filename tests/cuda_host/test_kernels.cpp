@@ -5,7 +5,10 @@
 // unwritten memory, never an out-of-bounds access). Built with AddressSanitizer and
 // UBSan by CMake (target lossagg_cuda_host_test, run by ctest).
 //
-//   lossagg_cuda_host_test [cases] [seed]
+//   lossagg_cuda_host_test [cases] [seed] [shard] [shards]
+//
+// Case i is generated from (seed, i) alone and run by shard i % shards, so ctest runs the
+// shards side by side (CMakeLists.txt) and any one case can be rerun alone.
 #include "cuda_host.h"
 
 #include "../../csrc/cuda/launch.cuh"
@@ -145,11 +148,13 @@ int64_t seg_end(const Case& c, int64_t s) {
   return c.packed ? c.cu[s + 1] : (s + 1) * c.row_len;
 }
 
-template <typename S, typename M, typename O>
+// The kernels' types: offsets are int64 and a floating mask is in the accumulation dtype
+// (the op set-up converts the others, csrc/op_setup.h).
+template <typename S, typename M>
 struct Inputs {
   Phased<S> values;
   Phased<M> mask;
-  std::vector<O> cu;
+  std::vector<int64_t> cu;
   std::vector<double> v64, m64;  // what the kernels read, in float64
   Inputs(const Case& c) : values(c.K * c.T, c.values_phase), mask(c.T, c.mask_phase) {
     v64.resize(static_cast<size_t>(c.K * c.T));
@@ -171,12 +176,10 @@ struct Inputs {
       values.data[i] = static_cast<S>(x);
       v64[i] = to_double(values.data[i]);
     }
-    for (int64_t x : c.cu) {
-      cu.push_back(static_cast<O>(x));
-    }
+    cu = c.cu;
   }
-  Segments<O> segments(const Case& c) const {
-    return Segments<O>{c.packed ? cu.data() : nullptr, c.row_len};
+  Segments segments(const Case& c) const {
+    return Segments{c.packed ? cu.data() : nullptr, c.row_len};
   }
   TokenLayout layout(const Case& c) const {
     return TokenLayout{c.packed, c.B, c.T, c.row_len, c.K, c.K > 1};
@@ -203,11 +206,11 @@ bool close(double got, double want, double scale, double rtol) {
   return std::isfinite(got) && std::fabs(got - want) <= rtol * (scale + std::fabs(want)) + 1e-30;
 }
 
-template <typename S, typename M, typename O>
+template <typename S, typename M>
 void run_case(const Case& c, uint64_t case_seed) {
   using acc_t = lossagg::acc_t_of<S>;
   const double rtol = std::is_same_v<acc_t, double> ? 1e-12 : 2e-6;
-  Inputs<S, M, O> in(c);
+  Inputs<S, M> in(c);
   const auto seg = in.segments(c);
   const auto layout = in.layout(c);
   std::vector<double> ref, ref_abs;
@@ -234,11 +237,11 @@ void run_case(const Case& c, uint64_t case_seed) {
 
   // reduce (K == 1 view of metric 0), three block orders and a rerun.
   std::vector<double> denoms(static_cast<size_t>(c.B));
-  std::vector<float> denoms32(static_cast<size_t>(c.B));
+  std::vector<acc_t> denoms_acc(static_cast<size_t>(c.B));
   double want = 0.0, scale = 0.0;
   for (int64_t s = 0; s < c.B; ++s) {
-    denoms32[s] = static_cast<float>(1.0 + 10.0 * std::uniform_real_distribution<double>(0.0, 1.0)(rng));
-    denoms[s] = denoms32[s];
+    denoms_acc[s] = static_cast<acc_t>(static_cast<float>(1.0 + 10.0 * std::uniform_real_distribution<double>(0.0, 1.0)(rng)));
+    denoms[s] = denoms_acc[s];
     want += ref[s] / denoms[s];
     scale += ref_abs[s] / denoms[s];
   }
@@ -249,7 +252,7 @@ void run_case(const Case& c, uint64_t case_seed) {
   for (BlockOrder order : {BlockOrder::InOrder, BlockOrder::Reversed, BlockOrder::Shuffled, BlockOrder::InOrder}) {
     acc_t result = acc_t(12345);
     HostDevice dev(order, case_seed + 1);
-    lossagg::cuda::launch_reduce<acc_t>(dev, one, seg, in.values.data, in.mask.data, denoms32.data(), &result);
+    lossagg::cuda::launch_reduce<acc_t>(dev, one, seg, in.values.data, in.mask.data, denoms_acc.data(), &result);
     results.push_back(result);
   }
   expect(close(results[0], want, scale, rtol), "reduce matches the float64 reference");
@@ -288,11 +291,11 @@ void run_case(const Case& c, uint64_t case_seed) {
   {
     HostDevice dev;
     lossagg::cuda::launch_expand<S, acc_t>(
-        dev, one, seg, rgrad.data, in.mask.data, lossagg::cuda::GradOverDenom<acc_t, float>{&upstream, denoms32.data()});
+        dev, one, seg, rgrad.data, in.mask.data, lossagg::cuda::GradOverDenom<acc_t>{&upstream, denoms_acc.data()});
   }
   bool rgrad_ok = true;
   for (int64_t s = 0; s < c.B; ++s) {
-    const acc_t coef = upstream / static_cast<acc_t>(denoms32[s]);
+    const acc_t coef = upstream / denoms_acc[s];
     for (int64_t t = seg_begin(c, s); t < seg_end(c, s); ++t) {
       const double want_g = in.m64[t] == 0.0 ? 0.0 : to_double(static_cast<S>(static_cast<acc_t>(in.m64[t]) * coef));
       rgrad_ok = rgrad_ok && to_double(rgrad.data[t]) == want_g;
@@ -303,7 +306,7 @@ void run_case(const Case& c, uint64_t case_seed) {
 
 // cu_seqlens that break the rules, with the device checks off: NaN results, every
 // output written, no access out of bounds (AddressSanitizer watches).
-template <typename S, typename M, typename O>
+template <typename S, typename M>
 void run_bad_table_case(Case c, int defect) {
   using acc_t = lossagg::acc_t_of<S>;
   switch (defect) {
@@ -316,7 +319,7 @@ void run_bad_table_case(Case c, int defect) {
       break;
     }
   }
-  Inputs<S, M, O> in(c);
+  Inputs<S, M> in(c);
   const auto seg = in.segments(c);
   auto layout = in.layout(c);
   layout.num_metrics = 1;
@@ -333,7 +336,7 @@ void run_bad_table_case(Case c, int defect) {
   }
   expect(any_nan && all_written, "bad cu_seqlens: segment_sum gives NaN, every sum written");
 
-  std::vector<float> denoms(static_cast<size_t>(c.B), 2.0f);
+  std::vector<acc_t> denoms(static_cast<size_t>(c.B), acc_t(2));
   acc_t result = acc_t(12345);
   {
     HostDevice dev;
@@ -347,7 +350,7 @@ void run_bad_table_case(Case c, int defect) {
     acc_t upstream = acc_t(1);
     {
       HostDevice dev;
-      lossagg::cuda::launch_expand<S, acc_t>(dev, layout, seg, grad.data, in.mask.data, lossagg::cuda::GradOverDenom<acc_t, float>{&upstream, denoms.data()});
+      lossagg::cuda::launch_expand<S, acc_t>(dev, layout, seg, grad.data, in.mask.data, lossagg::cuda::GradOverDenom<acc_t>{&upstream, denoms.data()});
     }
     bool g_nan = false, g_written = true;
     for (int64_t t = 0; t < c.T; ++t) {
@@ -359,63 +362,53 @@ void run_bad_table_case(Case c, int defect) {
   }
 }
 
-template <typename S, typename M>
-void run_with_offsets(const Case& c, uint64_t seed, int offsets) {
-  if (!c.packed) {
-    run_case<S, M, int64_t>(c, seed);
-  } else if (offsets == 0) {
-    run_case<S, M, int32_t>(c, seed);
-  } else {
-    run_case<S, M, int64_t>(c, seed);
-  }
-}
-
+// The four mask kinds the kernels are built for.
 template <typename S>
-void run_with_mask(const Case& c, uint64_t seed, int mask_kind, int offsets) {
+void run_with_mask(const Case& c, uint64_t seed, int mask_kind) {
   switch (mask_kind) {
-    case 0: return run_with_offsets<S, BoolMask>(c, seed, offsets);
-    case 1: return run_with_offsets<S, uint8_t>(c, seed, offsets);
-    case 2: return run_with_offsets<S, float>(c, seed, offsets);
-    case 3: return run_with_offsets<S, double>(c, seed, offsets);
-    case 4: return run_with_offsets<S, c10::Half>(c, seed, offsets);
-    case 5: return run_with_offsets<S, c10::BFloat16>(c, seed, offsets);
-    case 6: return run_with_offsets<S, int32_t>(c, seed, offsets);
-    default: return run_with_offsets<S, int64_t>(c, seed, offsets);
+    case 0: return run_case<S, BoolMask>(c, seed);
+    case 1: return run_case<S, uint8_t>(c, seed);
+    case 2: return run_case<S, lossagg::acc_t_of<S>>(c, seed);
+    default: return run_case<S, int64_t>(c, seed);
   }
 }
 
-void run_any(const Case& c, uint64_t seed, int values_kind, int mask_kind, int offsets) {
+void run_any(const Case& c, uint64_t seed, int values_kind, int mask_kind) {
   switch (values_kind) {
-    case 0: return run_with_mask<float>(c, seed, mask_kind, offsets);
-    case 1: return run_with_mask<double>(c, seed, mask_kind, offsets);
-    case 2: return run_with_mask<c10::Half>(c, seed, mask_kind, offsets);
-    default: return run_with_mask<c10::BFloat16>(c, seed, mask_kind, offsets);
+    case 0: return run_with_mask<float>(c, seed, mask_kind);
+    case 1: return run_with_mask<double>(c, seed, mask_kind);
+    case 2: return run_with_mask<c10::Half>(c, seed, mask_kind);
+    default: return run_with_mask<c10::BFloat16>(c, seed, mask_kind);
   }
 }
 
 const char* kValues[] = {"float32", "float64", "float16", "bfloat16"};
-const char* kMasks[] = {"bool", "uint8", "float32", "float64", "float16", "bfloat16", "int32", "int64"};
+const char* kMasks[] = {"bool", "uint8", "floating (accumulation dtype)", "int64"};
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int cases = argc > 1 ? std::atoi(argv[1]) : 1200;  // ~5 min under the sanitizers on 2 cores
+  const int cases = argc > 1 ? std::atoi(argv[1]) : 300;
   const uint64_t seed = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 20261130;
-  rng.seed(seed);
+  const int shard = argc > 3 ? std::atoi(argv[3]) : 0;
+  const int shards = argc > 4 ? std::max(1, std::atoi(argv[4])) : 1;
+  auto seed_case = [&](uint64_t kind, int i) { rng.seed(seed * 1000003ULL + kind * 1000000007ULL + static_cast<uint64_t>(i)); };
 
-  for (int i = 0; i < cases; ++i) {
+  for (int i = shard; i < cases; i += shards) {
+    seed_case(0, i);
     const bool packed = uniform(0, 3) != 0;
     // B up to several fix-up blocks (64 segments each) in one case in eight.
     const Case c = random_case(packed, uniform(0, 7) == 0 ? 5 * lossagg::cuda::kSegmentsPerBlock : 40);
-    const int vk = static_cast<int>(uniform(0, 3)), mk = static_cast<int>(uniform(0, 7)), ok = static_cast<int>(uniform(0, 1));
+    const int vk = static_cast<int>(uniform(0, 3)), mk = static_cast<int>(uniform(0, 3));
     case_name = "case " + std::to_string(i) + ": B=" + std::to_string(c.B) + " K=" + std::to_string(c.K) + " T=" + std::to_string(c.T) +
-        (packed ? (ok ? " packed64" : " packed32") : " padded row_len=" + std::to_string(c.row_len)) + " values=" + kValues[vk] +
-        " mask=" + kMasks[mk] + " phases=" + std::to_string(c.values_phase) + "/" + std::to_string(c.mask_phase);
-    run_any(c, seed + i, vk, mk, ok);
+        (packed ? " packed" : " padded row_len=" + std::to_string(c.row_len)) + " values=" + kValues[vk] + " mask=" + kMasks[mk] +
+        " phases=" + std::to_string(c.values_phase) + "/" + std::to_string(c.mask_phase);
+    run_any(c, seed + i, vk, mk);
   }
 
   // Invalid tables, every defect, with the device checks off.
-  for (int i = 0; i < 200; ++i) {
+  for (int i = shard; i < 200; i += shards) {
+    seed_case(1, i);
     Case c = random_case(true, 150);
     if (c.B < 2) {
       c = random_case(true, 150);
@@ -426,19 +419,19 @@ int main(int argc, char** argv) {
     const int defect = i % 4;
     case_name = "bad table " + std::to_string(i) + ": defect " + std::to_string(defect) + " B=" + std::to_string(c.B) + " T=" + std::to_string(c.T);
     if (i % 2) {
-      run_bad_table_case<float, BoolMask, int32_t>(c, defect);
+      run_bad_table_case<float, BoolMask>(c, defect);
     } else {
-      run_bad_table_case<c10::BFloat16, float, int64_t>(c, defect);
+      run_bad_table_case<c10::BFloat16, float>(c, defect);
     }
   }
 
-  {  // tokens but no segment: cu_seqlens = [0] with T = 5
+  if (shard == 0) {  // tokens but no segment: cu_seqlens = [0] with T = 5
     Case c;
     c.B = 0;
     c.cu = {0};
     c.T = 5;
     case_name = "bad table: no segment for 5 tokens";
-    Inputs<float, BoolMask, int32_t> in(c);
+    Inputs<float, BoolMask> in(c);
     float result = 12345.0f;
     HostDevice dev;
     lossagg::cuda::launch_reduce<float>(dev, in.layout(c), in.segments(c), in.values.data, in.mask.data, static_cast<const float*>(nullptr), &result);
@@ -446,7 +439,7 @@ int main(int argc, char** argv) {
     std::vector<float> grad(5, 12345.0f);
     float upstream = 1.0f;
     lossagg::cuda::launch_expand<float, float>(
-        dev, in.layout(c), in.segments(c), grad.data(), in.mask.data, lossagg::cuda::GradOverDenom<float, float>{&upstream, nullptr});
+        dev, in.layout(c), in.segments(c), grad.data(), in.mask.data, lossagg::cuda::GradOverDenom<float>{&upstream, nullptr});
     bool all_nan = true;
     for (float x : grad) {
       all_nan = all_nan && std::isnan(x);
@@ -456,14 +449,15 @@ int main(int argc, char** argv) {
 
   // More metrics than the gridDim.y limit (lowered for this build, see CMakeLists.txt):
   // the kernels loop over the rest, forward and backward.
-  {
+  if (shard == 0) {
     Case c;
     c.K = lossagg::cuda::kMaxGridY + 3;
     c.B = 2;
     c.cu = {0, 2, 3};
     c.T = 3;
     case_name = "K beyond gridDim.y";
-    Inputs<float, BoolMask, int32_t> in(c);
+    seed_case(2, 0);
+    Inputs<float, BoolMask> in(c);
     std::vector<double> ref, abs;
     reference_sums(c, in.v64, in.m64, ref, abs);
     std::vector<float> out(static_cast<size_t>(c.K * c.B), 12345.0f);
@@ -487,6 +481,6 @@ int main(int argc, char** argv) {
     expect(gok, "segment_sum_backward with K beyond gridDim.y writes every metric");
   }
 
-  std::printf("cuda_host: %d passed, %d failed\n", passed, failed);
+  std::printf("cuda_host shard %d/%d: %d passed, %d failed\n", shard, shards, passed, failed);
   return failed == 0 ? 0 : 1;
 }

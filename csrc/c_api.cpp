@@ -1,0 +1,52 @@
+// The C entry points of liblossagg_ops.so besides the ops: build facts and the run-time
+// switches. Python reaches them with ctypes (lossagg/_native.py), so the library needs no
+// Python headers and is the same file for Python, ctest and libtorch users. Nothing here
+// throws: a C caller cannot catch a C++ exception.
+#include "lossagg.h"
+
+#include <torch/version.h>
+
+#include <exception>
+#include <string>
+
+#define LOSSAGG_EXPORT extern "C" __attribute__((visibility("default")))
+
+LOSSAGG_EXPORT int lossagg_built_with_cuda() {
+  return lossagg::built_with_cuda() ? 1 : 0;
+}
+
+LOSSAGG_EXPORT void lossagg_set_device_checks(int enabled) {
+  lossagg::set_device_checks(enabled != 0);
+}
+
+LOSSAGG_EXPORT int lossagg_device_checks_enabled() {
+  return lossagg::device_checks_enabled() ? 1 : 0;
+}
+
+// Static strings: the ISA names are literals.
+LOSSAGG_EXPORT const char* lossagg_cpu_isa() {
+  static thread_local std::string name;
+  name = lossagg::cpu_isa();
+  return name.c_str();
+}
+
+LOSSAGG_EXPORT const char* lossagg_cpu_best_isa() {
+  static thread_local std::string name;
+  name = lossagg::cpu_best_isa();
+  return name.c_str();
+}
+
+// 1 when `name` is auto, avx512, avx2 or baseline (and the cap is set), else 0.
+LOSSAGG_EXPORT int lossagg_set_cpu_isa(const char* name) {
+  try {
+    lossagg::set_cpu_isa(name == nullptr ? std::string() : std::string(name));
+    return 1;
+  } catch (const std::exception&) {
+    return 0;
+  }
+}
+
+// The torch version the library was compiled against (torch/version.h).
+LOSSAGG_EXPORT const char* lossagg_torch_version() {
+  return TORCH_VERSION;
+}

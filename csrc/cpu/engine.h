@@ -1,0 +1,67 @@
+// The CPU engine's interface: three entry points per instruction set, chosen once per op.
+//
+// engine_loops.h holds the loops, written once. It is compiled three times, one
+// translation unit per ISA (engine_baseline.cpp, engine_avx2.cpp, engine_avx512.cpp),
+// each with its own target; each defines `kEngine` in its own namespace. ops_cpu.cpp picks
+// the table of the active ISA (isa.h) at the start of an op. Every table adds in the same
+// order, so the choice changes the speed, never a bit of the result.
+//
+// Summation order. A segment of at most kPieceTokens tokens is one "piece"; a longer one
+// is cut into pieces of kPieceTokens tokens from its start. A piece is summed in a fixed
+// order (engine_loops.h), and a segment's pieces are added left to right. The order
+// depends only on the input, never on the thread count or the instruction set.
+#pragma once
+
+#include "../kernel_common.h"
+#include "isa.h"
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+
+namespace lossagg::cpu {
+
+// One op's inputs in kernel types (op_setup.h): values of `values_dtype` (undefined for
+// the backward ops), a mask of `mask_kind`, and the segments.
+struct KernelArgs {
+  const void* values;
+  c10::ScalarType values_dtype;
+  const void* mask;
+  MaskKind mask_kind;
+  TokenLayout layout;
+  Segments seg;
+};
+
+struct Engine {
+  // out[k * B + s] = sum over tokens t of segment s of mask_weight(m[t]) * v[k * T + t],
+  // in the accumulation dtype; masked-out tokens selected away.
+  void (*segment_sums)(const KernelArgs& args, void* out);
+  // out[k * T + t] = mask_weight(m[t]) * coef[k * B + s] for t in segment s (0 where the
+  // mask is 0), written in values_dtype; coef is in the accumulation dtype.
+  void (*expand_to_tokens)(const KernelArgs& args, const void* coef, void* out);
+  // out[s] = tokens of segment s whose mask is non-zero (exact).
+  void (*count_kept)(const KernelArgs& args, int64_t* out);
+};
+
+namespace baseline {
+extern const Engine kEngine;
+}
+namespace avx2 {
+extern const Engine kEngine;  // empty where the build has no x86 targets
+}
+namespace avx512 {
+extern const Engine kEngine;
+}
+
+inline const Engine& engine_for(Isa isa) {
+  switch (isa) {
+    case Isa::avx512:
+      return avx512::kEngine;
+    case Isa::avx2:
+      return avx2::kEngine;
+    default:
+      return baseline::kEngine;
+  }
+}
+
+}  // namespace lossagg::cpu

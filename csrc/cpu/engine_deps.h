@@ -1,0 +1,26 @@
+// Every header the engine's loops (engine_loops.h) use, included by each engine unit
+// before it sets its target: the inline functions of these headers (c10, ATen's
+// parallel_for, the standard library) are then compiled as baseline code in every unit, so
+// whichever copy the linker keeps runs on any x86-64 CPU.
+#pragma once
+
+#include "../dispatch.h"
+#include "../kernel_common.h"
+#include "engine.h"
+#include "work.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+// GCC on x86-64: the AVX2 and AVX-512 units are built (engine_avx2.cpp, engine_avx512.cpp).
+#define LOSSAGG_X86_TARGETS 1
+#endif

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The C++ tests, against the library setup.py built: the same CMake tree (build/native),
+# reconfigured with the tests on. The library itself is not compiled again (same flags);
+# only the two test programs are. The tests run on every core (ctest -j):
+#   lossagg_cpp_test            the ops through the dispatcher, as a libtorch user calls them
+#   lossagg_cuda_host_test_*    the CUDA kernels' source run on the CPU, in shards
+# LOSSAGG_TEST_TIER=full runs the emulated CUDA test's full tier (1200 generated cases;
+# the default tier is 300, about a minute on 2 cores).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD=${LOSSAGG_BUILD_DIR:-build/native}
+[ -f "$BUILD/CMakeCache.txt" ] || { echo "ctest: no build in $BUILD (run scripts/setup.sh first)" >&2; exit 1; }
+cases=300
+[ "${LOSSAGG_TEST_TIER:-default}" = "full" ] && cases=1200
+cmake -S . -B "$BUILD" -DLOSSAGG_BUILD_TESTS=ON -DLOSSAGG_CUDA_HOST_CASES=$cases >"$BUILD/tests.configure.log" 2>&1 \
+  || { cat "$BUILD/tests.configure.log"; exit 1; }
+cmake --build "$BUILD" -j "$(nproc)"
+# the library the C++ tests link is the file Python loads
+cmp -s "$BUILD/liblossagg_ops.so" lossagg/liblossagg_ops.so \
+  || { echo "ctest: $BUILD/liblossagg_ops.so differs from lossagg/liblossagg_ops.so (rebuild with scripts/setup.sh)" >&2; exit 1; }
+echo "ctest: emulated CUDA test with $cases cases ($([ "$cases" = 1200 ] && echo full || echo default) tier)"
+ctest --test-dir "$BUILD" --output-on-failure -j "$(nproc)"

@@ -1,0 +1,46 @@
+"""Every op's outputs and gradients keep their bits: the corpus of tests/golden.py against
+the hashes recorded before the kernel types were reduced, on every instruction set this
+CPU has and with 1 and 2 threads."""
+
+from __future__ import annotations
+
+import json
+
+import golden
+import pytest
+import torch
+
+import lossagg
+
+ISAS = [isa for isa in ("baseline", "avx2", "avx512") if ("baseline", "avx2", "avx512").index(isa) <= ("baseline", "avx2", "avx512").index(lossagg._native.cpu_best_isa())]
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    with open(golden.GOLDEN_PATH) as f:
+        return json.load(f)["cases"]
+
+
+def test_corpus_covers_every_admitted_dtype_combination(recorded):
+    cases = {tuple(name.split("/")) for name in recorded}
+    assert {c[0] for c in cases} == set(golden.LAYOUTS)
+    assert {c[1] for c in cases} == set(golden.VALUE_DTYPES)
+    assert {c[2] for c in cases} == set(golden.MASK_DTYPES)
+    ops = next(iter(recorded.values()))
+    assert {f"reduce_d{d}" for d in golden.DENOM_DTYPES} <= set(ops)
+    assert len(cases) == len(golden.LAYOUTS) * len(golden.VALUE_DTYPES) * len(golden.MASK_DTYPES)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("isa", ISAS)
+def test_outputs_match_the_recorded_hashes(recorded, isa, threads):
+    before = torch.get_num_threads()
+    try:
+        lossagg.set_cpu_isa(isa)
+        torch.set_num_threads(threads)
+        now = golden.corpus_hashes()
+    finally:
+        lossagg.set_cpu_isa("auto")
+        torch.set_num_threads(before)
+    changed = [f"{case}:{op}" for case, ops in recorded.items() for op, h in ops.items() if now[case][op] != h]
+    assert not changed, f"{len(changed)} outputs changed bits on {isa} with {threads} threads, e.g. {changed[:8]}"
