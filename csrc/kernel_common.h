@@ -5,7 +5,8 @@
 // Kernel types. The op set-up (op_setup.h) converts the rare dtypes on the way in, so a
 // kernel is instantiated for the value dtype (float32, float64, float16, bfloat16) and one
 // of four mask kinds: bool, uint8, int64, or a floating mask in the accumulation dtype.
-// Offsets are always int64 and denominators always in the accumulation dtype. Every
+// Offsets are read as int32 or int64 through a flag (Segments) and denominators are always
+// in the accumulation dtype. Every
 // conversion is exact or the single rounding the kernels did before (see op_setup.h).
 #pragma once
 
@@ -38,18 +39,23 @@ struct TokenLayout {
   int64_t max_segment_tokens = -1;  // longest segment, when the checks read cu_seqlens; -1 if unknown
 };
 
-// Segments of the token index space. Packed (THD): segment s is [cu[s], cu[s+1]) with
-// int64 offsets (int32 cu_seqlens are widened by the op set-up). Padded ([B, T] rows):
-// cu == nullptr and segment s is [s*row_len, (s+1)*row_len).
+// Segments of the token index space. Packed (THD): segment s is [cu[s], cu[s+1]), the
+// offsets read as int32 or int64 through a width flag (one kernel type for both; the
+// branch is per segment, not per token, and the same for every segment of a call).
+// Padded ([B, T] rows): cu == nullptr and segment s is [s*row_len, (s+1)*row_len).
 struct Segments {
-  const int64_t* cu;
+  const void* cu;
+  bool cu_int64;
   int64_t row_len;
 
+  LOSSAGG_HD int64_t offset(int64_t i) const {
+    return cu_int64 ? static_cast<const int64_t*>(cu)[i] : static_cast<int64_t>(static_cast<const int32_t*>(cu)[i]);
+  }
   LOSSAGG_HD int64_t begin(int64_t s) const {
-    return cu ? cu[s] : s * row_len;
+    return cu ? offset(s) : s * row_len;
   }
   LOSSAGG_HD int64_t end(int64_t s) const {
-    return cu ? cu[s + 1] : (s + 1) * row_len;
+    return cu ? offset(s + 1) : (s + 1) * row_len;
   }
 };
 

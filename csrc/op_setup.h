@@ -5,7 +5,6 @@
 //
 // Conversions on the way in (each exact, or the one rounding the kernels used to do
 // themselves, so results keep their bits):
-//   cu_seqlens     int32 -> int64 (B+1 integers)
 //   sample_denoms  any floating dtype -> the accumulation dtype (B values; half/bf16/float32
 //                  widen exactly, float64 -> float32 is the single rounding of the division)
 //   mask           bool, uint8, int64 and a floating mask in the accumulation dtype are read
@@ -53,7 +52,7 @@ struct TokenCall {
   at::Tensor values;  // undefined for backward ops and token_counts
   at::Tensor mask;
   MaskKind mask_kind;
-  at::Tensor offsets;  // int64 cu_seqlens; undefined when padded
+  at::Tensor offsets;  // cu_seqlens (int32 or int64); undefined when padded
 
   template <typename M>
   const M* mask_data() const {
@@ -61,7 +60,10 @@ struct TokenCall {
   }
 
   Segments segments() const {
-    return offsets.defined() ? Segments{offsets.const_data_ptr<int64_t>(), 0} : Segments{nullptr, layout.row_len};
+    if (!offsets.defined()) {
+      return Segments{nullptr, false, layout.row_len};
+    }
+    return Segments{offsets.const_data_ptr(), offsets.scalar_type() == c10::kLong, 0};
   }
 
   // f(type_tag<S>, type_tag<M>) for the kernel types of this call; S is the values dtype
@@ -99,7 +101,7 @@ inline TokenCall make_call(
   auto [kmask, kind] = kernel_mask(mask, acc);
   return TokenCall{
       layout, values.defined() ? values.contiguous() : at::Tensor(), std::move(kmask), kind,
-      cu_seqlens.has_value() ? cu_seqlens->contiguous().to(c10::kLong) : at::Tensor()};
+      cu_seqlens.has_value() ? cu_seqlens->contiguous() : at::Tensor()};
 }
 
 // The denominators in the accumulation dtype, contiguous.

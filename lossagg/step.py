@@ -293,8 +293,13 @@ def gradient_scale(convention: str, *, dp_size: int = 1, cp_size: int = 1, num_m
     * ``mean``: DDP/FSDP average gradients over the DP×CP world -> ``dp_size * cp_size``.
     * ``micro_batch_mean``: the trainer divides each micro-batch loss by the number of
       micro-batches -> ``num_micro_batches``.
-    * ``megatron``: Megatron without per-token loss does both (divides by micro-batches and
-      averages over DP×CP) -> ``num_micro_batches * dp_size * cp_size``.
+    * ``megatron``: Megatron-Core without per-token loss (a loss function returning two
+      values): its schedule multiplies each micro-batch loss by the CP size and divides it
+      by the number of micro-batches, and its DDP averages gradients over DP×CP; the CP
+      factors cancel -> ``num_micro_batches * dp_size`` (``cp_size`` is accepted and
+      checked, and changes nothing). Read from megatron-core 0.19.2
+      (``pipeline_parallel/schedules.py``, ``distributed/distributed_data_parallel.py``) and
+      tested against it (tests/test_engine_megatron.py).
     """
     for name, v in (("dp_size", dp_size), ("cp_size", cp_size), ("num_micro_batches", num_micro_batches)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -306,7 +311,7 @@ def gradient_scale(convention: str, *, dp_size: int = 1, cp_size: int = 1, num_m
     if convention == "micro_batch_mean":
         return float(num_micro_batches)
     if convention == "megatron":
-        return float(num_micro_batches * dp_size * cp_size)
+        return float(num_micro_batches * dp_size)
     raise ValueError(f"convention must be one of {', '.join(GRADIENT_CONVENTIONS)}, got {convention!r}")
 
 

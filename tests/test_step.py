@@ -156,7 +156,9 @@ def test_gradient_scale():
     assert gradient_scale("sum", dp_size=4, cp_size=2, num_micro_batches=8) == 1.0
     assert gradient_scale("mean", dp_size=4, cp_size=2) == 8.0
     assert gradient_scale("micro_batch_mean", num_micro_batches=8) == 8.0
-    assert gradient_scale("megatron", dp_size=4, cp_size=2, num_micro_batches=8) == 64.0
+    # Megatron's schedule multiplies by CP and its DDP averages over DP x CP: CP cancels
+    assert gradient_scale("megatron", dp_size=4, cp_size=2, num_micro_batches=8) == 32.0
+    assert gradient_scale("megatron", dp_size=4, cp_size=1, num_micro_batches=8) == 32.0
     with pytest.raises(ValueError, match="convention must be one of"):
         gradient_scale("avg")
     with pytest.raises(ValueError, match="dp_size must be an integer >= 1"):

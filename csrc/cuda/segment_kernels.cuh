@@ -24,6 +24,10 @@ namespace lossagg::cuda {
 
 constexpr int kWarp = 32;
 constexpr int kWarpsPerBlock = 8;
+// Every kernel launches with kThreads threads. They carry no __launch_bounds__: with
+// __launch_bounds__(256) ptxas (CUDA 13, sm_90) holds these kernels to 64 registers and
+// spills; without it none spills and each uses fewer than 70 registers (`make
+// cuda-report`, docs/benchmarks.md), far below what 256 threads may hold (255 each).
 constexpr int kThreads = kWarp * kWarpsPerBlock;
 constexpr int64_t kTileTokens = 1024;
 constexpr int kSegmentsPerWarp = 8;  // fix-up kernel
@@ -100,7 +104,7 @@ __device__ __forceinline__ int64_t segment_of(const Segments& seg, int64_t num_s
   int64_t hi = num_segments - 1;
   while (lo < hi) {
     const int64_t mid = (lo + hi + 1) / 2;
-    if (seg.cu[mid] <= x) {
+    if (seg.offset(mid) <= x) {
       lo = mid;
     } else {
       hi = mid - 1;
@@ -219,7 +223,7 @@ __device__ __forceinline__ acc_t lane_masked_sum(
 // segment (if it ends after the tile). A tile over which cu_seqlens is inconsistent sets
 // *bad_table (a plain integer store; the fix-up then writes NaN).
 template <typename acc_t, typename scalar_t, typename mask_t>
-__global__ void __launch_bounds__(kThreads) segment_sum_tiles_kernel(
+__global__ void segment_sum_tiles_kernel(
     const scalar_t* __restrict__ values,
     const mask_t* __restrict__ mask,
     Segments seg,
@@ -289,7 +293,7 @@ __device__ __forceinline__ acc_t combine_tiles(
 // *result. With an inconsistent cu_seqlens (seen by a tile, or by this segment's own
 // offsets) every sum is NaN, so is the reduce result: never unwritten memory.
 template <bool kReduce, typename acc_t>
-__global__ void __launch_bounds__(kThreads) segment_sum_fixup_kernel(
+__global__ void segment_sum_fixup_kernel(
     Segments seg,
     int64_t num_segments,
     int64_t num_tokens,
@@ -371,7 +375,7 @@ __global__ void __launch_bounds__(kThreads) segment_sum_fixup_kernel(
 // written: with an invalid cu_seqlens (device checks off) the tiles that see it are all
 // NaN, so the gradient holds NaN and never unwritten memory.
 template <typename scalar_t, typename acc_t, typename mask_t, typename Coef>
-__global__ void __launch_bounds__(kThreads) expand_tiles_kernel(
+__global__ void expand_tiles_kernel(
     scalar_t* __restrict__ out,
     const mask_t* __restrict__ mask,
     Segments seg,

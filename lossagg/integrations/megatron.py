@@ -2,8 +2,9 @@
 
 Megatron's schedule calls ``loss_func(output_tensor)`` once per micro-batch and then:
 
-* ``calculate_per_token_loss`` off: divides the returned loss by the number of
-  micro-batches, and the data-parallel gradient reduction averages over DP×CP;
+* ``calculate_per_token_loss`` off: multiplies the returned loss by the CP size and divides
+  it by the number of micro-batches, and the data-parallel gradient reduction averages over
+  DP×CP (so CP cancels: the factor is ``num_micro_batches × dp_size``);
 * ``calculate_per_token_loss`` on: keeps the loss as returned, sums gradients over DP×CP
   and divides them by the sum of the ``num_tokens`` every micro-batch returned.
 

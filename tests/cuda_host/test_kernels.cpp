@@ -118,6 +118,7 @@ struct Case {
   int64_t T = 0;            // token index space
   int values_phase = 0;
   int mask_phase = 0;
+  bool cu_int64 = true;
 };
 
 Case random_case(bool packed, int64_t max_b) {
@@ -136,6 +137,7 @@ Case random_case(bool packed, int64_t max_b) {
     c.row_len = uniform(0, 1) ? uniform(0, 40) : uniform(1000, 2100);
     c.T = c.B * c.row_len;
   }
+  c.cu_int64 = uniform(0, 1) != 0;
   c.values_phase = static_cast<int>(uniform(0, 7));
   c.mask_phase = uniform(0, 1) ? c.values_phase : static_cast<int>(uniform(0, 7));
   return c;
@@ -148,13 +150,15 @@ int64_t seg_end(const Case& c, int64_t s) {
   return c.packed ? c.cu[s + 1] : (s + 1) * c.row_len;
 }
 
-// The kernels' types: offsets are int64 and a floating mask is in the accumulation dtype
-// (the op set-up converts the others, csrc/op_setup.h).
+// The kernels' types: a floating mask is in the accumulation dtype (the op set-up converts
+// the others, csrc/op_setup.h); offsets are int32 or int64 (`cu_int64`).
 template <typename S, typename M>
 struct Inputs {
   Phased<S> values;
   Phased<M> mask;
   std::vector<int64_t> cu;
+  std::vector<int32_t> cu32;
+  bool cu_int64 = true;
   std::vector<double> v64, m64;  // what the kernels read, in float64
   Inputs(const Case& c) : values(c.K * c.T, c.values_phase), mask(c.T, c.mask_phase) {
     v64.resize(static_cast<size_t>(c.K * c.T));
@@ -177,9 +181,16 @@ struct Inputs {
       v64[i] = to_double(values.data[i]);
     }
     cu = c.cu;
+    for (int64_t x : c.cu) {
+      cu32.push_back(static_cast<int32_t>(x));
+    }
+    cu_int64 = c.cu_int64;
   }
   Segments segments(const Case& c) const {
-    return Segments{c.packed ? cu.data() : nullptr, c.row_len};
+    if (!c.packed) {
+      return Segments{nullptr, false, c.row_len};
+    }
+    return cu_int64 ? Segments{cu.data(), true, 0} : Segments{cu32.data(), false, 0};
   }
   TokenLayout layout(const Case& c) const {
     return TokenLayout{c.packed, c.B, c.T, c.row_len, c.K, c.K > 1};
@@ -401,7 +412,7 @@ int main(int argc, char** argv) {
     const Case c = random_case(packed, uniform(0, 7) == 0 ? 5 * lossagg::cuda::kSegmentsPerBlock : 40);
     const int vk = static_cast<int>(uniform(0, 3)), mk = static_cast<int>(uniform(0, 3));
     case_name = "case " + std::to_string(i) + ": B=" + std::to_string(c.B) + " K=" + std::to_string(c.K) + " T=" + std::to_string(c.T) +
-        (packed ? " packed" : " padded row_len=" + std::to_string(c.row_len)) + " values=" + kValues[vk] + " mask=" + kMasks[mk] +
+        (packed ? (c.cu_int64 ? " packed64" : " packed32") : " padded row_len=" + std::to_string(c.row_len)) + " values=" + kValues[vk] + " mask=" + kMasks[mk] +
         " phases=" + std::to_string(c.values_phase) + "/" + std::to_string(c.mask_phase);
     run_any(c, seed + i, vk, mk);
   }
