@@ -3,7 +3,9 @@
 # importable; torch and numpy stay as they are (constraints):
 # * verl 0.9.1 with --no-deps, plus only what `import verl.trainer.ppo.core_algos` needs,
 #   in the versions verl states;
-# * TRL 1.16.0 with its own (light) dependencies: accelerate, datasets, transformers.
+# * TRL 1.16.0 with its own (light) dependencies: accelerate, datasets, transformers;
+# * megatron-core 0.19.2 with --no-deps (its needs, torch, numpy and packaging, are here);
+#   it declares Python >= 3.12 but its files run on 3.11 (--ignore-requires-python).
 # A failure leaves that peer's tests skipped with the reason, never failed.
 set -uo pipefail
 PY=${PYTHON:-python3}
@@ -28,4 +30,13 @@ else
   pip_install -c "$cons" "trl==1.16.0" "transformers>=5.5.3,<5.11,!=5.6.0" \
     || echo "peers: could not install TRL: its tests will be skipped"
   if "$PY" -c "$trl_check" 2>/dev/null; then echo "peers: trl importable"; else echo "peers: trl not importable: its tests will be skipped"; fi
+fi
+
+mcore_check="from megatron.core.pipeline_parallel import get_forward_backward_func; from megatron.core.distributed import DistributedDataParallel"
+if "$PY" -c "$mcore_check" 2>/dev/null; then
+  echo "peers: megatron-core importable"
+else
+  pip_install --no-deps --ignore-requires-python "megatron-core==0.19.2" packaging \
+    || echo "peers: could not install megatron-core: its tests will be skipped"
+  if "$PY" -c "$mcore_check" 2>/dev/null; then echo "peers: megatron-core importable"; else echo "peers: megatron-core not importable: its tests will be skipped"; fi
 fi

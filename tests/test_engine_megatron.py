@@ -1,0 +1,297 @@
+"""lossagg.integrations.megatron driven by the real Megatron-Core (0.19.2) on CPU.
+
+Each world (DP x CP in {1, 2}^2, gloo) runs Megatron's own pieces: ``parallel_state``,
+a ``TransformerConfig`` with ``calculate_per_token_loss`` off and on, Megatron's
+``DistributedDataParallel`` (with and without overlapped gradient reduction),
+``get_forward_backward_func()`` (the no-pipelining schedule) over several micro-batches
+and ``finalize_model_grads``. The loss function is ``make_loss_func`` on a ``StepPlan``
+built by its all-reduce and by ``from_totals``, on packed (THD, zigzag CP shards) and
+padded micro-batches, for every registered mode. Each rank's ``param.main_grad`` must
+equal the gradient of the reference J (float64) to 1e-10 relative.
+
+Three CUDA calls Megatron makes have CPU stand-ins, each allowed only from the one file
+that makes it and failing the test if anything else calls it:
+``torch.cuda.current_device`` (grad buffer allocation, param_and_grad_buffer.py),
+``torch.cuda.current_stream`` (waits on CUDA-graph events, none on CPU;
+param_and_grad_buffer.py) and ``torch.zeros(..., device="cuda")`` for the token total in
+schedules.py (replaced by a CPU tensor through that module's own ``torch`` name only).
+
+Skipped, with the reason, when megatron-core cannot be imported (scripts/install_peers.sh
+installs it).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import lossagg
+
+try:
+    import megatron.core  # noqa: F401
+
+    HAVE_MCORE, WHY = True, ""
+except Exception as exc:  # pragma: no cover - depends on the environment
+    HAVE_MCORE, WHY = False, f"megatron-core not importable ({type(exc).__name__}: {exc}); scripts/install_peers.sh installs it"
+
+pytestmark = pytest.mark.skipif(not HAVE_MCORE, reason=WHY)
+
+N_PER_PROMPT, PROMPTS, MICRO_BATCHES, FEATURES = 2, 4, 2, 5
+
+
+# ----------------------------------------------------------------------- stand-ins
+class StandInMisuse(AssertionError):
+    pass
+
+
+def _caller_file(depth: int = 2) -> str:
+    return sys._getframe(depth).f_code.co_filename.replace(os.sep, "/")
+
+
+def install_stand_ins():
+    """The three narrow CUDA stand-ins (see the module docstring); returns their use counts."""
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    used = {"current_device": 0, "current_stream": 0, "zeros": 0}
+
+    def current_device():
+        if not _caller_file().endswith("megatron/core/distributed/param_and_grad_buffer.py"):
+            raise StandInMisuse(f"torch.cuda.current_device stand-in called from {_caller_file()}")
+        used["current_device"] += 1
+        return "cpu"
+
+    class _NoEvents:
+        def wait_event(self, event):
+            raise StandInMisuse("a CUDA-graph event to wait on: not expected on CPU")
+
+    def current_stream(*args, **kwargs):
+        if not _caller_file().endswith("megatron/core/distributed/param_and_grad_buffer.py"):
+            raise StandInMisuse(f"torch.cuda.current_stream stand-in called from {_caller_file()}")
+        used["current_stream"] += 1
+        return _NoEvents()
+
+    class _TorchForSchedules:
+        """schedules.py's `torch`, with zeros(..., device="cuda") made on the CPU."""
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def zeros(*args, **kwargs):
+            if kwargs.get("device") == "cuda":
+                if kwargs.get("dtype") != torch.int or tuple(args[0]) != ():
+                    raise StandInMisuse(f"schedules.py asked for zeros{args} {kwargs}: only the token total is expected")
+                used["zeros"] += 1
+                kwargs["device"] = "cpu"
+            return torch.zeros(*args, **kwargs)
+
+    torch.cuda.current_device = current_device
+    torch.cuda.current_stream = current_stream
+    schedules.torch = _TorchForSchedules()
+    return used
+
+
+# ------------------------------------------------------------------------- the step
+def make_step(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = PROMPTS * N_PER_PROMPT
+    lengths = torch.randint(1, 14, (n,), generator=g)
+    lengths[3] = 0  # an empty sample
+    cu = lossagg.cu_seqlens_from_lengths(lengths, dtype=torch.int64)
+    features = torch.randn(int(cu[-1]), FEATURES, generator=g, dtype=torch.float64)
+    mask = torch.rand(int(cu[-1]), generator=g) < 0.8
+    mask[cu[5] : cu[6]] = False  # a fully masked sample
+    groups = torch.arange(n) // N_PER_PROMPT
+    return lengths, cu, features, mask, groups
+
+
+class TinyModel(torch.nn.Module):
+    """A per-token loss model: -logsigmoid(w . x + b)."""
+
+    def __init__(self, config):
+        super().__init__()
+        from megatron.core.enums import ModelType
+
+        self.config = config
+        self.model_type = ModelType.encoder_or_decoder
+        self.proj = torch.nn.Linear(FEATURES, 1, dtype=torch.float64)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(7)
+            self.proj.weight.copy_(torch.randn(1, FEATURES, generator=g, dtype=torch.float64))
+            self.proj.bias.fill_(0.1)
+
+    def set_input_tensor(self, input_tensor):
+        """Megatron's schedule hands pipeline inputs here; one stage, so nothing comes."""
+
+    def forward(self, x):
+        return -torch.nn.functional.logsigmoid(self.proj(x).squeeze(-1))
+
+
+def reference_grads(config, step):
+    from lossagg.testing import reference_loss
+
+    lengths, cu, features, mask, groups = step
+    model = TinyModel(None)
+    reference_loss(config, model(features), mask, cu, groups).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def micro_batches(step, own, dp_rank, cp_size, cp_rank, layout):
+    """This rank's micro-batches: (local sample positions, per-token inputs, mask, cu_seqlens)."""
+    from lossagg import zigzag_local_cu_seqlens, zigzag_shard
+
+    lengths, cu, features, mask, groups = step
+    out = []
+    for local in torch.tensor_split(torch.arange(own.numel()), MICRO_BATCHES):
+        samples = own[local]
+        idx = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in samples.tolist()] + [torch.zeros(0, dtype=torch.long)])
+        mb_cu = lossagg.cu_seqlens_from_lengths(lengths[samples], dtype=torch.int64)
+        if layout == "packed":
+            x = zigzag_shard(features[idx].T, mb_cu, cp_size, cp_rank).T
+            m = zigzag_shard(mask[idx], mb_cu, cp_size, cp_rank, pad_value=False)
+            out.append((local, x, m, zigzag_local_cu_seqlens(mb_cu, cp_size)))
+        else:
+            # padded rows of the micro-batch's longest sample (rounded to 2 cp), each row
+            # sharded along its tokens in the same zigzag layout
+            width = max(int(lengths[samples].max()), 1) if samples.numel() else 1
+            width = -(-width // (2 * cp_size)) * (2 * cp_size)
+            rows_x = torch.zeros(samples.numel(), width, FEATURES, dtype=torch.float64)
+            rows_m = torch.zeros(samples.numel(), width, dtype=torch.bool)
+            for r, i in enumerate(samples.tolist()):
+                n = int(lengths[i])
+                rows_x[r, :n] = features[cu[i] : cu[i + 1]]
+                rows_m[r, :n] = mask[cu[i] : cu[i + 1]]
+            row_cu = torch.arange(samples.numel() + 1, dtype=torch.int64) * width
+            x = zigzag_shard(rows_x.reshape(-1, FEATURES).T, row_cu, cp_size, cp_rank).T.reshape(samples.numel(), -1, FEATURES)
+            m = zigzag_shard(rows_m.reshape(-1), row_cu, cp_size, cp_rank, pad_value=False).reshape(samples.numel(), -1)
+            out.append((local, x, m, None))
+    return out
+
+
+# ------------------------------------------------------------------------ the world
+def worker(rank, world, dp, cp, init_file, results_dir):
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    failures, ran = [], 0
+    try:
+        used = install_stand_ins()
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.transformer import TransformerConfig
+
+        from lossagg import LossAggregationConfig, StepPlan
+        from lossagg.integrations.megatron import make_loss_func
+
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=cp)
+        dp_rank = parallel_state.get_data_parallel_rank()
+        cp_rank = parallel_state.get_context_parallel_rank()
+        dp_group = parallel_state.get_data_parallel_group()  # same samples on the CP ranks: DP only
+        step = make_step()
+        lengths, cu, features, mask, groups = step
+        n = lengths.numel()
+        own = torch.tensor_split(torch.arange(n), dp)[dp_rank]
+        all_counts = lossagg.token_counts(mask, cu)
+        group_sums = lossagg.prompt_mask_sums(all_counts, groups)
+
+        for mode, spec in lossagg.MODES.items():
+            config = LossAggregationConfig(mode=mode, n_samples_per_prompt=N_PER_PROMPT, global_batch_size=n, **spec.example_settings)
+            expected = reference_grads(config, step)
+            for per_token in (False, True):
+                # two variants per (mode, per_token loss) keep the run short and still pair
+                # every plan kind, layout and overlap setting with every mode
+                for overlap, plan_kind, layout in ((False, "all_reduce", "packed"), (True, "from_totals", "padded")):
+                    if True:
+                        if True:
+                            if plan_kind == "all_reduce":
+                                plan = StepPlan(config, all_counts[own], group_index=groups[own], process_group=dp_group, num_group_labels=PROMPTS)
+                            else:
+                                plan = StepPlan.from_totals(
+                                    config,
+                                    all_counts[own],
+                                    num_samples=n,
+                                    total_tokens=float(all_counts.sum()),
+                                    num_groups=PROMPTS,
+                                    group_token_sums=group_sums[own],
+                                )
+                            tconfig = TransformerConfig(
+                                num_layers=1,
+                                hidden_size=8,
+                                num_attention_heads=1,
+                                context_parallel_size=cp,
+                                calculate_per_token_loss=per_token,
+                                params_dtype=torch.float64,
+                            )
+                            ddp_config = DistributedDataParallelConfig(
+                                overlap_grad_reduce=overlap, grad_reduce_in_fp32=False, use_distributed_optimizer=False, bucket_size=None
+                            )
+                            model = DistributedDataParallel(tconfig, ddp_config, TinyModel(tconfig))
+                            tconfig.no_sync_func = model.no_sync
+                            tconfig.finalize_model_grads_func = finalize_model_grads
+                            model.zero_grad_buffer()
+                            batches = micro_batches(step, own, dp_rank, cp, cp_rank, layout)
+
+                            def forward_step(data_iterator, model, plan=plan, per_token=per_token):
+                                local, x, m, local_cu = next(data_iterator)
+                                loss_func = make_loss_func(
+                                    plan,
+                                    local,
+                                    local_cu,
+                                    m,
+                                    num_micro_batches=MICRO_BATCHES,
+                                    dp_size=dp,
+                                    cp_size=cp,
+                                    calculate_per_token_loss=per_token,
+                                )
+                                return model(x), loss_func
+
+                            get_forward_backward_func()(
+                                forward_step_func=forward_step,
+                                data_iterator=iter(batches),
+                                model=model,
+                                num_microbatches=MICRO_BATCHES,
+                                seq_length=1,
+                                micro_batch_size=1,
+                                forward_only=False,
+                            )
+                            ran += 1
+                            got = [p.main_grad for p in model.module.parameters()]
+                            for g, e in zip(got, expected, strict=True):
+                                err = float((g - e).abs().max() / e.abs().max().clamp(min=1e-300))
+                                if not err <= 1e-10:
+                                    failures.append(
+                                        f"dp={dp} cp={cp} rank={rank} mode={mode} per_token_loss={per_token} overlap={overlap} "
+                                        f"plan={plan_kind} layout={layout}: relative error {err:.3g} (ratio {float((g / e).flatten()[0]):.6g})"
+                                    )
+        if used["current_device"] == 0 or used["zeros"] == 0:
+            failures.append(f"rank {rank}: a stand-in was never used ({used}); the test no longer exercises what it says")
+        parallel_state.destroy_model_parallel()
+    except Exception as exc:  # reported by the parent with the rank
+        import traceback
+
+        failures.append(f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    with open(os.path.join(results_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(f"ran {ran}\n" + "\n".join(failures))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dp,cp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_megatron_core_schedule_gives_the_gradient_of_j(dp, cp, tmp_path):
+    world = dp * cp
+    init_file = tempfile.mktemp(dir=tmp_path)
+    mp.spawn(worker, args=(world, dp, cp, init_file, str(tmp_path)), nprocs=world, join=True)
+    failures, runs = [], 0
+    for rank in range(world):
+        head, _, rest = (tmp_path / f"rank{rank}.txt").read_text().partition("\n")
+        runs += int(head.split()[1])
+        if rest.strip():
+            failures.append(rest)
+    assert not failures, "\n".join(failures)[:6000]
+    assert runs == world * len(lossagg.MODES) * 2 * 2
