@@ -1,7 +1,7 @@
 # The commands people type. `make demo` and `make test` do all the set-up themselves.
 PY ?= python3
 
-.PHONY: demo test setup bench lint ctest cuda-report clean
+.PHONY: demo test setup bench lint ctest cuda-report wheel clean
 
 demo: setup
 	$(PY) -m lossagg demo
@@ -23,10 +23,17 @@ ctest: setup
 cuda-report: setup
 	$(PY) scripts/cuda_report.py
 
+# dist/lossagg-*.whl: the CPU kernels (plus CUDA for TORCH_CUDA_ARCH_LIST when asked for,
+# scripts/build_plan.py), stripped, requiring the torch release it was built against.
+wheel: setup
+	rm -rf dist && $(PY) -m pip wheel --no-build-isolation --no-deps -q -w dist .
+	@ls -l dist/*.whl
+
 lint:
+	$(PY) -m ruff --version >/dev/null 2>&1 || $(PY) -m pip install -q "ruff>=0.5"
 	$(PY) -m ruff check lossagg tests benchmarks examples docs
 	$(PY) -m ruff format --check lossagg tests benchmarks examples docs
 	if command -v clang-format >/dev/null; then clang-format --dry-run --Werror csrc/*.h csrc/*.cpp csrc/cpu/* csrc/cuda/*; else echo "clang-format not installed: C++ not checked"; fi
 
 clean:
-	rm -rf build lossagg/liblossagg_ops.so lossagg/_build_info.py *.egg-info
+	rm -rf build dist lossagg/liblossagg_ops.so lossagg/_build_info.py *.egg-info

@@ -74,7 +74,17 @@ class CMakeBuild(build_ext):
             )
 
 
+def _requirements() -> list[str]:
+    """torch pinned to the release built against (any local build tag, e.g. +cu130, matches)."""
+    check_build_isolation()
+    import torch
+
+    release = torch.__version__.split("+")[0]
+    return [f"torch=={release}", "pydantic>=2.6", "pyyaml>=6", "tomli>=2; python_version < '3.11'"]
+
+
 setup(
     ext_modules=[Extension("lossagg.liblossagg_ops", sources=[])],
     cmdclass={"build_ext": CMakeBuild},
+    install_requires=_requirements(),
 )

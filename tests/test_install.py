@@ -1,0 +1,102 @@
+"""Installing lossagg like a library: the wheel round trip, the torch check at import, and
+the build's refusal of pip's build isolation."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+FORWARD_BACKWARD = textwrap.dedent(
+    """
+    import os, sys, torch, lossagg
+    print(lossagg.__file__)
+    v = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0], requires_grad=True)
+    m = torch.tensor([1, 1, 0, 1, 1], dtype=torch.bool)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    j = lossagg.reduce(v, m, cu_seqlens=cu, sample_denoms=torch.tensor([2.0, 4.0]))
+    j.backward()
+    # by hand: (1 + 2) / 2 + (4 + 5) / 4 = 3.75; dJ/dv = [1/2, 1/2, 0, 1/4, 1/4]
+    assert j.item() == 3.75, j
+    assert v.grad.tolist() == [0.5, 0.5, 0.0, 0.25, 0.25], v.grad
+    print("ok", lossagg._native.built_against_torch())
+    """
+)
+
+
+def run(cmd, **kwargs):
+    done = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+    assert done.returncode == 0, f"{cmd} failed:\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+def test_wheel_installs_and_runs_without_a_compiler(tmp_path):
+    wheels = tmp_path / "dist"
+    run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q", "-w", str(wheels), ROOT], cwd=ROOT)
+    (wheel,) = glob.glob(str(wheels / "lossagg-*.whl"))
+    meta = run([sys.executable, "-c", f"import zipfile; z = zipfile.ZipFile({wheel!r}); print(z.read('lossagg-0.1.0.dist-info/METADATA').decode())"]).stdout
+    assert f"Requires-Dist: torch=={torch.__version__.split('+')[0]}" in meta
+    # a fresh virtualenv that sees this environment's torch (and pydantic, ...), not its lossagg
+    venv = tmp_path / "venv"
+    run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)])
+    python = str(venv / "bin" / "python")
+    # no compiler on the way: the wheel only unpacks
+    env = dict(os.environ, PATH=f"{venv / 'bin'}:/usr/bin/false-dir", CC="false", CXX="false", CMAKE="false")
+    env.pop("PYTHONPATH", None)
+    run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheel], env=env)
+    out = run([python, "-c", FORWARD_BACKWARD], cwd=str(tmp_path), env=env).stdout
+    assert str(venv) in out.splitlines()[0], f"lossagg was not imported from the venv: {out}"
+    assert out.splitlines()[-1] == f"ok {torch.__version__.split('+')[0]}", out
+
+
+def test_import_under_another_torch_is_one_clear_error(tmp_path):
+    import lossagg
+
+    pkg = tmp_path / "lossagg"
+    shutil.copytree(os.path.dirname(lossagg.__file__), pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    (pkg / "_build_info.py").write_text('TORCH_VERSION = "2.0.0+fake"\nBUILT_WITH_CUDA = False\n')
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", "import lossagg"], capture_output=True, text=True, cwd=str(tmp_path), env=env)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: lossagg's native library was built against torch 2.0.0+fake"), done.stderr
+    assert f"this process runs torch {torch.__version__}" in last and "--no-build-isolation" in last, last
+    assert "undefined symbol" not in done.stderr
+
+
+def test_missing_build_is_one_clear_error(tmp_path):
+    import lossagg
+
+    pkg = tmp_path / "lossagg"
+    shutil.copytree(os.path.dirname(lossagg.__file__), pkg, ignore=shutil.ignore_patterns("__pycache__", "*.so", "_build_info.py"))
+    done = subprocess.run(
+        [sys.executable, "-c", "import lossagg"], capture_output=True, text=True, cwd=str(tmp_path), env=dict(os.environ, PYTHONPATH=str(tmp_path))
+    )
+    assert done.returncode != 0
+    assert "ImportError: lossagg's native library" in done.stderr and "is not built" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("torch_stub", "expected"),
+    [
+        ("sys.modules['torch'] = None", "pip install --no-build-isolation"),  # isolation hid torch
+        (
+            "import types; t = types.ModuleType('torch'); t.__file__ = '/tmp/pip-build-env-x/overlay/lib/torch/__init__.py'; "
+            "t.__version__ = '2.99.0'; sys.modules['torch'] = t",
+            "lives in pip's isolated build environment",
+        ),
+    ],
+)
+def test_build_under_isolation_stops_at_once(torch_stub, expected):
+    code = f"import sys; {torch_stub}; sys.path.insert(0, 'scripts'); import build_plan; build_plan.check_build_isolation()"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode != 0 and expected in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
