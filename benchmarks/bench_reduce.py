@@ -368,6 +368,15 @@ def main(argv=None):
         ratio = lookup(rows, case, "fwd", "aggregate") / lookup(rows, case, "fwd", "lossagg")
         targets.append((f"fwd, aggregate / raw op, {case}", ratio, "<= 1.3", lambda x: x <= 1.3))
 
+    print("## reduce by mask dtype (packed, B=1024 x ~512)\n")
+    print("The kernels read bool, uint8, int64 and float32 masks as given (float32 values); the bytes moved per token are 4 + the mask's.\n")
+    base = make_packed(64 if args.quick else 1024, 512, device)
+    for mask_dtype, mask_bytes in ((torch.bool, 1), (torch.int64, 8), (torch.float32, 4)):
+        b = dict(base, mask=base["mask"].to(mask_dtype))
+        name = f"mask={str(mask_dtype).replace('torch.', '')}"
+        rows = bench_case(name, b, device, repeats, ["lossagg", "vectorised"], all_passes)
+        print_table(rows, {"fwd": 4 + mask_bytes, "bwd": 4 + mask_bytes, "fwd+bwd": 2 * (4 + mask_bytes)}, {name: b["total"]}, copy_gbps)
+
     print("## segment_sum of K stacked metrics (packed, B=256)\n")
     rows, totals, seg_bytes = [], {}, {}
     tokens = 1 << 16 if args.quick else 1 << 19

@@ -80,7 +80,9 @@ def _nvrtc_library() -> str | None:
     except ImportError:
         return None
     for root in nvidia.__path__:
-        hits = sorted(glob.glob(os.path.join(root, "cu*", "lib", "libnvrtc.so.*")) + glob.glob(os.path.join(root, "cuda_nvrtc", "lib", "libnvrtc.so.*")))
+        hits = sorted(
+            glob.glob(os.path.join(root, "cu*", "lib", "libnvrtc.so.*")) + glob.glob(os.path.join(root, "cuda_nvrtc", "lib", "libnvrtc.so.*"))
+        )
         hits = [h for h in hits if "builtins" not in h and ".alt." not in h]
         if hits:
             return hits[0]

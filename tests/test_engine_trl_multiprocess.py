@@ -7,8 +7,8 @@ step's denominators, DDP averages the gradients over the processes and the loss 
 ``* num_processes``. Just before the optimizer, the gradient every process holds must be
 the gradient of J (SPEC §3) over the whole generation batch of both processes: computed
 here independently, per process for its own completions (ratio 1 at the first step, so
-the per-token loss is ``-A * exp(logp - logp.detach())``) and summed over the processes. This exercises TRL's number-of-items and DP-averaging conventions instead of
-assuming them.
+the per-token loss is ``-A * exp(logp - logp.detach())``) and summed over the processes.
+This exercises TRL's number-of-items and DP-averaging conventions instead of assuming them.
 """
 
 from __future__ import annotations
@@ -129,11 +129,19 @@ def worker(rank, port, loss_type, out_dir):
     check = Check()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = Recorder(model=base.tiny_model(), reward_funcs=base.reward, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[check])
+        trainer = Recorder(
+            model=base.tiny_model(), reward_funcs=base.reward, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[check]
+        )
         check.trainer = trainer
         trainer.train()
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
         f.write(repr(result))
+    dist.barrier()
+    dist.destroy_process_group()
+    # skip the interpreter's teardown: with accelerate's and gloo's threads still around it
+    # sometimes aborts ("terminate called without an active exception") after the work is
+    # done and reported
+    os._exit(0)
 
 
 @pytest.mark.parametrize("loss_type", ["prompt_mean", "dapo", "grpo"])

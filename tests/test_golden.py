@@ -12,7 +12,11 @@ import torch
 
 import lossagg
 
-ISAS = [isa for isa in ("baseline", "avx2", "avx512") if ("baseline", "avx2", "avx512").index(isa) <= ("baseline", "avx2", "avx512").index(lossagg._native.cpu_best_isa())]
+ISAS = [
+    isa
+    for isa in ("baseline", "avx2", "avx512")
+    if ("baseline", "avx2", "avx512").index(isa) <= ("baseline", "avx2", "avx512").index(lossagg._native.cpu_best_isa())
+]
 
 
 @pytest.fixture(scope="module")

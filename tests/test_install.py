@@ -42,7 +42,9 @@ def test_wheel_installs_and_runs_without_a_compiler(tmp_path):
     wheels = tmp_path / "dist"
     run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q", "-w", str(wheels), ROOT], cwd=ROOT)
     (wheel,) = glob.glob(str(wheels / "lossagg-*.whl"))
-    meta = run([sys.executable, "-c", f"import zipfile; z = zipfile.ZipFile({wheel!r}); print(z.read('lossagg-0.1.0.dist-info/METADATA').decode())"]).stdout
+    meta = run(
+        [sys.executable, "-c", f"import zipfile; z = zipfile.ZipFile({wheel!r}); print(z.read('lossagg-0.1.0.dist-info/METADATA').decode())"]
+    ).stdout
     assert f"Requires-Dist: torch=={torch.__version__.split('+')[0]}" in meta
     # a fresh virtualenv that sees this environment's torch (and pydantic, ...), not its lossagg
     venv = tmp_path / "venv"
