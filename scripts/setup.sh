@@ -15,7 +15,7 @@ fi
 # what the package, the demo and the tests import, and the build tools (cmake, ninja)
 missing=$("$PY" - <<'PYEOF'
 import importlib.util, shutil
-need = {"pydantic": "pydantic>=2.6", "yaml": "pyyaml>=6", "pytest": "pytest>=8", "hypothesis": "hypothesis>=6",
+need = {"pydantic": "pydantic>=2.6", "yaml": "pyyaml>=6", "pytest": "pytest>=8", "hypothesis": "hypothesis>=6", "xdist": "pytest-xdist>=3",
         "matplotlib": "matplotlib>=3.8", "setuptools": "setuptools>=64", "wheel": "wheel", "numpy": "numpy"}
 out = [spec for mod, spec in need.items() if importlib.util.find_spec(mod) is None]
 out += [tool for tool in ("cmake", "ninja") if shutil.which(tool) is None]

@@ -15,7 +15,11 @@ bash scripts/test_min_python.sh || exit 1
 
 bash scripts/install_peers.sh
 
-"$PY" -m pytest tests "$@"
+# two workers when pytest-xdist is there; the multi-process engine tests share one of them
+# (xdist_group "engines") while the other runs the rest
+xdist=()
+"$PY" -c "import xdist" 2>/dev/null && xdist=(-n "${LOSSAGG_PYTEST_WORKERS:-2}" --dist loadgroup)
+"$PY" -m pytest tests "${xdist[@]}" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: failing" >&2

@@ -18,6 +18,8 @@ import torch.multiprocessing as mp
 import lossagg
 
 DP, CP, MICRO_BATCHES = 2, 2, 2
+# the multi-process engine tests share one xdist worker (scripts/test.sh runs pytest -n 2)
+pytestmark = pytest.mark.xdist_group("engines")
 MODES = {name: dict(spec.example_settings) for name, spec in lossagg.MODES.items()}
 N_PER_PROMPT = 4
 

@@ -39,7 +39,8 @@ try:
 except Exception as exc:  # pragma: no cover - depends on the environment
     HAVE_MCORE, WHY = False, f"megatron-core not importable ({type(exc).__name__}: {exc}); scripts/install_peers.sh installs it"
 
-pytestmark = pytest.mark.skipif(not HAVE_MCORE, reason=WHY)
+# the multi-process engine tests share one xdist worker (scripts/test.sh runs pytest -n 2)
+pytestmark = [pytest.mark.skipif(not HAVE_MCORE, reason=WHY), pytest.mark.xdist_group("engines")]
 
 N_PER_PROMPT, PROMPTS, MICRO_BATCHES, FEATURES = 2, 4, 2, 5
 

@@ -22,6 +22,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import torch_engines  # noqa: E402
 
 DP, CP, MICRO_BATCHES = 2, 2, 3
+# the multi-process engine tests share one xdist worker (scripts/test.sh runs pytest -n 2)
+pytestmark = pytest.mark.xdist_group("engines")
 
 
 def worker(rank, world, engine, init_file, results_dir):

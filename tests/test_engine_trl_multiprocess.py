@@ -30,6 +30,8 @@ pytest.importorskip("datasets", reason="datasets (TRL's dependency) is not impor
 pytest.importorskip("tokenizers", reason="tokenizers (transformers' dependency) is not importable")
 
 WORLD, ACCUMULATION, NUM_GENERATIONS, PROMPTS = 2, 2, 4, 2
+# the multi-process engine tests share one xdist worker (scripts/test.sh runs pytest -n 2)
+pytestmark = pytest.mark.xdist_group("engines")
 
 
 def free_port() -> int:
