@@ -53,6 +53,9 @@ for line in sys.stdin:
 def start(label: str, pythonpath: str) -> subprocess.Popen:
     env = dict(os.environ)
     env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+    # the two workers take turns: an idle worker's OpenMP threads must sleep, not spin on
+    # the cores the other one is timing
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     proc = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd="/")
     ready = proc.stdout.readline().split()
     if not ready or ready[0] != "ready":
