@@ -22,7 +22,7 @@ from find_cuda_home import find_cuda_home  # noqa: E402
 
 # Measured on a 2-core machine (README.md, "Timings"): minutes on 2 cores.
 CPU_BUILD_MIN_2CORES = 1.0
-CUDA_BUILD_MIN_PER_ARCH_2CORES = 1.5
+CUDA_BUILD_MIN_PER_ARCH_2CORES = 1.0
 
 REBUILD = "pip install --no-build-isolation -e . (or: make demo)"
 
