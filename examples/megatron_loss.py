@@ -2,10 +2,10 @@
 
 Megatron's pipeline schedule calls ``forward_step`` once per micro-batch; the loss
 function it returns reduces per-token losses to this micro-batch's contribution.
-Megatron (without --calculate-per-token-loss) divides each micro-batch loss by the
-number of micro-batches and averages gradients over data-parallel ranks, so the
-contribution is multiplied by ``gradient_scale("megatron", ...)`` to make the final
-gradient the gradient of the step scalar J.
+Megatron-Core (without --calculate-per-token-loss) multiplies each micro-batch loss by the
+CP size, divides it by the number of micro-batches and averages gradients over DP x CP
+ranks, so the contribution is multiplied by ``gradient_scale("megatron", ...)``
+(micro-batches x DP) to make the final gradient the gradient of the step scalar J.
 
     python examples/megatron_loss.py examples/loss_aggregation.yaml
 """

@@ -102,13 +102,11 @@ def worker(rank, port, loss_type, out_dir):
             self.generated = getattr(self, "generated", []) + [out]
             return out
 
-    tokenizer = base.tokenizer.__wrapped__() if hasattr(base.tokenizer, "__wrapped__") else None
-    if tokenizer is None:  # pytest fixtures are plain functions underneath
-        import tokenizers
+    import tokenizers
 
-        tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=base.VOCAB, unk_token="<unk>"))
-        tk.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-        tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=base.VOCAB, unk_token="<unk>"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
     import datasets
 
     dataset = datasets.Dataset.from_dict({"prompt": [" ".join(base.WORDS[i : i + 3]) for i in range(8)]})
