@@ -272,3 +272,10 @@ def test_evaluation_with_another_group_size(tmp_path, tokenizer, dataset):
     config = LossAggregationConfig(mode="prompt_mean", n_samples_per_prompt=2)
     expected = reference_loss(config, values.reshape(-1), mask.reshape(-1), cu, torch.arange(4) // 2)
     assert torch.allclose(trainer.losses[0].double(), expected, rtol=1e-5, atol=1e-7)
+
+
+def test_a_config_promising_other_groups_is_refused(tmp_path, tokenizer, dataset):
+    """num_generations=4 completions per prompt, but the config promises groups of 3."""
+    settings = {"mode": "prompt_mean", "n_samples_per_prompt": 3}
+    with pytest.raises(ValueError, match=r"n_samples_per_prompt=3 promises .*GRPOConfig.num_generations=4"):
+        run(GRPOTrainer, "grpo", 2, tmp_path, tokenizer, dataset, trainer_kwargs={"loss_aggregation": settings})

@@ -66,7 +66,8 @@ def config_from_args(args: argparse.Namespace) -> LossAggregationConfig:
     A flag left at its default counts as not given (so ``--calculate-per-token-loss``
     alone resolves to token_mean); errors name the flag.
     """
-    data = {f.setting: getattr(args, f.dest) for f in FLAGS if getattr(args, f.dest, None) not in (None, False)}
+    # a flag not given is None (or False for a switch); 0 is a value (0 == False, so `is`)
+    data = {f.setting: v for f in FLAGS if (v := getattr(args, f.dest, None)) is not None and v is not False}
     try:
         return LossAggregationConfig.from_dict(data, source="command line")
     except ConfigError as exc:

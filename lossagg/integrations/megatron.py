@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 from lossagg.step import StepPlan, gradient_scale
+from lossagg.validate import as_int
 
 
 def make_loss_func(
@@ -50,6 +51,11 @@ def make_loss_func(
     rollout-mask tokens (``rollout_mask``, default ``loss_mask``), so that Megatron's sum of
     them over the step is the plan's ``T``.
     """
+    num_micro_batches = as_int("num_micro_batches", num_micro_batches, minimum=1)
+    dp_size = as_int("dp_size", dp_size, minimum=1)
+    cp_size = as_int("cp_size", cp_size, minimum=1)
+    if rollout_mask is not None and tuple(rollout_mask.shape) != tuple(loss_mask.shape):
+        raise ValueError(f"rollout_mask must have the shape of loss_mask {tuple(loss_mask.shape)}, got {tuple(rollout_mask.shape)}")
     if calculate_per_token_loss:
         local_tokens = ((loss_mask if rollout_mask is None else rollout_mask) != 0).sum()  # no host sync
         scale = plan.totals.total_tokens

@@ -58,6 +58,7 @@ from lossagg.config import MIGRATION_DEFAULTS, MIGRATION_NAMES, ConfigError, Los
 from lossagg.modes import MODES
 from lossagg.ops import reduce
 from lossagg.step import StepPlan
+from lossagg.validate import as_int
 
 __all__ = ["GRPOTrainer", "TRL_LOSS_TYPES", "config_for_loss_type"]
 
@@ -90,6 +91,9 @@ def config_for_loss_type(loss_type: str, *, num_generations: int, max_completion
             f"loss_type={loss_type!r} is a different per-token objective than the clipped surrogate lossagg's TRL adapter computes; "
             f"use trl.GRPOTrainer for it, or one of {', '.join((*TRL_LOSS_TYPES, *MODES))}"
         )
+    num_generations = as_int("num_generations", num_generations, minimum=1)
+    if max_completion_length is not None:
+        max_completion_length = as_int("max_completion_length", max_completion_length, minimum=1)
     mode = TRL_LOSS_TYPES.get(loss_type, loss_type)
     if loss_type == "bnpo":
         warnings.warn(
@@ -112,7 +116,8 @@ def config_for_loss_type(loss_type: str, *, num_generations: int, max_completion
             f"got {loss_type!r}: {exc}"
         ) from None
     if MODES[config.mode.value].needs_groups:
-        config = config.model_copy(update={"n_samples_per_prompt": num_generations})
+        # through validation again (model_copy would skip it)
+        config = LossAggregationConfig.from_dict({**config.model_dump(exclude_unset=True, mode="json"), "n_samples_per_prompt": num_generations})
     return config
 
 
@@ -131,8 +136,16 @@ class GRPOTrainer(_TRLGRPOTrainer):
             config = LossAggregationConfig.from_dict(loss_aggregation) if isinstance(loss_aggregation, Mapping) else loss_aggregation
             if not isinstance(config, LossAggregationConfig):
                 raise TypeError(f"loss_aggregation must be a LossAggregationConfig or a mapping of its settings, got {type(config).__name__}")
-            if MODES[config.mode.value].needs_groups and config.n_samples_per_prompt is None:
-                config = config.model_copy(update={"n_samples_per_prompt": self.num_generations})
+            if MODES[config.mode.value].needs_groups:
+                if config.n_samples_per_prompt is None:
+                    config = LossAggregationConfig.from_dict(
+                        {**config.model_dump(exclude_unset=True, mode="json"), "n_samples_per_prompt": self.num_generations}
+                    )
+                elif config.n_samples_per_prompt != self.num_generations:
+                    raise ValueError(
+                        f"loss_aggregation.n_samples_per_prompt={config.n_samples_per_prompt} promises prompt groups of that size, but "
+                        f"GRPOConfig.num_generations={self.num_generations}: TRL's advantage groups are num_generations completions"
+                    )
         else:
             config = config_for_loss_type(targs.loss_type, num_generations=self.num_generations, max_completion_length=targs.max_completion_length)
         refused = []

@@ -31,6 +31,7 @@ from lossagg.layout import token_counts
 from lossagg.modes import MODES
 from lossagg.ops import reduce
 from lossagg.step import StepPlan
+from lossagg.validate import as_int, as_number, as_tensor
 
 VERL_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
 
@@ -51,18 +52,30 @@ def _verl_denoms(loss_mask, mode, dp_size, batch_num_tokens, global_batch_size, 
         if batch_num_tokens is None:
             if dp_size > 1:
                 raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
-            batch_num_tokens = loss_mask.sum()
-        total = torch.as_tensor(batch_num_tokens, dtype=torch.float64, device=device)
-        return ones * total.clamp(min=1.0) / dp_size  # 0 valid tokens: loss 0, not 0/0
+            total = float(loss_mask.ne(0).sum())
+        else:
+            # the step's tokens: at least this micro-batch's own (0 only when it has none)
+            total = as_number("batch_num_tokens", batch_num_tokens, positive=False)
+            local = float(loss_mask.ne(0).sum())
+            if total < local:
+                raise ValueError(f"batch_num_tokens (the step's valid tokens) must be >= this micro-batch's {local:g}, got {batch_num_tokens!r}")
+        return ones * max(total, 1.0) / dp_size  # 0 valid tokens: loss 0, not 0/0
     if global_batch_size is None:
         if dp_size > 1:
             raise ValueError("global_batch_size is required when dp_size > 1")
-        global_batch_size = _sequence_count(loss_mask)
-    batch = torch.as_tensor(global_batch_size, dtype=torch.float64, device=device).clamp(min=1.0)
+        batch = float(_sequence_count(loss_mask))
+    else:
+        batch = float(as_int("global_batch_size", global_batch_size, minimum=0))
+        local = float(_sequence_count(loss_mask))
+        if batch < local:
+            raise ValueError(
+                f"global_batch_size (the step's sequences) must be >= this micro-batch's {local:g} non-empty sequences, got {global_batch_size!r}"
+            )
+    batch = max(batch, 1.0)
     if mode == "seq-mean-token-sum":
         return ones * batch / dp_size
     if mode == "seq-mean-token-sum-norm":
-        scale = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
+        scale = loss_mask.shape[-1] if loss_scale_factor is None else as_number("loss_scale_factor", loss_scale_factor)
         return ones * batch * float(scale) / dp_size
     # seq-mean-token-mean: each sequence's token mean, verl's "+ 1e-8" included
     per_sequence = loss_mask.to(torch.float64).sum(-1) + 1e-8
@@ -86,14 +99,18 @@ def agg_loss(
     verl's modes (:data:`VERL_MODES`) or one of lossagg's (``group_index`` for
     ``prompt_mean``).
     """
+    as_tensor("loss_mat", loss_mat)
+    as_tensor("loss_mask", loss_mask)
     if loss_mat.dim() != 2 or tuple(loss_mask.shape) != tuple(loss_mat.shape):
         raise ValueError(f"loss_mat and loss_mask must both be (bs, response_length), got {tuple(loss_mat.shape)} and {tuple(loss_mask.shape)}")
-    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-        raise ValueError(f"dp_size must be an integer >= 1, got {dp_size!r}")
+    if loss_mask.device != loss_mat.device:
+        raise ValueError(f"loss_mask must be on the device of loss_mat ({loss_mat.device}), got {loss_mask.device}")
+    dp_size = as_int("dp_size", dp_size, minimum=1)
     if loss_agg_mode in VERL_MODES:
         d = _verl_denoms(loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
     elif loss_agg_mode in MODES:
-        settings = {"divisor": float(loss_scale_factor or loss_mask.shape[-1])} if MODES[loss_agg_mode].needs_divisor else {}
+        divisor = loss_mask.shape[-1] if loss_scale_factor is None else as_number("loss_scale_factor", loss_scale_factor)
+        settings = {"divisor": float(divisor)} if MODES[loss_agg_mode].needs_divisor else {}
         config = LossAggregationConfig(mode=loss_agg_mode, **settings)
         d = StepPlan(config, token_counts(loss_mask), group_index=group_index).sample_denoms / dp_size
     else:
