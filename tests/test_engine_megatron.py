@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from worlds import report, run_world
 
 import lossagg
 
@@ -278,21 +277,13 @@ def worker(rank, world, dp, cp, init_file, results_dir):
         import traceback
 
         failures.append(f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    with open(os.path.join(results_dir, f"rank{rank}.txt"), "w") as f:
-        f.write(f"ran {ran}\n" + "\n".join(failures))
+    report(results_dir, rank, ran, failures)
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("dp,cp", [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_megatron_core_schedule_gives_the_gradient_of_j(dp, cp, tmp_path):
     world = dp * cp
-    init_file = tempfile.mktemp(dir=tmp_path)
-    mp.spawn(worker, args=(world, dp, cp, init_file, str(tmp_path)), nprocs=world, join=True)
-    failures, runs = [], 0
-    for rank in range(world):
-        head, _, rest = (tmp_path / f"rank{rank}.txt").read_text().partition("\n")
-        runs += int(head.split()[1])
-        if rest.strip():
-            failures.append(rest)
+    failures, runs = run_world(worker, world, (dp, cp), tmp_path)
     assert not failures, "\n".join(failures)[:6000]
     assert runs == world * len(lossagg.MODES) * 2 * 2

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from worlds import report, run_world
 
 import lossagg
 
@@ -43,20 +42,13 @@ def worker(rank, world, engine, init_file, results_dir):
         import traceback
 
         failures.append(f"{engine} rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    with open(os.path.join(results_dir, f"rank{rank}.txt"), "w") as f:
-        f.write(f"ran {ran}\n" + "\n".join(failures))
+    report(results_dir, rank, ran, failures)
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
 def test_engine_leaves_the_gradient_of_j(engine, tmp_path):
     world = DP * CP
-    mp.spawn(worker, args=(world, engine, tempfile.mktemp(dir=tmp_path), str(tmp_path)), nprocs=world, join=True)
-    failures, runs = [], 0
-    for rank in range(world):
-        head, _, rest = (tmp_path / f"rank{rank}.txt").read_text().partition("\n")
-        runs += int(head.split()[1])
-        if rest.strip():
-            failures.append(rest)
+    failures, runs = run_world(worker, world, (engine,), tmp_path)
     assert not failures, "\n".join(failures)[:6000]
     assert runs == world * len(lossagg.MODES)

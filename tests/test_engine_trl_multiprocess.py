@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
-import warnings
 
 import pytest
 import torch
@@ -29,7 +28,7 @@ trl = pytest.importorskip("trl", reason="TRL is not importable (scripts/install_
 pytest.importorskip("datasets", reason="datasets (TRL's dependency) is not importable")
 pytest.importorskip("tokenizers", reason="tokenizers (transformers' dependency) is not importable")
 
-WORLD, ACCUMULATION, NUM_GENERATIONS, PROMPTS = 2, 2, 4, 2
+WORLD, ACCUMULATION = 2, 2
 # the multi-process engine tests share one xdist worker (scripts/test.sh runs pytest -n 2)
 pytestmark = pytest.mark.xdist_group("engines")
 
@@ -86,7 +85,7 @@ def worker(rank, port, loss_type, out_dir):
             rows[rank * n : (rank + 1) * n, : mask.shape[1]] = loss
             values = values + rows
             cu = torch.arange(0, full_mask.numel() + 1, width)
-            groups = torch.arange(full_mask.shape[0]) // NUM_GENERATIONS
+            groups = torch.arange(full_mask.shape[0]) // base.NUM_GENERATIONS
             j_part = reference_loss(trainer.loss_aggregation, values.reshape(-1), full_mask.reshape(-1), cu, groups)
             expected = list(torch.autograd.grad(j_part, params, allow_unused=True))
             expected = [torch.zeros_like(p) if e is None else e for p, e in zip(params, expected, strict=True)]
@@ -96,44 +95,30 @@ def worker(rank, port, loss_type, out_dir):
             err = max(float((h - e).abs().max()) for h, e in zip(held, expected, strict=True)) / max(scale, 1e-300)
             result.append((err, scale, dist.get_world_size(), trainer.accelerator.num_processes))
 
+    check = Check()
+
     class Recorder(GRPOTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            check.trainer = self
+
         def _generate_and_score_completions(self, inputs):
             out = super()._generate_and_score_completions(inputs)
             self.generated = getattr(self, "generated", []) + [out]
             return out
 
-    import tokenizers
+    from pathlib import Path
 
-    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=base.VOCAB, unk_token="<unk>"))
-    tk.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    import datasets
-
-    dataset = datasets.Dataset.from_dict({"prompt": [" ".join(base.WORDS[i : i + 3]) for i in range(8)]})
-    args = trl.GRPOConfig(
-        output_dir=os.path.join(out_dir, f"run-{rank}"),
-        per_device_train_batch_size=PROMPTS * NUM_GENERATIONS // (WORLD * ACCUMULATION),
-        gradient_accumulation_steps=ACCUMULATION,
-        num_generations=NUM_GENERATIONS,
-        max_completion_length=base.MAX_COMPLETION,
-        max_steps=1,
-        learning_rate=1e-2,
-        report_to="none",
-        use_cpu=True,
-        logging_steps=1,
-        save_strategy="no",
-        loss_type=loss_type,
-        seed=0,
-        max_grad_norm=0.0,
+    base.run(
+        Recorder,
+        loss_type,
+        ACCUMULATION,
+        Path(out_dir) / f"rank{rank}-run",
+        base.make_tokenizer(),
+        base.make_dataset(),
+        processes=WORLD,
+        callbacks=[check],
     )
-    check = Check()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = Recorder(
-            model=base.tiny_model(), reward_funcs=base.reward, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[check]
-        )
-        check.trainer = trainer
-        trainer.train()
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
         f.write(repr(result))
     dist.barrier()

@@ -45,16 +45,24 @@ NUM_GENERATIONS = 4
 MAX_COMPLETION = 8
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
+def make_tokenizer():
     tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=VOCAB, unk_token="<unk>"))
     tk.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
+def make_dataset():
+    return datasets.Dataset.from_dict({"prompt": [" ".join(WORDS[i : i + 3]) for i in range(8)]})
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
 @pytest.fixture(scope="module")
 def dataset():
-    return datasets.Dataset.from_dict({"prompt": [" ".join(WORDS[i : i + 3]) for i in range(8)]})
+    return make_dataset()
 
 
 def tiny_model():
@@ -90,10 +98,12 @@ class Capture(transformers.TrainerCallback):
             self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def run(trainer_cls, loss_type, accumulation_steps, tmp_path, tokenizer, dataset, *, max_steps=1, trainer_kwargs=None, **config):
+def run(
+    trainer_cls, loss_type, accumulation_steps, tmp_path, tokenizer, dataset, *, max_steps=1, trainer_kwargs=None, processes=1, callbacks=(), **config
+):
     args = trl.GRPOConfig(
         output_dir=str(tmp_path / f"{trainer_cls.__name__}-{loss_type}-{accumulation_steps}"),
-        per_device_train_batch_size=GENERATION_BATCH // accumulation_steps,
+        per_device_train_batch_size=GENERATION_BATCH // (processes * accumulation_steps),
         gradient_accumulation_steps=accumulation_steps,
         num_generations=NUM_GENERATIONS,
         max_completion_length=MAX_COMPLETION,
@@ -117,7 +127,7 @@ def run(trainer_cls, loss_type, accumulation_steps, tmp_path, tokenizer, dataset
             args=args,
             train_dataset=dataset,
             processing_class=tokenizer,
-            callbacks=[capture],
+            callbacks=[capture, *callbacks],
             **(trainer_kwargs or {}),
         )
         trainer.train()
