@@ -94,6 +94,17 @@ def cmake_args(torch, cuda: bool) -> list[str]:
     args = [f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}", f"-DLOSSAGG_CUDA={'ON' if cuda else 'OFF'}"]
     if shutil.which("ninja"):
         args += ["-G", "Ninja"]
+    if not cuda:
+        # torch's headers and libraries from Python: no CMake Torch package, so no CUDA
+        # toolkit needed for a CPU-only build even with a CUDA build of torch
+        root = os.path.dirname(torch.__file__)
+        includes = [os.path.join(root, "include"), os.path.join(root, "include", "torch", "csrc", "api", "include")]
+        args += [
+            f"-DLOSSAGG_TORCH_INCLUDE_DIRS={';'.join(includes)}",
+            f"-DLOSSAGG_TORCH_LIBRARY_DIR={os.path.join(root, 'lib')}",
+            f"-DLOSSAGG_TORCH_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+        ]
+        return args
     if torch.version.cuda:
         # a CUDA build of torch: its CMake package needs the toolkit and nvrtc, even for
         # the CPU kernels
