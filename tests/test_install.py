@@ -102,3 +102,24 @@ def test_build_under_isolation_stops_at_once(torch_stub, expected):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode != 0 and expected in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_cpu_only_configure_needs_no_cuda_toolkit(tmp_path):
+    """A CUDA build of torch on a machine without a CUDA toolkit: the CPU-only build's CMake
+    step (what setup.py runs) still configures, since it does not use torch's CMake package."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import build_plan
+
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        pytest.skip("cmake is not installed")
+    args = build_plan.cmake_args(torch, False)
+    env = dict(os.environ, PATH=os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if not os.path.exists(os.path.join(p, "nvcc"))))
+    env.pop("CUDA_HOME", None)
+    done = subprocess.run(
+        [cmake, "-S", ROOT, "-B", str(tmp_path / "b"), *args, "-DCUDAToolkit_ROOT=/nonexistent", "-DCUDA_TOOLKIT_ROOT_DIR=/nonexistent"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
