@@ -53,7 +53,7 @@ class CMakeBuild(build_ext):
         subprocess.check_call(configure, stdout=subprocess.DEVNULL if os.environ.get("LOSSAGG_QUIET_CMAKE") else None)
         jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 2)
         subprocess.check_call(["cmake", "--build", build_dir, "--target", "lossagg_ops", "-j", jobs])
-        # the very file the C++ tests link (scripts/test.sh checks they are the same bytes)
+        # the very file the C++ tests link (scripts/ctest.sh checks they are the same bytes)
         shutil.copy2(os.path.join(build_dir, "liblossagg_ops.so"), self.get_ext_fullpath(ext.name))
         archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "") if cuda else ""
         # an editable install copies the library into the source tree: the record goes there too
