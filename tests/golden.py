@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 
@@ -80,7 +81,10 @@ def _mask(rng: np.random.Generator, name: str, n: int) -> torch.Tensor:
 
 
 def _values(rng: np.random.Generator, shape, dtype: torch.dtype, keep: np.ndarray) -> torch.Tensor:
-    x = rng.standard_normal(shape) * np.exp(rng.uniform(-3, 3, size=shape))
+    # math.exp (the C library's, as NumPy computes exp where it has no AVX-512 kernel), not
+    # np.exp: NumPy's AVX-512 exp rounds some float64 results differently, which would change
+    # the inputs from one CPU to the next.
+    x = rng.standard_normal(shape) * np.fromiter(map(math.exp, rng.uniform(-3, 3, size=shape).ravel()), dtype=np.float64).reshape(shape)
     flat = x.reshape(-1, keep.size)
     flat[:, rng.random(keep.size) < 0.03] = -0.0
     special = (~keep) & (rng.random(keep.size) < 0.1)
