@@ -30,7 +30,7 @@ def main(out: str = os.path.join(os.path.dirname(__file__), "length_bias.png")) 
     n = 8
     lengths = torch.logspace(4, 11, 64, base=2).round()
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    for mode in lossagg.MODE_NAMES:
+    for mode in lossagg.MODES:
         w = token_weights(mode, lengths, n)
         ax.plot(lengths, w / w.mean(), marker=".", label=mode)
     ax.set(

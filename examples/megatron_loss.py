@@ -62,7 +62,7 @@ def main(config_path: str | None = None) -> None:
         (loss / micro_batches).backward()  # what Megatron's schedule does
         reports.append(report)
     j = sum(r["pg_loss"] for r in reports)
-    print(f"mode={cfg.mode.value}: J = {j.item():.6f}, |grad| = {policy.weight.grad.norm():.6f}")
+    print(f"mode={cfg.mode}: J = {j.item():.6f}, |grad| = {policy.weight.grad.norm():.6f}")
     print({k: round(float(sum(r[k] for r in reports)), 6) for k in ("ratio", "neg_logp")})
 
     # the same gradient from the unsplit step

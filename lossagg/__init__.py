@@ -23,15 +23,21 @@ else:
 # public name -> module that defines it
 _EXPORTS = {
     # configuration (no torch)
-    "AggregationMode": "lossagg.config",
     "ConfigError": "lossagg.config",
     "LossAggregationConfig": "lossagg.config",
     "add_loss_aggregation_args": "lossagg.config",
     "config_from_args": "lossagg.config",
     "MODES": "lossagg.modes",
-    "MODE_NAMES": "lossagg.modes",
+    "ALIASES": "lossagg.modes",
+    "REFUSED_NAMES": "lossagg.modes",
     "ModeSpec": "lossagg.modes",
-    "StepTotals": "lossagg.modes",
+    "DenomInputs": "lossagg.modes",
+    "ReferenceInputs": "lossagg.modes",
+    "register_mode": "lossagg.modes",
+    "unregister_mode": "lossagg.modes",
+    "TOTALS": "lossagg.totals",
+    "StepTotal": "lossagg.totals",
+    "StepTotals": "lossagg.totals",
     # native ops and build facts
     "reduce": "lossagg.ops",
     "segment_sum": "lossagg.ops",
@@ -50,9 +56,6 @@ _EXPORTS = {
     "zigzag_local_cu_seqlens": "lossagg.context_parallel",
     "zigzag_positions": "lossagg.context_parallel",
     "zigzag_shard": "lossagg.context_parallel",
-    # deprecated whole-step helpers (use StepPlan)
-    "sample_denoms": "lossagg.step",
-    "step_denoms": "lossagg.step",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -74,10 +77,11 @@ def __dir__():
 if TYPE_CHECKING:  # for type checkers and IDEs
     from lossagg._native import built_with_cuda, device_checks_enabled, set_device_checks  # noqa: F401
     from lossagg.aggregate import aggregate  # noqa: F401
-    from lossagg.config import AggregationMode, ConfigError, LossAggregationConfig, add_loss_aggregation_args, config_from_args  # noqa: F401
+    from lossagg.config import ConfigError, LossAggregationConfig, add_loss_aggregation_args, config_from_args  # noqa: F401
     from lossagg.context_parallel import zigzag_local_cu_seqlens, zigzag_positions, zigzag_shard  # noqa: F401
     from lossagg.denominators import prompt_mask_sums  # noqa: F401
     from lossagg.layout import cu_seqlens_from_lengths, token_counts  # noqa: F401
-    from lossagg.modes import MODE_NAMES, MODES, ModeSpec, StepTotals  # noqa: F401
+    from lossagg.modes import ALIASES, MODES, REFUSED_NAMES, DenomInputs, ModeSpec, ReferenceInputs, register_mode, unregister_mode  # noqa: F401
     from lossagg.ops import reduce, segment_sum  # noqa: F401
-    from lossagg.step import StepPlan, gradient_scale, sample_denoms, step_denoms  # noqa: F401
+    from lossagg.step import StepPlan, gradient_scale  # noqa: F401
+    from lossagg.totals import TOTALS, StepTotal, StepTotals  # noqa: F401

@@ -1,10 +1,10 @@
 """Per-sample global denominators ``d[i]`` (``sample_denoms``) of SPEC §3.
 
-``d[i]`` is made of step totals (``N``, ``P``, ``T``, ``Sg``) and the sample's own token
-count; which ones, for each mode, is the mode's entry in :mod:`lossagg.modes`.
-:class:`lossagg.StepPlan` is the one planner that gathers those totals (locally, or with
-one all-reduce over the DP group) and calls :func:`denoms_from_totals`; the helpers
-here validate its inputs and compute group sums. Everything is vectorised and float64.
+``d[i]`` is made of step totals and the sample's own token count; which totals, for each
+mode, is the mode's entry in :mod:`lossagg.modes`. :func:`plan_totals` gathers them (from
+the rank's own samples, combined over the DP group) or takes them from a trainer
+(:func:`lossagg.totals.given_totals`); :func:`denoms_from_totals` turns them into ``d[i]``.
+:class:`lossagg.StepPlan` calls these. Everything is vectorised and float64.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from lossagg.modes import DenomInputs, StepTotals, mode_spec
+from lossagg.modes import METRIC_MODE, DenomInputs, ModeSpec, mode_spec
+from lossagg.totals import RankShare, StepTotals, check_group_label_count, gather_totals
 
 
 def _as_tensor(name: str, value, what: str, device=None) -> torch.Tensor:
@@ -25,25 +26,27 @@ def _as_tensor(name: str, value, what: str, device=None) -> torch.Tensor:
         raise TypeError(f"{name} must be {what}, got {type(value).__name__}") from None
 
 
-def check_token_counts(token_counts) -> torch.Tensor:
-    """``M[i]`` as a float64 ``[N]`` tensor; real, finite and >= 0."""
-    counts = _as_tensor("token_counts", token_counts, "a 1-D tensor of per-sample token counts")
+def check_token_counts(token_counts, name: str = "token_counts") -> torch.Tensor:
+    """Per-sample token counts as a float64 ``[N]`` tensor; real, finite and >= 0 (``name`` is the user's argument)."""
+    counts = _as_tensor(name, token_counts, "a 1-D tensor of per-sample token counts")
     if counts.is_complex() or counts.dtype == torch.bool:
-        raise TypeError(f"token_counts must hold real numbers (token counts), got dtype {counts.dtype}")
+        raise TypeError(f"{name} must hold real numbers (token counts), got dtype {counts.dtype}")
     if counts.dim() != 1:
-        raise ValueError(f"token_counts must be a 1-D [N] tensor of per-sample token counts, got shape {tuple(counts.shape)}")
+        raise ValueError(f"{name} must be a 1-D [N] tensor of per-sample token counts, got shape {tuple(counts.shape)}")
+    if counts.device.type == "meta":
+        raise ValueError(f"{name} must hold data (a CPU or CUDA tensor), got a meta tensor")
     if counts.is_floating_point() and not torch.isfinite(counts).all():
-        raise ValueError("token_counts must be finite")
+        raise ValueError(f"{name} must be finite")
     if counts.numel() and counts.min() < 0:
-        raise ValueError("token_counts must be >= 0")
+        raise ValueError(f"{name} must be >= 0, got a minimum of {counts.min().item()!r}")
     return counts.to(torch.float64)
 
 
-def check_group_index(group_index, num_samples: int, device=None) -> torch.Tensor:
-    """``group_index`` validated: present (required under prompt_mean), one integer per sample."""
+def check_group_index(group_index, num_samples: int, device=None, mode: str = "prompt_mean") -> torch.Tensor:
+    """``group_index`` validated: present (required by modes with prompt groups), one integer per sample."""
     if group_index is None:
         raise ValueError(
-            "group_index is required under mode=prompt_mean: every sample needs the index of its prompt group "
+            f"group_index is required under mode={mode}: every sample needs the index of its prompt group "
             "(samples without one are never grouped silently)"
         )
     group_index = _as_tensor(
@@ -70,38 +73,60 @@ def check_group_sizes(labels: torch.Tensor, sizes: torch.Tensor, n_samples_per_p
         )
 
 
-def group_totals(token_counts: torch.Tensor, dense_group: torch.Tensor, num_labels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(samples, rollout tokens) of each group label ``0..num_labels-1`` (float64 ``[num_labels]`` each)."""
-    sizes = torch.zeros(num_labels, dtype=torch.float64, device=token_counts.device)
-    sizes.index_add_(0, dense_group, torch.ones_like(token_counts))
-    sums = torch.zeros(num_labels, dtype=torch.float64, device=token_counts.device).index_add_(0, dense_group, token_counts)
-    return sizes, sums
+def check_divisor(spec: ModeSpec, divisor) -> None:
+    if spec.needs_divisor and (divisor is None or not (math.isfinite(float(divisor)) and float(divisor) > 0)):
+        raise ValueError(f"divisor must be a finite number > 0 under mode={spec.name}, got {divisor!r}")
 
 
-def check_divisor(mode, divisor) -> None:
-    if mode_spec(mode).needs_divisor and (divisor is None or not (math.isfinite(float(divisor)) and float(divisor) > 0)):
-        raise ValueError(f"divisor must be a finite number > 0 under mode={getattr(mode, 'value', mode)}, got {divisor!r}")
+def needed_totals(spec: ModeSpec) -> tuple[str, ...]:
+    """The totals a plan of ``spec`` holds: the mode's own and the metric reducer's."""
+    return tuple(dict.fromkeys((*spec.totals, *mode_spec(METRIC_MODE).totals)))
 
 
-def denoms_from_totals(
-    mode,
-    token_counts: torch.Tensor,
-    totals: StepTotals,
-    *,
-    group_token_sums: torch.Tensor | None = None,
-    divisor: float | None = None,
-) -> torch.Tensor:
-    """``d[i]`` (float64) for local samples with counts ``M[i]``, given the step totals.
+def rank_share(
+    spec: ModeSpec, token_counts: torch.Tensor, group_index, *, n_samples_per_prompt=None, process_group=None, num_group_labels=None
+) -> RankShare:
+    """This rank's own data for the totals of ``spec``: its counts and, with prompt groups, its
+    samples' group labels (the distinct labels it holds; with a process group, labels
+    ``0..num_group_labels-1`` shared by every rank)."""
+    if not spec.needs_groups:
+        return RankShare(token_counts, n_samples_per_prompt=n_samples_per_prompt)
+    group_index = check_group_index(group_index, token_counts.shape[0], token_counts.device, spec.name)
+    if process_group is None:
+        labels, dense = torch.unique(group_index, return_inverse=True)
+        return RankShare(token_counts, labels, dense, n_samples_per_prompt)
+    g = num_group_labels
+    check_group_label_count(g)
+    if group_index.numel() and (group_index.min() < 0 or group_index.max() >= g):
+        raise ValueError(
+            f"group_index must lie in [0, {g}) (global prompt index within the step), "
+            f"got values in [{int(group_index.min())}, {int(group_index.max())}]"
+        )
+    return RankShare(token_counts, torch.arange(g, device=token_counts.device), group_index.long(), n_samples_per_prompt)
 
-    ``group_token_sums`` is ``Sg[g(i)]`` for each local sample (modes with prompt groups).
-    """
-    spec = mode_spec(mode)
-    check_divisor(mode, divisor)
-    if spec.needs_groups and group_token_sums is None:
-        raise ValueError(f"mode={spec.name} needs group_token_sums (Sg[g(i)] of each sample)")
-    counts = token_counts.to(torch.float64)
-    sums = None if group_token_sums is None else group_token_sums.to(torch.float64)
-    return spec.denoms(DenomInputs(counts, totals, sums, None if divisor is None else float(divisor)))
+
+#: Totals every gathered plan holds besides its mode's: ``N`` (the metrics reducer) and ``T``
+#: (Megatron's per-token-loss scale); both travel in the one sum all-reduce.
+BASE_TOTALS = ("num_samples", "total_tokens")
+
+
+def plan_totals(spec: ModeSpec, share: RankShare, process_group=None) -> StepTotals:
+    """The totals a plan of ``spec`` holds, gathered from the rank's share over ``process_group``."""
+    return gather_totals((*needed_totals(spec), *BASE_TOTALS), share, process_group, spec.name)
+
+
+def denoms_from_totals(spec: ModeSpec, token_counts: torch.Tensor, totals: StepTotals, divisor: float | None = None) -> torch.Tensor:
+    """``d[i]`` (float64) of local samples with counts ``M[i]``, given the step totals of ``spec``."""
+    check_divisor(spec, divisor)
+    missing = [name for name in spec.totals if name not in totals]
+    if missing:
+        raise ValueError(f"mode={spec.name} needs the step total(s) {', '.join(missing)}")
+    view = StepTotals({name: totals[name] for name in spec.totals}, spec.name)  # only what the mode declared
+    d = spec.denoms(DenomInputs(token_counts.to(torch.float64), view, None if divisor is None else float(divisor)))
+    if not isinstance(d, torch.Tensor) or tuple(d.shape) != tuple(token_counts.shape):
+        got = tuple(d.shape) if isinstance(d, torch.Tensor) else type(d).__name__
+        raise ValueError(f"mode={spec.name}: its denoms must return one d[i] per local sample (shape {tuple(token_counts.shape)}), got {got}")
+    return d.to(torch.float64)
 
 
 def prompt_mask_sums(token_counts, group_index, n_samples_per_prompt: int | None = None) -> torch.Tensor:
@@ -110,4 +135,5 @@ def prompt_mask_sums(token_counts, group_index, n_samples_per_prompt: int | None
     group_index = check_group_index(group_index, counts.shape[0], counts.device)
     labels, dense, sizes = torch.unique(group_index, return_inverse=True, return_counts=True)
     check_group_sizes(labels, sizes, n_samples_per_prompt)
-    return group_totals(counts, dense, labels.numel())[1][dense]
+    sums = torch.zeros(labels.numel(), dtype=torch.float64, device=counts.device).index_add_(0, dense, counts)
+    return sums[dense]

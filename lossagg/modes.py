@@ -1,43 +1,48 @@
-"""The aggregation modes, one entry each (SPEC §3).
+"""The aggregation modes: a registry, one entry per mode (SPEC §3).
 
-Every mode is ``J = sum_i (sum_t m*l) / d[i]``; an entry says what its per-sample
-denominator ``d[i]`` is made of (from the step totals), which totals it needs, its
-one-line description, and its reference formula for ``J`` written directly from the
-definition (float64, a sum over samples, for tests and users' own CI). Everything
-else iterates :data:`MODES`: the config enum, the denominators, the reference in
-:mod:`lossagg.testing`, the demo, the figures and the tests. A new mode is one entry
-here plus its docs.
+Every mode is ``J = sum_i (sum_t m*l) / d[i]``; an entry (:class:`ModeSpec`) says what its
+per-sample denominator ``d[i]`` is made of: the step totals it needs (names from the
+declared table :data:`lossagg.totals.TOTALS`), whether it takes the constant divisor, its
+one-line description and its reference formula for ``J`` written directly from the
+definition (float64, a sum over samples, for tests and users' own CI). Everything else
+reads the registry at the time of use: the config (validation, JSON Schema, ``lossagg
+check``, argparse), :class:`lossagg.StepPlan`, the reference in :mod:`lossagg.testing`,
+the invariance harness, the demo and the trainer adapters. A new mode is one
+:func:`register_mode` call (built-in ones: one entry in ``_ENTRIES``) plus its docs row.
+
+Other trainers' names for our maths (:data:`ALIASES`) and names whose maths is not ours
+(:data:`REFUSED_NAMES`) live here too. A mode name is looked up before the aliases, and a
+mode cannot be registered under a name an alias (or a refused name) already uses.
 
 Notation: ``N`` samples in the step, ``P`` prompt groups present, ``T`` rollout tokens,
-``M[i]`` sample i's rollout token count, ``Sg[g]`` the rollout tokens of group g,
-``L`` the constant divisor, ``c(x) = max(x, 1)``.
+``L_max`` the longest sample's rollout tokens, ``M[i]`` sample i's rollout token count,
+``Sg[g]`` the rollout tokens of group g, ``L`` the constant divisor, ``c(x) = max(x, 1)``.
+Importing this module does not import torch.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-
-@dataclass(frozen=True)
-class StepTotals:
-    """Step-global numbers: ``N`` samples, ``P`` prompt groups present, ``T`` rollout tokens."""
-
-    num_samples: int
-    num_groups: int
-    total_tokens: float
+from lossagg.totals import TOTALS, StepTotals, needs_groups
 
 
 @dataclass(frozen=True)
 class DenomInputs:
-    """What ``d[i]`` is made of, for this rank's samples (tensors are float64 ``[n_local]``)."""
+    """What ``d[i]`` is made of, for this rank's samples (tensors are float64 ``[n_local]``).
+
+    ``totals`` holds exactly the step totals the mode declares (attributes of
+    :class:`lossagg.totals.StepTotals`: ``num_samples``, ``total_tokens``, ``max_tokens``,
+    ``num_groups``, ``group_token_sums`` (``Sg[g(i)]`` of each local sample)).
+    """
 
     token_counts: Any  # M[i]
     totals: StepTotals
-    group_token_sums: Any = None  # Sg[g(i)], prompt_mean only
-    divisor: float | None = None  # L, constant only
+    divisor: float | None = None  # L, for a mode with needs_divisor
 
 
 @dataclass(frozen=True)
@@ -63,15 +68,33 @@ def _c(x: float) -> float:
 class ModeSpec:
     """One aggregation mode."""
 
-    name: str
+    name: str  # lower case, [a-z][a-z0-9_]*
     summary: str  # one line: what it is
     formula: str  # J, as SPEC §3 writes it
     denom_formula: str  # d[i]
-    needs_groups: bool  # needs group_index and the group totals P, Sg
-    needs_divisor: bool  # needs the constant divisor L
+    totals: tuple[str, ...]  # the step totals d[i] is made of (names in lossagg.totals.TOTALS)
     denoms: Callable[[DenomInputs], Any]  # d[i] for this rank's samples, float64
     reference: Callable[[ReferenceInputs], Any]  # J of a whole step, from the definition
+    needs_divisor: bool = False  # takes the constant divisor L (config.divisor)
     example_settings: Mapping[str, Any] = field(default_factory=dict)  # extra config settings it needs
+
+    @property
+    def needs_groups(self) -> bool:
+        """Whether the mode needs each sample's prompt group (``group_index``)."""
+        return needs_groups(self.totals)
+
+
+@dataclass(frozen=True)
+class Alias:
+    """Another trainer's name for one of our modes."""
+
+    mode: str  # the mode it stands for
+    origin: str  # where the name comes from, and what it implies
+    implies: Mapping[str, Any] = field(default_factory=dict)  # settings it implies when the user gives none
+    with_divisor: str | None = None  # the mode it stands for when a divisor is given
+
+    def resolve(self, settings: Mapping[str, Any]) -> str:
+        return self.with_divisor if self.with_divisor is not None and settings.get("divisor") is not None else self.mode
 
 
 # ------------------------------------------------------------------- the modes
@@ -102,8 +125,7 @@ _ENTRIES = (
         summary="GRPO: every sample weighs the same",
         formula="(1/N) Σ_i Σ_t m·l / c(M[i])",
         denom_formula="N · c(M[i])",
-        needs_groups=False,
-        needs_divisor=False,
+        totals=("num_samples",),
         denoms=lambda x: float(x.totals.num_samples) * x.token_counts.clamp(min=1.0),
         reference=_sample_mean_reference,
     ),
@@ -112,9 +134,8 @@ _ENTRIES = (
         summary="token mean inside each prompt group, then a plain mean over groups (DAPO at group level)",
         formula="(1/P) Σ_g Σ_{i∈g} Σ_t m·l / c(Sg[g])",
         denom_formula="P · c(Sg[g(i)])",
-        needs_groups=True,
-        needs_divisor=False,
-        denoms=lambda x: float(x.totals.num_groups) * x.group_token_sums.clamp(min=1.0),
+        totals=("num_groups", "group_token_sums"),
+        denoms=lambda x: float(x.totals.num_groups) * x.totals.group_token_sums.clamp(min=1.0),
         reference=_prompt_mean_reference,
     ),
     ModeSpec(
@@ -122,8 +143,7 @@ _ENTRIES = (
         summary="every token of the step weighs the same (DAPO)",
         formula="Σ_i Σ_t m·l / c(T)",
         denom_formula="c(T)",
-        needs_groups=False,
-        needs_divisor=False,
+        totals=("total_tokens",),
         denoms=lambda x: x.token_counts.new_full(x.token_counts.shape, _c(x.totals.total_tokens)),
         reference=_token_mean_reference,
     ),
@@ -132,7 +152,7 @@ _ENTRIES = (
         summary="Dr.GRPO: a fixed divisor, no length normalisation",
         formula="Σ_i Σ_t m·l / (N·L)",
         denom_formula="N · L",
-        needs_groups=False,
+        totals=("num_samples",),
         needs_divisor=True,
         denoms=lambda x: x.token_counts.new_full(x.token_counts.shape, float(x.totals.num_samples) * float(x.divisor)),
         reference=_constant_reference,
@@ -140,18 +160,151 @@ _ENTRIES = (
     ),
 )
 
-#: Every mode, in the order the docs list them; the first is the default.
-MODES: Mapping[str, ModeSpec] = MappingProxyType({m.name: m for m in _ENTRIES})
-MODE_NAMES: tuple[str, ...] = tuple(MODES)
-DEFAULT_MODE = MODE_NAMES[0]
+# Other trainers' names for the same maths.
+_ALIASES = {
+    "seq-mean-token-mean": Alias("sample_mean", "verl loss_agg_mode"),
+    "token-mean": Alias("token_mean", "verl loss_agg_mode"),
+    "seq-mean-token-sum-norm": Alias("constant", "verl loss_agg_mode (Dr.GRPO; divisor = its loss_scale_factor)"),
+    "grpo": Alias("sample_mean", "TRL GRPOConfig.loss_type"),
+    "dapo": Alias("token_mean", "TRL GRPOConfig.loss_type (tokens of the whole accumulated batch)"),
+    "dr_grpo": Alias("constant", "TRL GRPOConfig.loss_type (divisor = max_completion_length)"),
+    "per_token": Alias("token_mean", "Megatron --calculate-per-token-loss"),
+    "seq-mean-token-sum": Alias(
+        "constant", "verl loss_agg_mode: token sums over the global batch size, i.e. divisor 1", implies=MappingProxyType({"divisor": 1.0})
+    ),
+    "seq_mean": Alias("sample_mean", "AReaL loss_agg_mode"),
+}
+
+# Names whose maths is not one of ours: refused with the reason, never mapped.
+_REFUSED = {
+    "bnpo": (
+        "TRL's 'bnpo' divides by the active tokens of each local micro-batch, so the loss changes with the "
+        "micro-batch split; use mode=token_mean for the step-global token mean"
+    ),
+    "token-sum": (
+        "verl's 'token-sum' adds every token of the step with no normalisation at all, so the loss scale grows with the batch "
+        "and the response lengths; use mode=constant with a divisor for a fixed scale, or token_mean"
+    ),
+}
+
+_REGISTRY: dict[str, ModeSpec] = {}
+_BUILT_IN: frozenset[str] = frozenset(m.name for m in _ENTRIES)
+
+#: Every registered mode, in the order the docs list them (built-in ones first); the first
+#: is the default. A read-only live view: modes registered later appear in it.
+MODES: Mapping[str, ModeSpec] = MappingProxyType(_REGISTRY)
+#: Other trainers' names for our modes: name -> Alias.
+ALIASES: Mapping[str, Alias] = MappingProxyType(_ALIASES)
+#: Names refused with the reason (their maths is not one of ours).
+REFUSED_NAMES: Mapping[str, str] = MappingProxyType(_REFUSED)
+DEFAULT_MODE = "sample_mean"
 #: The reducer of metrics other than the PG loss (SPEC §4).
 METRIC_MODE = "sample_mean"
 
+_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+
+
+def _check_spec(spec: Any) -> None:
+    if not isinstance(spec, ModeSpec):
+        raise TypeError(f"register_mode takes a lossagg.ModeSpec, got {type(spec).__name__}")
+    name = spec.name
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"ModeSpec.name must be lower case letters, digits and '_' (starting with a letter, <= 64 characters), got {name!r}")
+    for spelling in {name, name.replace("_", "-")}:
+        if spelling in _REGISTRY:
+            raise ValueError(f"mode {name!r} is already registered")
+        if spelling in _ALIASES and _ALIASES[spelling].mode != name:
+            raise ValueError(f"mode name {name!r} is taken: {spelling!r} is an alias of mode {_ALIASES[spelling].mode} ({_ALIASES[spelling].origin})")
+        if spelling in _REFUSED:
+            raise ValueError(f"mode name {name!r} is taken: {spelling!r} is a refused name ({_REFUSED[spelling]})")
+    for what in ("summary", "formula", "denom_formula"):
+        if not isinstance(getattr(spec, what), str) or not getattr(spec, what).strip():
+            raise ValueError(f"ModeSpec.{what} of mode {name!r} must be a non-empty string, got {getattr(spec, what)!r}")
+    if not isinstance(spec.totals, tuple) or not spec.totals:
+        raise ValueError(f"ModeSpec.totals of mode {name!r} must be a non-empty tuple of step total names ({', '.join(TOTALS)}), got {spec.totals!r}")
+    for total in spec.totals:
+        if total not in TOTALS:
+            from lossagg.config.errors import did_you_mean
+
+            raise ValueError(
+                f"ModeSpec.totals of mode {name!r} names an unknown step total {total!r}{did_you_mean(total, TOTALS)}; "
+                f"the totals are {', '.join(TOTALS)}"
+            )
+    for what in ("denoms", "reference"):
+        if not callable(getattr(spec, what)):
+            raise TypeError(f"ModeSpec.{what} of mode {name!r} must be callable, got {type(getattr(spec, what)).__name__}")
+    if not isinstance(spec.needs_divisor, bool):
+        raise TypeError(f"ModeSpec.needs_divisor of mode {name!r} must be a bool, got {spec.needs_divisor!r}")
+    if not isinstance(spec.example_settings, Mapping):
+        raise TypeError(f"ModeSpec.example_settings of mode {name!r} must be a mapping, got {type(spec.example_settings).__name__}")
+
+
+def register_mode(spec: ModeSpec) -> ModeSpec:
+    """Add a mode at run time; the config, planner, references, demo and adapters accept it at once.
+
+    Refused (nothing registered): a name already used by a mode, an alias or a refused name
+    (hyphens and underscores count as the same), a malformed entry, or ``example_settings``
+    that do not make a valid config. Register in every process (DP ranks, spawned workers):
+    the registry is per process.
+    """
+    _check_spec(spec)
+    _REGISTRY[spec.name] = spec
+    try:
+        from lossagg.config import LossAggregationConfig
+
+        LossAggregationConfig.from_dict({"mode": spec.name, **spec.example_settings})
+    except Exception as exc:
+        del _REGISTRY[spec.name]
+        raise ValueError(f"ModeSpec.example_settings of mode {spec.name!r} do not make a valid config: {exc}") from None
+    return spec
+
+
+def unregister_mode(name: str) -> None:
+    """Remove a mode added by :func:`register_mode` (built-in modes stay)."""
+    if name in _BUILT_IN:
+        raise ValueError(f"mode {name!r} is built in and cannot be unregistered")
+    if name not in _REGISTRY:
+        raise ValueError(f"mode {name!r} is not registered; registered modes: {', '.join(_REGISTRY)}")
+    del _REGISTRY[name]
+
+
+def mode_names() -> tuple[str, ...]:
+    """The registered modes' names, in registry order (the first is the default)."""
+    return tuple(_REGISTRY)
+
 
 def mode_spec(mode: Any) -> ModeSpec:
-    """The entry of ``mode`` (a name or an :class:`~lossagg.AggregationMode`); ValueError if unknown."""
-    name = getattr(mode, "value", mode)
+    """The entry of the mode named ``mode``; ValueError naming the registered modes if unknown."""
     try:
-        return MODES[name]
+        return _REGISTRY[mode]
     except (KeyError, TypeError):
-        raise ValueError(f"mode must be one of {', '.join(MODE_NAMES)}, got {mode!r}") from None
+        raise ValueError(f"mode must be one of {', '.join(_REGISTRY)}, got {mode!r}") from None
+
+
+def canonical_mode(name: Any, settings: Mapping[str, Any] = MappingProxyType({})) -> tuple[Any, str | None]:
+    """(the mode ``name`` stands for, the alias used or None).
+
+    Case and surrounding spaces are ignored and ``-`` equals ``_`` for mode names; a mode
+    name wins over an alias (an alias that differs from a mode's name only by ``-`` stands
+    for that mode: it is kept for its resolution note); a refused name raises ValueError
+    with the reason. A name that
+    is neither is returned unchanged (the config reports it, with "did you mean").
+    """
+    if not isinstance(name, str):
+        return name, None
+    key = name.strip().lower()
+    if key in _REGISTRY:
+        return key, None
+    if key in _REFUSED:
+        raise ValueError(f"mode {name!r} is not supported: {_REFUSED[key]}")
+    if key in _ALIASES:  # an alias spelled like a mode stands for that very mode (registration makes sure)
+        return _ALIASES[key].resolve(settings), key
+    if key.replace("-", "_") in _REGISTRY:
+        return key.replace("-", "_"), None
+    return name, None
+
+
+for _spec in _ENTRIES:
+    _check_spec(_spec)
+    _REGISTRY[_spec.name] = _spec
+del _spec

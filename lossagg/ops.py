@@ -14,8 +14,6 @@ not leak). Accumulation is float32 (float64 for float64 values).
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from lossagg import _native  # noqa: F401  (registers torch.ops.lossagg)
@@ -35,7 +33,7 @@ def segment_sum(values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tens
 def reduce(
     values: torch.Tensor,
     mask: torch.Tensor,
-    *legacy: torch.Tensor | None,
+    *positional,
     cu_seqlens: torch.Tensor | None = None,
     sample_denoms: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -46,20 +44,14 @@ def reduce(
     float64 values), differentiable in ``values``; the gradient is
     ``grad * m[t] / sample_denoms[i(t)]`` in ``values.dtype``.
 
-    ``cu_seqlens`` and ``sample_denoms`` are keyword arguments (the op's schema order is
-    ``values, mask, cu_seqlens, sample_denoms``). The old positional form
-    ``reduce(values, mask, sample_denoms, cu_seqlens)`` still works, with a DeprecationWarning.
+    ``cu_seqlens`` and ``sample_denoms`` are keyword-only (the op itself,
+    ``torch.ops.lossagg.reduce``, takes ``values, mask, cu_seqlens, sample_denoms``).
     """
-    if legacy:
-        if len(legacy) > 2 or sample_denoms is not None or (len(legacy) == 2 and cu_seqlens is not None):
-            raise TypeError("lossagg.reduce(values, mask, *, cu_seqlens=None, sample_denoms): pass cu_seqlens and sample_denoms by keyword")
-        warnings.warn(
-            "lossagg.reduce(values, mask, sample_denoms, cu_seqlens) is deprecated: pass sample_denoms= and cu_seqlens= by keyword",
-            DeprecationWarning,
-            stacklevel=2,
+    if positional:
+        raise TypeError(
+            f"lossagg.reduce(values, mask, *, cu_seqlens=None, sample_denoms) takes 2 positional arguments, got {2 + len(positional)}: "
+            "pass cu_seqlens= and sample_denoms= by keyword"
         )
-        sample_denoms = legacy[0]
-        cu_seqlens = legacy[1] if len(legacy) == 2 else cu_seqlens
     if sample_denoms is None:
         raise TypeError("lossagg.reduce: missing the keyword argument sample_denoms (the [B] per-sample denominators d[i])")
     return torch.ops.lossagg.reduce(values, mask, cu_seqlens, sample_denoms)

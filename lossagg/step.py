@@ -1,10 +1,10 @@
 """Step planning across micro-batches and data-parallel (DP) ranks (SPEC §4).
 
 A :class:`StepPlan` is built once per optimizer step on each rank from the rollout token
-counts ``M[i]`` of all of this rank's samples. With a DP process group it issues exactly
-one all-reduce (float64) to learn the step-global ``N``, ``T`` and, for modes with prompt
-groups, the group sizes and token sums; then it hands each micro-batch its global
-denominators ``d[i]`` (``sample_denoms``). A micro-batch's contribution
+counts ``M[i]`` of all of this rank's samples. With a DP process group it gathers the step
+totals its mode declares (:mod:`lossagg.totals`: the sums in one float64 all-reduce, a
+maximum in a second one only when the mode needs it); then it hands each micro-batch its
+global denominators ``d[i]`` (``sample_denoms``). A micro-batch's contribution
 ``reduce(l, m, sample_denoms=d)`` summed over every micro-batch and rank is the step
 scalar J, so gradients do not depend on the split.
 
@@ -16,20 +16,29 @@ only, and token counts from the full (unsharded) rollout masks (see
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
 
 from lossagg.config import LossAggregationConfig
-from lossagg.denominators import check_group_index, check_group_sizes, check_token_counts, denoms_from_totals, group_totals
+from lossagg.denominators import check_token_counts, denoms_from_totals, needed_totals, plan_totals, rank_share
 from lossagg.layout import token_counts as _token_counts
-from lossagg.modes import METRIC_MODE, StepTotals, mode_spec
+from lossagg.modes import METRIC_MODE, mode_spec
 from lossagg.ops import reduce, segment_sum
+from lossagg.totals import RankShare, StepTotals, given_totals
+from lossagg.validate import as_int
 
 GRADIENT_CONVENTIONS = ("sum", "mean", "micro_batch_mean", "megatron")
 
 Samples = slice | Sequence[int] | torch.Tensor
+
+
+def _as_config(config) -> LossAggregationConfig:
+    if isinstance(config, Mapping):
+        return LossAggregationConfig.from_dict(config)
+    if not isinstance(config, LossAggregationConfig):
+        raise TypeError(f"config must be a LossAggregationConfig (or a mapping of its settings), got {type(config).__name__}")
+    return config
 
 
 class StepPlan:
@@ -47,6 +56,9 @@ class StepPlan:
         num_group_labels: how many group labels the step's ``group_index`` can take
             (with a process group). The groups actually present, ``P``, are counted from
             the data: ``plan.totals.num_groups``.
+
+    ``plan.totals`` holds the step totals the mode declares (and ``num_samples``, which the
+    metrics reducer uses), by name.
     """
 
     def __init__(
@@ -57,44 +69,41 @@ class StepPlan:
         group_index: torch.Tensor | None = None,
         process_group=None,
         num_group_labels: int | None = None,
-        num_groups: int | None = None,
-        _counts_checked: bool = False,
     ):
-        if num_groups is not None:
-            warnings.warn("StepPlan(num_groups=) is renamed num_group_labels=", DeprecationWarning, stacklevel=2)
-            num_group_labels = num_groups if num_group_labels is None else num_group_labels
-        if num_group_labels is not None and (isinstance(num_group_labels, bool) or not isinstance(num_group_labels, int) or num_group_labels < 1):
-            raise ValueError(f"num_group_labels must be an integer >= 1, got {num_group_labels!r}")
-        if isinstance(config, Mapping):
-            config = LossAggregationConfig.from_dict(config)
-        if not isinstance(config, LossAggregationConfig):
-            raise TypeError(f"config must be a LossAggregationConfig (or a mapping of its settings), got {type(config).__name__}")
-        self.config = config
-        # counts from lossagg.token_counts are exact int64 >= 0: not checked again
-        self.token_counts = token_counts.to(torch.float64) if _counts_checked else check_token_counts(token_counts)
-        self.device = self.token_counts.device
+        config = _as_config(config)
         spec = mode_spec(config.mode)
-
-        labels, dense = (None, None)
-        if spec.needs_groups:
-            labels, dense = self._group_labels(group_index, process_group, num_group_labels)
-        if process_group is None and labels is None:  # one process, no groups: N and T are local
-            self.totals, group_token_sums = StepTotals(self.token_counts.shape[0], 0, float(self.token_counts.sum())), None
-        else:
-            buf = self._local_totals(dense, 0 if labels is None else labels.numel())
-            if process_group is not None:
-                import torch.distributed as dist
-
-                dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=process_group)
-            self.totals, group_token_sums = self._read_totals(buf, labels, dense)
-        self.sample_denoms = denoms_from_totals(
-            config.mode, self.token_counts, self.totals, group_token_sums=group_token_sums, divisor=config.divisor
+        counts = check_token_counts(token_counts)
+        if num_group_labels is not None:
+            num_group_labels = as_int("num_group_labels", num_group_labels, minimum=1)
+        if spec.needs_groups and process_group is not None and num_group_labels is None:
+            if config.global_batch_size is None or config.n_samples_per_prompt is None:
+                raise ValueError(
+                    f"with a process group, mode={spec.name} needs the number of group labels in the step: set global_batch_size and "
+                    "n_samples_per_prompt in the config or pass num_group_labels"
+                )
+            num_group_labels = config.global_batch_size // config.n_samples_per_prompt
+        share = rank_share(
+            spec,
+            counts,
+            group_index,
+            n_samples_per_prompt=config.n_samples_per_prompt,
+            process_group=process_group,
+            num_group_labels=num_group_labels,
         )
+        self._setup(config, counts, plan_totals(spec, share, process_group))
+
+    def _setup(self, config: LossAggregationConfig, counts: torch.Tensor, totals: StepTotals) -> None:
+        """The one place a plan's state is set, whichever way its totals were obtained."""
+        self.config = config
+        self.token_counts = counts
+        self.device = counts.device
+        self.totals = totals
+        self.sample_denoms = denoms_from_totals(mode_spec(config.mode), counts, totals, config.divisor)
 
     @functools.cached_property
     def metric_denoms(self) -> torch.Tensor:
         """``d[i]`` of the default reducer (sample_mean), for metrics other than the PG loss."""
-        return denoms_from_totals(METRIC_MODE, self.token_counts, self.totals)
+        return denoms_from_totals(mode_spec(METRIC_MODE), self.token_counts, self.totals)
 
     @classmethod
     def from_mask(
@@ -105,101 +114,26 @@ class StepPlan:
         **kwargs,
     ) -> StepPlan:
         """The plan of this rank's samples given their rollout mask (token counts are counted from it)."""
-        return cls(config, _token_counts(rollout_mask, cu_seqlens), _counts_checked=True, **kwargs)
+        return cls(config, _token_counts(rollout_mask, cu_seqlens), **kwargs)
 
     @classmethod
-    def from_totals(
-        cls,
-        config: LossAggregationConfig,
-        token_counts: torch.Tensor,
-        *,
-        num_samples: int,
-        total_tokens: float | None = None,
-        num_groups: int | None = None,
-        group_token_sums: torch.Tensor | None = None,
-    ) -> StepPlan:
+    def from_totals(cls, config: LossAggregationConfig, token_counts: torch.Tensor, **totals) -> StepPlan:
         """The plan of this rank's samples from step totals a trainer already has (no collective).
 
-        ``num_samples`` is ``N`` (verl's ``global_batch_size``), ``total_tokens`` is ``T``
-        (verl's ``batch_num_tokens``, TRL's ``num_items_in_batch``), ``num_groups`` is ``P``
-        and ``group_token_sums`` is ``Sg[g(i)]`` of each local sample; a mode needs only the
-        totals its ``d[i]`` is made of (``lossagg.MODES[mode]``). ``token_counts`` are this
-        rank's ``M[i]``.
+        The keywords are the step totals of :data:`lossagg.totals.TOTALS`: ``num_samples``
+        (``N``, verl's ``global_batch_size``), ``total_tokens`` (``T``, verl's
+        ``batch_num_tokens``, TRL's ``num_items_in_batch``), ``max_tokens`` (``L_max``),
+        ``num_groups`` (``P``) and ``group_token_sums`` (``Sg[g(i)]`` of each local sample).
+        The mode's totals (``lossagg.MODES[mode].totals``) and ``num_samples`` are required;
+        each value is checked against this rank's own ``token_counts`` and against the others.
         """
-        if isinstance(config, Mapping):
-            config = LossAggregationConfig.from_dict(config)
+        config = _as_config(config)
         spec = mode_spec(config.mode)
         counts = check_token_counts(token_counts)
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < counts.shape[0]:
-            raise ValueError(f"num_samples must be an integer >= the {counts.shape[0]} local sample(s), got {num_samples!r}")
-        if total_tokens is None:
-            if spec.name == "token_mean":
-                raise ValueError("total_tokens (T, the step's rollout tokens; TRL's num_items_in_batch) is required under mode=token_mean")
-            total_tokens = float(counts.sum())
-        total = float(total_tokens)
-        if not (total >= 0 and total != float("inf")):
-            raise ValueError(f"total_tokens must be a finite number >= 0, got {total_tokens!r}")
-        sums = None
-        if spec.needs_groups:
-            if num_groups is None or group_token_sums is None:
-                raise ValueError(f"mode={spec.name} needs num_groups (P) and group_token_sums (Sg[g(i)] of each local sample)")
-            if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
-                raise ValueError(f"num_groups must be an integer >= 1, got {num_groups!r}")
-            sums = check_token_counts(group_token_sums)
-            if sums.shape != counts.shape:
-                raise ValueError(f"group_token_sums must have one entry per local sample ({counts.shape[0]}), got shape {tuple(sums.shape)}")
+        share = RankShare(counts, n_samples_per_prompt=config.n_samples_per_prompt)
         plan = cls.__new__(cls)
-        plan.config = config
-        plan.token_counts = counts
-        plan.device = counts.device
-        plan.totals = StepTotals(num_samples=num_samples, num_groups=num_groups or 0, total_tokens=total)
-        plan.sample_denoms = denoms_from_totals(config.mode, counts, plan.totals, group_token_sums=sums, divisor=config.divisor)
+        plan._setup(config, counts, given_totals(needed_totals(spec), totals, share, spec.name))
         return plan
-
-    # ------------------------------------------------------------ construction
-    def _group_labels(self, group_index, process_group, num_group_labels) -> tuple[torch.Tensor, torch.Tensor]:
-        """(labels, dense index of each sample's label). Distributed: global labels 0..G-1."""
-        group_index = check_group_index(group_index, self.token_counts.shape[0], self.device)
-        if process_group is None:
-            labels, dense = torch.unique(group_index, return_inverse=True)
-            return labels, dense
-        g = num_group_labels
-        if g is None and self.config.global_batch_size is not None and self.config.n_samples_per_prompt is not None:
-            g = self.config.global_batch_size // self.config.n_samples_per_prompt
-        if g is None:
-            raise ValueError(
-                "with a process group, prompt_mean needs the number of group labels in the step: set global_batch_size and "
-                "n_samples_per_prompt in the config or pass num_group_labels"
-            )
-        if group_index.numel() and (group_index.min() < 0 or group_index.max() >= g):
-            raise ValueError(
-                f"group_index must lie in [0, {g}) (global prompt index within the step), "
-                f"got values in [{int(group_index.min())}, {int(group_index.max())}]"
-            )
-        return torch.arange(g, device=self.device), group_index.long()
-
-    def _local_totals(self, dense: torch.Tensor | None, num_labels: int) -> torch.Tensor:
-        """This rank's share, in one float64 buffer: [N, T, group sizes (G), group token sums (G)]."""
-        buf = torch.zeros(2 + 2 * num_labels, dtype=torch.float64, device=self.device)
-        buf[0] = self.token_counts.shape[0]
-        buf[1] = self.token_counts.sum()
-        if dense is not None:
-            sizes, sums = group_totals(self.token_counts, dense, num_labels)
-            buf[2 : 2 + num_labels] = sizes
-            buf[2 + num_labels :] = sums
-        return buf
-
-    def _read_totals(self, buf: torch.Tensor, labels, dense) -> tuple[StepTotals, torch.Tensor | None]:
-        """Step totals from the (reduced) buffer, and ``Sg[g(i)]`` of each local sample."""
-        num_groups, group_token_sums = 0, None
-        if labels is not None:
-            g = labels.numel()
-            sizes = buf[2 : 2 + g]
-            check_group_sizes(labels, sizes.long(), self.config.n_samples_per_prompt)
-            num_groups = int((sizes > 0).sum().item())
-            group_token_sums = buf[2 + g :][dense]
-        totals = StepTotals(num_samples=int(round(buf[0].item())), num_groups=num_groups, total_tokens=float(buf[1].item()))
-        return totals, group_token_sums
 
     # ------------------------------------------------------------------- use
     def sample_denoms_for(self, samples: Samples, *, dtype=torch.float32, device=None) -> torch.Tensor:
@@ -239,11 +173,6 @@ class StepPlan:
             layout = "cu_seqlens has" if cu_seqlens is not None else "the padded mask has"
             raise ValueError(f"samples selects {d.shape[0]} sample(s) but {layout} {b}: one position per sample of the micro-batch")
         return d
-
-    def denoms(self, samples: Samples, *, dtype=torch.float32, device=None) -> torch.Tensor:
-        """Deprecated name of :meth:`sample_denoms_for`."""
-        warnings.warn("StepPlan.denoms() is renamed StepPlan.sample_denoms_for()", DeprecationWarning, stacklevel=2)
-        return self.sample_denoms_for(samples, dtype=dtype, device=device)
 
     def loss(
         self,
@@ -313,25 +242,3 @@ def gradient_scale(convention: str, *, dp_size: int = 1, cp_size: int = 1, num_m
     if convention == "megatron":
         return float(num_micro_batches * dp_size)
     raise ValueError(f"convention must be one of {', '.join(GRADIENT_CONVENTIONS)}, got {convention!r}")
-
-
-# ------------------------------------------------------ deprecated whole-step helpers
-def sample_denoms(mode, token_counts, *, group_index=None, n_samples_per_prompt=None, divisor=None) -> torch.Tensor:
-    """Deprecated: ``StepPlan(config, token_counts, group_index=...).sample_denoms``."""
-    warnings.warn(
-        "lossagg.sample_denoms(mode, ...) is deprecated: use StepPlan(config, token_counts, group_index=...).sample_denoms",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    config = LossAggregationConfig(mode=getattr(mode, "value", mode), n_samples_per_prompt=n_samples_per_prompt, divisor=divisor)
-    return StepPlan(config, token_counts, group_index=group_index).sample_denoms
-
-
-def step_denoms(config, rollout_mask, cu_seqlens=None, group_index=None) -> torch.Tensor:
-    """Deprecated: ``StepPlan.from_mask(config, rollout_mask, cu_seqlens, group_index=...).sample_denoms``."""
-    warnings.warn(
-        "lossagg.step_denoms() is deprecated: use StepPlan.from_mask(config, rollout_mask, cu_seqlens, group_index=...).sample_denoms",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return StepPlan.from_mask(config, rollout_mask, cu_seqlens, group_index=group_index).sample_denoms

@@ -19,6 +19,7 @@ from lossagg.context_parallel import zigzag_local_cu_seqlens, zigzag_shard
 from lossagg.layout import cu_seqlens_from_lengths
 from lossagg.modes import ReferenceInputs, mode_spec
 from lossagg.step import StepPlan
+from lossagg.totals import TOTALS
 
 
 @dataclass
@@ -60,6 +61,19 @@ def reference_loss(
         raise ValueError(f"reference_loss: mode={spec.name} needs group_index")
     groups = None if group_index is None else [int(g) for g in torch.as_tensor(group_index).tolist()]
     return torch.as_tensor(spec.reference(ReferenceInputs(numerators, counts, groups, config.divisor)), dtype=torch.float64)
+
+
+def rank_totals(config: LossAggregationConfig, token_counts: torch.Tensor, samples, group_index: torch.Tensor | None = None) -> dict[str, object]:
+    """The ``StepPlan.from_totals`` keywords of a rank holding ``samples`` of a step.
+
+    ``token_counts`` (and ``group_index``) are those of every sample of the step: what a
+    trainer that knows the whole step (verl's ``global_batch_size`` and ``batch_num_tokens``,
+    a rollout side that counted every response) hands each rank. Holds every total the plan of
+    ``config``'s mode has, so it serves any registered mode.
+    """
+    plan = StepPlan(config, token_counts, group_index=group_index)
+    own = torch.as_tensor(samples)
+    return {name: (value[own] if TOTALS[name].per_sample else value) for name, value in plan.totals.items()}
 
 
 def check_split_invariance(

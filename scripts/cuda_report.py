@@ -81,7 +81,7 @@ def parse(log: str) -> list[dict]:
             current["regs"] = int(m.group(1))
             s = re.search(r"(\d+) bytes smem", line)
             current["smem"] = int(s.group(1)) if s else 0
-    for row, name in zip(rows, demangle([r["mangled"] for r in rows])):
+    for row, name in zip(rows, demangle([r["mangled"] for r in rows]), strict=True):
         row["name"] = short(name)
     return rows
 
@@ -100,7 +100,8 @@ def table(rows: list[dict], arch: str, seconds: float) -> str:
     ]
     for r in sorted(rows, key=lambda r: r["name"]):
         lines.append(
-            f"| `{r['name']}` | {r['regs']} | {r['stack']} | {r['spill_st']} / {r['spill_ld']} | {r['smem']} | {occupancy(r['regs'], r['smem'], arch):.0%} |"
+            f"| `{r['name']}` | {r['regs']} | {r['stack']} | {r['spill_st']} / {r['spill_ld']} | {r['smem']} | "
+            f"{occupancy(r['regs'], r['smem'], arch):.0%} |"
         )
     return "\n".join(lines)
 

@@ -13,7 +13,7 @@ import pytest
 
 from lossagg import ConfigError, LossAggregationConfig, add_loss_aggregation_args, config_from_args
 from lossagg.cli import main as cli_main
-from lossagg.modes import MODE_NAMES, MODES
+from lossagg.modes import MODES
 
 
 def issues(**kwargs):
@@ -25,14 +25,14 @@ def issues(**kwargs):
 # ----------------------------------------------------------------------- modes
 def test_default_is_sample_mean():
     c = LossAggregationConfig()
-    assert c.mode.value == "sample_mean"
+    assert c.mode == "sample_mean"
     assert c.calculate_per_token_loss is False
     assert c.resolution_notes == ()
 
 
-@pytest.mark.parametrize("mode", MODE_NAMES)
+@pytest.mark.parametrize("mode", list(MODES))
 def test_each_mode_accepted(mode):
-    assert LossAggregationConfig(mode=mode, **MODES[mode].example_settings).mode.value == mode
+    assert LossAggregationConfig(mode=mode, **MODES[mode].example_settings).mode == mode
 
 
 def test_unknown_mode_did_you_mean():
@@ -58,7 +58,7 @@ def test_constant_rejects_bad_divisor(divisor):
     assert "greater than 0" in found["divisor"] or "finite number" in found["divisor"], found["divisor"]
 
 
-@pytest.mark.parametrize("mode", [m for m in MODE_NAMES if not MODES[m].needs_divisor])
+@pytest.mark.parametrize("mode", [m for m in list(MODES) if not MODES[m].needs_divisor])
 def test_divisor_with_other_mode_is_an_error(mode):
     found, _ = issues(mode=mode, divisor=2.0)
     assert f"only used with mode=constant, got it with mode={mode}" in found["divisor"]
@@ -72,7 +72,7 @@ def test_divisor_as_string_is_an_error():
 # --------------------------------------------------------- legacy flag, explicit vs default
 def test_flag_with_default_mode_resolves_to_token_mean():
     c = LossAggregationConfig(calculate_per_token_loss=True)
-    assert c.mode.value == "token_mean" and c.calculate_per_token_loss is True
+    assert c.mode == "token_mean" and c.calculate_per_token_loss is True
     assert any("resolved to token_mean" in n for n in c.resolution_notes)
 
 
@@ -100,7 +100,7 @@ def test_explicit_false_flag_with_token_mean_is_an_error():
 
 def test_false_flag_with_default_mode_keeps_sample_mean():
     c = LossAggregationConfig(calculate_per_token_loss=False)
-    assert c.mode.value == "sample_mean" and c.calculate_per_token_loss is False
+    assert c.mode == "sample_mean" and c.calculate_per_token_loss is False
 
 
 def test_boolean_given_as_string_is_an_error():
@@ -159,7 +159,7 @@ def test_frozen():
 )
 def test_migration_names_map_and_say_so(name, mode, extra):
     c = LossAggregationConfig.from_dict({"mode": name, **extra})
-    assert c.mode.value == mode
+    assert c.mode == mode
     assert name == mode or any(name in note for note in c.resolution_notes)
     if name == "seq-mean-token-sum":
         assert c.divisor == 1.0
@@ -184,7 +184,7 @@ def write(tmp_path, name, text):
 def test_yaml_section_found_automatically(tmp_path):
     p = write(tmp_path, "train.yaml", "lr: 1.0e-6\nloss_aggregation: {mode: prompt_mean, n_samples_per_prompt: 8}\n")
     c = LossAggregationConfig.from_file(p)
-    assert c.mode.value == "prompt_mean" and c.n_samples_per_prompt == 8
+    assert c.mode == "prompt_mean" and c.n_samples_per_prompt == 8
 
 
 def test_json_and_toml(tmp_path):
@@ -196,7 +196,7 @@ def test_json_and_toml(tmp_path):
 def test_dotted_section_of_larger_file(tmp_path):
     text = '[trainer]\nlr = 1e-6\n[trainer.loss_aggregation]\nmode = "token_mean"\n'
     p = write(tmp_path, "big.toml", text)
-    assert LossAggregationConfig.from_file(p, section="trainer.loss_aggregation").mode.value == "token_mean"
+    assert LossAggregationConfig.from_file(p, section="trainer.loss_aggregation").mode == "token_mean"
     with pytest.raises(ConfigError, match="section not found.*did you mean 'trainer'"):
         LossAggregationConfig.from_file(p, section="trainr.loss_aggregation")
 
@@ -238,10 +238,10 @@ def test_flags_round_trip():
     parser = add_loss_aggregation_args(argparse.ArgumentParser())
     args = parser.parse_args(["--loss-aggregation", "prompt_mean", "--n-samples-per-prompt", "4", "--global-batch-size", "32"])
     c = config_from_args(args)
-    assert (c.mode.value, c.n_samples_per_prompt, c.global_batch_size) == ("prompt_mean", 4, 32)
+    assert (c.mode, c.n_samples_per_prompt, c.global_batch_size) == ("prompt_mean", 4, 32)
     c = config_from_args(parser.parse_args(["--loss-aggregation", "constant", "--loss-aggregation-divisor", "8"]))
     assert c.divisor == 8.0
-    assert config_from_args(parser.parse_args(["--calculate-per-token-loss"])).mode.value == "token_mean"
+    assert config_from_args(parser.parse_args(["--calculate-per-token-loss"])).mode == "token_mean"
 
 
 def test_parser_that_already_defines_global_batch_size():

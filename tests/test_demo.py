@@ -8,7 +8,7 @@ import os
 import pytest
 
 from lossagg.demo import add_demo_args, run_demo
-from lossagg.modes import MODE_NAMES
+from lossagg.modes import MODES
 
 
 def demo_args(tmp_path, *extra):
@@ -20,7 +20,7 @@ def demo_args(tmp_path, *extra):
 def test_demo_runs_all_modes(tmp_path, capsys):
     assert run_demo(demo_args(tmp_path)) == 0
     out = capsys.readouterr().out
-    for mode in MODE_NAMES:
+    for mode in list(MODES):
         assert f"| {mode} |" in out
     assert "gives the unsplit gradient (checked for every mode)" in out
     assert os.path.getsize(tmp_path / "demo.png") > 1000

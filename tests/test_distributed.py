@@ -20,7 +20,6 @@ import lossagg
 DP, CP, MICRO_BATCHES = 2, 2, 2
 # the multi-process engine tests share one xdist worker (scripts/test.sh runs pytest -n 2)
 pytestmark = pytest.mark.xdist_group("engines")
-MODES = {name: dict(spec.example_settings) for name, spec in lossagg.MODES.items()}
 N_PER_PROMPT = 4
 
 
@@ -60,9 +59,14 @@ def reference_grads(config, step):
     return [p.grad.float() for p in model.parameters()]
 
 
-def worker(rank, world, init_file, convention, results_dir):
-    import lossagg
+def worker(rank, world, init_file, convention, results_dir, setup=None, modes=None):
+    """One rank. ``setup`` (a picklable callable) runs first, e.g. to register a mode in this
+    process; ``modes`` are the modes to check (default: every registered one)."""
     from lossagg import LossAggregationConfig, StepPlan, gradient_scale, zigzag_local_cu_seqlens, zigzag_shard
+
+    if setup is not None:
+        setup()
+    modes = {name: dict(lossagg.MODES[name].example_settings) for name in (modes or lossagg.MODES)}
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -78,7 +82,7 @@ def worker(rank, world, init_file, convention, results_dir):
     rollout_counts = lossagg.token_counts(mask, cu)[own]  # rollout side, full masks
 
     failures = []
-    for mode, extra in MODES.items():
+    for mode, extra in modes.items():
         config = LossAggregationConfig(mode=mode, n_samples_per_prompt=N_PER_PROMPT, global_batch_size=n, **extra)
         model = make_model()
         plan = StepPlan(config, rollout_counts, group_index=groups[own], process_group=dp_group)

@@ -189,6 +189,7 @@ def worker(rank, world, dp, cp, init_file, results_dir):
 
         from lossagg import LossAggregationConfig, StepPlan
         from lossagg.integrations.megatron import make_loss_func
+        from lossagg.testing import rank_totals
 
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=cp)
         dp_rank = parallel_state.get_data_parallel_rank()
@@ -199,7 +200,6 @@ def worker(rank, world, dp, cp, init_file, results_dir):
         n = lengths.numel()
         own = torch.tensor_split(torch.arange(n), dp)[dp_rank]
         all_counts = lossagg.token_counts(mask, cu)
-        group_sums = lossagg.prompt_mask_sums(all_counts, groups)
 
         for mode, spec in lossagg.MODES.items():
             config = LossAggregationConfig(mode=mode, n_samples_per_prompt=N_PER_PROMPT, global_batch_size=n, **spec.example_settings)
@@ -213,14 +213,7 @@ def worker(rank, world, dp, cp, init_file, results_dir):
                             if plan_kind == "all_reduce":
                                 plan = StepPlan(config, all_counts[own], group_index=groups[own], process_group=dp_group, num_group_labels=PROMPTS)
                             else:
-                                plan = StepPlan.from_totals(
-                                    config,
-                                    all_counts[own],
-                                    num_samples=n,
-                                    total_tokens=float(all_counts.sum()),
-                                    num_groups=PROMPTS,
-                                    group_token_sums=group_sums[own],
-                                )
+                                plan = StepPlan.from_totals(config, all_counts[own], **rank_totals(config, all_counts, own, groups))
                             tconfig = TransformerConfig(
                                 num_layers=1,
                                 hidden_size=8,

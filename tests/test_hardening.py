@@ -154,7 +154,7 @@ def test_helpers_name_bad_arguments():
     counts = torch.tensor([1, 2])
     with pytest.raises(TypeError, match="group_index must be a 1-D tensor of integer prompt-group indices"):
         StepPlan(LossAggregationConfig(mode="prompt_mean"), counts, group_index=["p1", "p2"])
-    assert StepPlan({"mode": "token_mean"}, counts).config.mode.value == "token_mean"
+    assert StepPlan({"mode": "token_mean"}, counts).config.mode == "token_mean"
     with pytest.raises(TypeError, match="config must be a LossAggregationConfig"):
         StepPlan("token_mean", counts)
     with pytest.raises(lossagg.ConfigError, match="unknown mode"):

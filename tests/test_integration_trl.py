@@ -212,7 +212,7 @@ def test_a_few_real_training_steps(tmp_path, tokenizer, dataset):
     assert any(not torch.equal(before[k], after[k].cpu()) for k in before), "training did not change the model"
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
-    assert trainer.loss_aggregation.mode.value == "prompt_mean"
+    assert trainer.loss_aggregation.mode == "prompt_mean"
     assert trainer.loss_aggregation.n_samples_per_prompt == NUM_GENERATIONS
 
 
@@ -226,15 +226,15 @@ def test_loss_aggregation_config_argument(tmp_path, tokenizer, dataset):
 
 # ------------------------------------------------------------------ refusals
 def test_loss_type_names():
-    assert config_for_loss_type("grpo", num_generations=4, max_completion_length=8).mode.value == "sample_mean"
-    assert config_for_loss_type("dapo", num_generations=4, max_completion_length=8).mode.value == "token_mean"
+    assert config_for_loss_type("grpo", num_generations=4, max_completion_length=8).mode == "sample_mean"
+    assert config_for_loss_type("dapo", num_generations=4, max_completion_length=8).mode == "token_mean"
     dr = config_for_loss_type("dr_grpo", num_generations=4, max_completion_length=8)
-    assert (dr.mode.value, dr.divisor) == ("constant", 8.0)
+    assert (dr.mode, dr.divisor) == ("constant", 8.0)
     pm = config_for_loss_type("prompt_mean", num_generations=4, max_completion_length=8)
-    assert (pm.mode.value, pm.n_samples_per_prompt) == ("prompt_mean", 4)
-    assert config_for_loss_type("seq_mean", num_generations=4, max_completion_length=8).mode.value == "sample_mean"
+    assert (pm.mode, pm.n_samples_per_prompt) == ("prompt_mean", 4)
+    assert config_for_loss_type("seq_mean", num_generations=4, max_completion_length=8).mode == "sample_mean"
     with pytest.warns(UserWarning, match="micro-batch"):
-        assert config_for_loss_type("bnpo", num_generations=4, max_completion_length=8).mode.value == "token_mean"
+        assert config_for_loss_type("bnpo", num_generations=4, max_completion_length=8).mode == "token_mean"
     with pytest.raises(ValueError, match="loss_type='cispo'"):
         config_for_loss_type("cispo", num_generations=4, max_completion_length=8)
     with pytest.raises(ValueError, match=r"loss_type must be one of .* got 'bogus'.*unknown mode"):

@@ -1,37 +1,100 @@
-"""The mode registry is the one home of the modes: everything else follows it, and the
-renamed public names still work (with a DeprecationWarning)."""
+"""The mode registry is the one home of the modes: everything else reads it, the docs' one
+table of modes matches it, and the pre-release names are gone."""
 
 from __future__ import annotations
 
+import re
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
 import lossagg
 from lossagg.cli import build_parser
-from lossagg.modes import MODE_NAMES, MODES, mode_spec
+from lossagg.modes import ALIASES, MODES, REFUSED_NAMES, mode_spec
 from lossagg.testing import reference_loss
+from lossagg.totals import TOTALS
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
-def test_enum_schema_cli_and_demo_follow_the_registry():
-    assert [m.value for m in lossagg.AggregationMode] == list(MODE_NAMES)
+def test_schema_cli_and_demo_follow_the_registry():
     schema = lossagg.LossAggregationConfig.model_json_schema()
-    assert schema["$defs"]["AggregationMode"]["enum"] == list(MODE_NAMES)
+    assert schema["properties"]["mode"]["enum"] == list(MODES)
+    assert schema["properties"]["mode"]["default"] == next(iter(MODES))
     demo = build_parser().parse_args(["demo"])
-    assert demo.modes == list(MODE_NAMES)
+    assert demo.modes == list(MODES)
 
 
-@pytest.mark.parametrize("name", MODE_NAMES)
+@pytest.mark.parametrize("name", list(MODES))
 def test_each_entry_is_complete(name):
     spec = MODES[name]
     assert spec.name == name and spec.summary and spec.formula and spec.denom_formula
+    assert spec.totals and all(t in TOTALS for t in spec.totals)
     config = lossagg.LossAggregationConfig(mode=name, **spec.example_settings)
-    assert config.mode.value == name
+    assert config.mode == name
+
+
+def _docs_table(marker: str = "<!-- modes table") -> dict[str, list[str]]:
+    """The rows of a table of docs/modes.md (the first after ``marker``): name -> cells."""
+    text = (DOCS / "modes.md").read_text()
+    start = text.index(marker)
+    rows = {}
+    for line in text[start:].splitlines()[1:]:
+        if not line.startswith("|"):
+            if rows:
+                break
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        name = re.match(r"`([a-z0-9_-]+)`", cells[0])
+        if name:
+            rows[name.group(1)] = cells
+    return rows
+
+
+def test_the_docs_table_of_modes_is_the_registry():
+    rows = _docs_table()
+    assert list(rows) == list(MODES), "docs/modes.md lists the modes of lossagg.MODES, in the same order"
+    for name, cells in rows.items():
+        spec = MODES[name]
+        assert cells[1] == f"`{spec.formula}`" and cells[2] == f"`{spec.denom_formula}`", name
+        assert cells[3] == ", ".join(TOTALS[t].symbol for t in spec.totals) + (", L" if spec.needs_divisor else ""), name
+
+
+def test_the_docs_table_of_other_trainers_names_is_the_registry():
+    rows = _docs_table("<!-- aliases table")
+    assert set(rows) == set(ALIASES) | set(REFUSED_NAMES)
+    for name, cells in rows.items():
+        if name in REFUSED_NAMES:
+            assert cells[2] == "**refused**", name
+        else:
+            alias = ALIASES[name]
+            shown = {m for m in re.findall(r"`([a-z0-9_]+)`", cells[2])}
+            assert shown == {alias.mode} | ({alias.with_divisor} if alias.with_divisor else set()), name
+
+
+def test_the_other_docs_point_to_the_one_table():
+    """README, config.md and integration.md link docs/modes.md and do not repeat its rows."""
+    readme = (DOCS.parent / "README.md").read_text()
+    pages = {"README.md": readme, "config.md": (DOCS / "config.md").read_text(), "integration.md": (DOCS / "integration.md").read_text()}
+    for where, text in pages.items():
+        assert "modes.md" in text, where
+        for spec in MODES.values():
+            assert spec.denom_formula not in text, f"{where} repeats the d[i] of {spec.name}; point to docs/modes.md"
+
+
+def test_aliases_point_to_modes_and_never_hide_one():
+    for name, alias in ALIASES.items():
+        assert alias.mode in MODES and (alias.with_divisor is None or alias.with_divisor in MODES), name
+        assert name not in MODES and name.replace("-", "_") not in MODES or name.replace("-", "_") == alias.mode, name
+        resolved = lossagg.LossAggregationConfig.from_dict({"mode": name, **MODES[alias.mode].example_settings, **alias.implies})
+        assert resolved.mode == alias.mode and resolved.resolution_notes, name
+    assert not set(REFUSED_NAMES) & (set(ALIASES) | set(MODES))
 
 
 def test_unknown_mode_is_refused_by_name():
-    with pytest.raises(ValueError, match="mode must be one of sample_mean, prompt_mean, token_mean, constant, got 'bogus'"):
+    with pytest.raises(ValueError, match=re.escape(f"mode must be one of {', '.join(MODES)}, got 'bogus'")):
         mode_spec("bogus")
     fake_config = types.SimpleNamespace(mode="bogus", divisor=None)
     with pytest.raises(ValueError, match="'bogus'"):
@@ -54,31 +117,23 @@ def test_cu_seqlens_from_lengths():
         lossagg.cu_seqlens_from_lengths(torch.tensor([1.5]))
 
 
-def test_deprecated_names_still_work():
-    counts = torch.tensor([2, 0, 6, 4])
-    groups = torch.tensor([0, 0, 1, 1])
-    config = lossagg.LossAggregationConfig(mode="prompt_mean", n_samples_per_prompt=2)
-    plan = lossagg.StepPlan(config, counts, group_index=groups)
-    with pytest.warns(DeprecationWarning, match="sample_denoms_for"):
-        assert torch.equal(plan.denoms([0, 2]), plan.sample_denoms_for([0, 2]))
-    with pytest.warns(DeprecationWarning, match="StepPlan"):
-        assert torch.equal(lossagg.sample_denoms("prompt_mean", counts, group_index=groups, n_samples_per_prompt=2), plan.sample_denoms)
-    mask = torch.arange(12) < torch.tensor([2, 0, 6, 4]).repeat_interleave(3)
-    with pytest.warns(DeprecationWarning, match="StepPlan.from_mask"):
-        d = lossagg.step_denoms(lossagg.LossAggregationConfig(), mask.reshape(4, 3))
-    assert torch.equal(d, lossagg.StepPlan.from_mask(lossagg.LossAggregationConfig(), mask.reshape(4, 3)).sample_denoms)
-    with pytest.warns(DeprecationWarning, match="num_group_labels"):
-        lossagg.StepPlan(config, counts, group_index=groups, num_groups=2)
+def test_pre_release_names_are_gone():
+    for name in ("sample_denoms", "step_denoms", "AggregationMode", "MODE_NAMES"):
+        assert not hasattr(lossagg, name), name
+    plan = lossagg.StepPlan(lossagg.LossAggregationConfig(), torch.tensor([2, 0, 6, 4]))
+    assert not hasattr(plan, "denoms")
+    with pytest.raises(TypeError, match="num_groups"):
+        lossagg.StepPlan(lossagg.LossAggregationConfig(), torch.tensor([2, 0]), num_groups=2)
 
 
-def test_reduce_keywords_and_the_deprecated_positional_order():
+def test_reduce_takes_cu_seqlens_and_denominators_by_keyword_only():
     values = torch.randn(5)
     mask = torch.ones(5, dtype=torch.bool)
     cu = torch.tensor([0, 2, 5])
     d = torch.tensor([2.0, 3.0])
     j = lossagg.reduce(values, mask, cu_seqlens=cu, sample_denoms=d)
     assert torch.equal(j, torch.ops.lossagg.reduce(values, mask, cu, d))
-    with pytest.warns(DeprecationWarning, match="by keyword"):
-        assert torch.equal(lossagg.reduce(values, mask, d, cu), j)
+    with pytest.raises(TypeError, match="takes 2 positional arguments, got 4: pass cu_seqlens= and sample_denoms= by keyword"):
+        lossagg.reduce(values, mask, d, cu)
     with pytest.raises(TypeError, match="sample_denoms"):
         lossagg.reduce(values, mask, cu_seqlens=cu)

@@ -112,7 +112,7 @@ def test_config_from_random_structures_is_valid_or_a_config_error(data):
     except lossagg.ConfigError as exc:
         assert exc.issues and len(str(exc)) < 20_000
     else:
-        assert config.mode.value in MODES
+        assert config.mode in MODES
 
 
 @SETTINGS

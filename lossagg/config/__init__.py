@@ -6,15 +6,12 @@ Importing it does not import torch: ``lossagg check`` and config-only tools stay
 
 from lossagg.config.errors import ConfigError
 from lossagg.config.flags import FLAGS, add_loss_aggregation_args, config_from_args
-from lossagg.config.model import MIGRATION_DEFAULTS, MIGRATION_NAMES, REFUSED_NAMES, AggregationMode, LossAggregationConfig
+from lossagg.config.model import LossAggregationConfig, ModeName
 
 __all__ = [
     "FLAGS",
-    "MIGRATION_DEFAULTS",
-    "MIGRATION_NAMES",
-    "REFUSED_NAMES",
-    "AggregationMode",
     "ConfigError",
+    "ModeName",
     "LossAggregationConfig",
     "add_loss_aggregation_args",
     "config_from_args",

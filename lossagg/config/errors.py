@@ -69,11 +69,13 @@ def issues_from_validation(
             issues.append(("mode", err["msg"]))
         elif kind == "extra_forbidden":
             issues.append((loc, f"unknown setting{did_you_mean(err['loc'][-1], fields)}"))
-        elif kind == "enum" and err["loc"] == ("mode",):
+        elif kind == "unknown_mode":
+            value = err.get("input")
+            what = f"unknown mode {short_repr(value)}" if isinstance(value, str) else f"expected a mode name (a string), got {short_repr(value)}"
             issues.append(
                 (
                     "mode",
-                    f"unknown mode {short_repr(err['input'])}{did_you_mean(err['input'], modes + migration_names)}; expected one of "
+                    f"{what}{did_you_mean(value, modes + migration_names)}; expected one of "
                     f"{', '.join(modes)} (or a migration name: {', '.join(migration_names)})",
                 )
             )

@@ -10,7 +10,7 @@ from typing import Any
 
 from lossagg.config.errors import ConfigError
 from lossagg.config.model import LossAggregationConfig
-from lossagg.modes import MODE_NAMES
+from lossagg.modes import MODES
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ FLAGS: tuple[Flag, ...] = (
             type=str,
             default=None,
             metavar="MODE",
-            help=f"{', '.join(MODE_NAMES)} (default {MODE_NAMES[0]}; or a migration name, see docs/config.md)",
+            help="a registered mode (see docs/modes.md) or a migration name (docs/config.md)",
         ),
     ),
     Flag(
@@ -56,7 +56,10 @@ def add_loss_aggregation_args(parser: argparse.ArgumentParser) -> argparse.Argum
     group = parser.add_argument_group("loss aggregation (lossagg)")
     for f in FLAGS:
         if f.flag not in existing:
-            group.add_argument(f.flag, dest=f.dest, **f.kwargs)
+            kwargs = dict(f.kwargs)
+            if f.setting == "mode":  # the modes registered now
+                kwargs["help"] = f"{', '.join(MODES)} (default {next(iter(MODES))}); or a migration name, see docs/config.md"
+            group.add_argument(f.flag, dest=f.dest, **kwargs)
     return parser
 
 

@@ -1,8 +1,11 @@
 """``LossAggregationConfig``: the pydantic model and its rules (SPEC §6).
 
-* ``mode``: one of :data:`lossagg.modes.MODE_NAMES` (default ``sample_mean``); other
-  trainers' names for the same maths are accepted and mapped (:data:`MIGRATION_NAMES`),
-  names whose maths differ are refused with the reason (:data:`REFUSED_NAMES`).
+* ``mode``: the name of a registered mode (:data:`lossagg.modes.MODES`, default
+  ``sample_mean``), read from the registry when validated, so a mode added with
+  :func:`lossagg.register_mode` is accepted at once (the JSON Schema lists it too); other
+  trainers' names for the same maths are accepted and mapped (:data:`lossagg.modes.ALIASES`),
+  names whose maths differ are refused with the reason (:data:`lossagg.modes.REFUSED_NAMES`).
+  Mode names are looked up before aliases.
 * ``divisor`` (L): required, finite and > 0 with a mode that needs it (``constant``);
   an error with any other mode.
 * ``calculate_per_token_loss`` (legacy Megatron flag): with ``mode`` unset, ``true`` means
@@ -21,69 +24,53 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from enum import Enum
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr, StrictBool, StrictFloat, StrictInt, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from lossagg.config.errors import ConfigError, issues_from_validation, short_repr
 from lossagg.config.files import read_file, select_section
-from lossagg.modes import DEFAULT_MODE, MODE_NAMES, MODES
-
-
-class _ModeEnum(str, Enum):
-    def __str__(self) -> str:
-        return self.value
-
-
-#: The modes as an enum (members SAMPLE_MEAN, PROMPT_MEAN, ...), built from lossagg.modes.MODES.
-AggregationMode = _ModeEnum("AggregationMode", {name.upper(): name for name in MODE_NAMES}, module=__name__)
-
-# Other trainers' names for the same maths: name -> (mode, where it comes from).
-MIGRATION_NAMES: dict[str, tuple[str, str]] = {
-    "seq-mean-token-mean": ("sample_mean", "verl loss_agg_mode"),
-    "token-mean": ("token_mean", "verl loss_agg_mode"),
-    "seq-mean-token-sum-norm": ("constant", "verl loss_agg_mode (Dr.GRPO; divisor = its loss_scale_factor)"),
-    "grpo": ("sample_mean", "TRL GRPOConfig.loss_type"),
-    "dapo": ("token_mean", "TRL GRPOConfig.loss_type (tokens of the whole accumulated batch)"),
-    "dr_grpo": ("constant", "TRL GRPOConfig.loss_type (divisor = max_completion_length)"),
-    "per_token": ("token_mean", "Megatron --calculate-per-token-loss"),
-    "seq-mean-token-sum": ("constant", "verl loss_agg_mode: token sums over the global batch size, i.e. divisor 1"),
-    "seq_mean": ("sample_mean", "AReaL loss_agg_mode"),
-}
-# Settings a migration name implies when the user gives none.
-MIGRATION_DEFAULTS: dict[str, dict[str, Any]] = {"seq-mean-token-sum": {"divisor": 1.0}}
-
-# Names whose maths is not one of ours: refused with the reason, never mapped.
-REFUSED_NAMES: dict[str, str] = {
-    "bnpo": (
-        "TRL's 'bnpo' divides by the active tokens of each local micro-batch, so the loss changes with the "
-        "micro-batch split; use mode=token_mean for the step-global token mean"
-    ),
-    "token-sum": (
-        "verl's 'token-sum' adds every token of the step with no normalisation at all, so the loss scale grows with the batch "
-        "and the response lengths; use mode=constant with a divisor for a fixed scale, or token_mean"
-    ),
-}
+from lossagg.modes import ALIASES, DEFAULT_MODE, MODES, canonical_mode
 
 _TOKEN_MEAN = "token_mean"
 
 
+def _registered_mode(value: Any) -> str:
+    if isinstance(value, str) and value in MODES:
+        return value
+    raise PydanticCustomError("unknown_mode", "unknown mode {mode}", {"mode": short_repr(value)})
+
+
+class _ModeJsonSchema:
+    """The JSON Schema of ``mode``: the modes registered when the schema is generated."""
+
+    def __get_pydantic_json_schema__(self, core_schema, handler) -> dict[str, Any]:
+        return {
+            "type": "string",
+            "enum": list(MODES),
+            "title": "Mode",
+            "description": "; ".join(f"{m.name}: {m.summary}" for m in MODES.values()),
+        }
+
+
+#: A registered mode's name (validated against the registry at validation time).
+ModeName = Annotated[str, PlainValidator(_registered_mode), _ModeJsonSchema()]
+
+
 def _canonical_mode_name(data: Any) -> tuple[Any, str | None]:
-    """``data`` with a migration name or a hyphenated spelling of ``mode`` replaced by the
-    canonical name (and the migration name used, if any); refused names raise."""
+    """``data`` with an alias or another spelling of ``mode`` replaced by the mode's name (and
+    the alias used, if any), plus the settings the alias implies; refused names raise."""
     if not isinstance(data, Mapping) or not isinstance(data.get("mode"), str):
         return data, None
-    name = data["mode"].strip().lower()
-    if name in REFUSED_NAMES:
-        raise PydanticCustomError("refused_mode", "mode '{name}' is not supported: {reason}", {"name": data["mode"], "reason": REFUSED_NAMES[name]})
-    if name in MIGRATION_NAMES:
-        implied = {k: v for k, v in MIGRATION_DEFAULTS.get(name, {}).items() if k not in data}
-        return dict(data, mode=MIGRATION_NAMES[name][0], **implied), name
-    if name.replace("-", "_") in MODES:
-        return dict(data, mode=name.replace("-", "_")), None
-    return data, None
+    try:
+        mode, alias = canonical_mode(data["mode"], data)
+    except ValueError as exc:
+        raise PydanticCustomError("refused_mode", "{message}", {"message": str(exc)}) from None
+    if alias is None:
+        return (dict(data, mode=mode) if mode != data["mode"] else data), None
+    implied = {k: v for k, v in ALIASES[alias].implies.items() if k not in data}
+    return dict(data, mode=mode, **implied), alias
 
 
 class LossAggregationConfig(BaseModel):
@@ -91,10 +78,7 @@ class LossAggregationConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)
 
-    mode: AggregationMode = Field(
-        AggregationMode(DEFAULT_MODE),
-        description="; ".join(f"{m.name}: {m.summary}" for m in MODES.values()),
-    )
+    mode: ModeName = DEFAULT_MODE
     divisor: StrictFloat | None = Field(
         None, gt=0, allow_inf_nan=False, description="The constant divisor L of mode=constant (finite, > 0); an error with other modes."
     )
@@ -111,17 +95,18 @@ class LossAggregationConfig(BaseModel):
     @model_validator(mode="wrap")
     @classmethod
     def _resolve(cls, data: Any, handler):
+        data_keys = set(data) if isinstance(data, Mapping) else set()
         data, migrated = _canonical_mode_name(data)
         model = handler(data)
         notes: list[str] = []
         if migrated:
-            notes.append(f"mode {migrated!r} ({MIGRATION_NAMES[migrated][1]}) resolved to {model.mode.value}")
-            for key, value in MIGRATION_DEFAULTS.get(migrated, {}).items():
-                if getattr(model, key) == value:
+            notes.append(f"mode {migrated!r} ({ALIASES[migrated].origin}) resolved to {model.mode}")
+            for key, value in ALIASES[migrated].implies.items():
+                if getattr(model, key) == value and key not in data_keys:
                     notes.append(f"{key}={value} implied by mode {migrated!r}")
         mode = model.mode
         if model.calculate_per_token_loss is True and "mode" not in model.model_fields_set:
-            mode = AggregationMode(_TOKEN_MEAN)
+            mode = _TOKEN_MEAN
             notes.append("mode unset and calculate_per_token_loss=true: resolved to token_mean")
         problems = _rule_problems(model, mode)
         if problems:
@@ -131,7 +116,7 @@ class LossAggregationConfig(BaseModel):
         # The resolved settings are validated once more (into the same instance): the mode
         # the legacy flag chose, and the flag derived from the mode (true exactly under token_mean).
         resolved = {name: getattr(model, name) for name in model.model_fields_set}
-        resolved.update(mode=mode, calculate_per_token_loss=mode.value == _TOKEN_MEAN)
+        resolved.update(mode=mode, calculate_per_token_loss=mode == _TOKEN_MEAN)
         model = handler(resolved)
         model._notes = tuple(notes)
         return model
@@ -186,17 +171,17 @@ class LossAggregationConfig(BaseModel):
 def _rule_problems(model: LossAggregationConfig, mode) -> list[tuple[str, str, tuple[str, ...]]]:
     """The cross-field rules, on validated fields and the resolved mode: (path, message, the settings it depends on)."""
     problems: list[tuple[str, str, tuple[str, ...]]] = []
-    spec = MODES[mode.value]
+    spec = MODES[mode]
     flag = model.calculate_per_token_loss
-    if flag is True and mode.value != _TOKEN_MEAN:
+    if flag is True and mode != _TOKEN_MEAN:
         problems.append(
             (
                 "calculate_per_token_loss",
-                f"calculate_per_token_loss=true contradicts mode={mode.value} (it means token_mean); drop the flag or set mode=token_mean",
+                f"calculate_per_token_loss=true contradicts mode={mode} (it means token_mean); drop the flag or set mode=token_mean",
                 ("mode", "calculate_per_token_loss"),
             )
         )
-    elif flag is False and "calculate_per_token_loss" in model.model_fields_set and mode.value == _TOKEN_MEAN:
+    elif flag is False and "calculate_per_token_loss" in model.model_fields_set and mode == _TOKEN_MEAN:
         problems.append(
             (
                 "calculate_per_token_loss",
@@ -205,12 +190,12 @@ def _rule_problems(model: LossAggregationConfig, mode) -> list[tuple[str, str, t
             )
         )
     if spec.needs_divisor and model.divisor is None:
-        problems.append(("divisor", f"mode={mode.value} needs divisor (L, a finite number > 0)", ("mode", "calculate_per_token_loss", "divisor")))
+        problems.append(("divisor", f"mode={mode} needs divisor (L, a finite number > 0)", ("mode", "calculate_per_token_loss", "divisor")))
     elif not spec.needs_divisor and model.divisor is not None:
         problems.append(
             (
                 "divisor",
-                f"divisor is only used with mode={', '.join(m.name for m in MODES.values() if m.needs_divisor)}, got it with mode={mode.value}",
+                f"divisor is only used with mode={', '.join(m.name for m in MODES.values() if m.needs_divisor)}, got it with mode={mode}",
                 ("mode", "calculate_per_token_loss", "divisor"),
             )
         )
@@ -219,7 +204,7 @@ def _rule_problems(model: LossAggregationConfig, mode) -> list[tuple[str, str, t
         problems.append(
             (
                 "global_batch_size",
-                f"under {mode.value} global_batch_size ({model.global_batch_size}) must be a multiple of "
+                f"under {mode} global_batch_size ({model.global_batch_size}) must be a multiple of "
                 f"n_samples_per_prompt ({model.n_samples_per_prompt}) so that prompt groups stay whole",
                 ("mode", "calculate_per_token_loss", "global_batch_size", "n_samples_per_prompt"),
             )
@@ -228,4 +213,4 @@ def _rule_problems(model: LossAggregationConfig, mode) -> list[tuple[str, str, t
 
 
 def _issues(exc: ValidationError, invalid=()) -> list[tuple[str, str]]:
-    return issues_from_validation(exc, fields=LossAggregationConfig.model_fields, modes=MODE_NAMES, migration_names=MIGRATION_NAMES, invalid=invalid)
+    return issues_from_validation(exc, fields=LossAggregationConfig.model_fields, modes=tuple(MODES), migration_names=tuple(ALIASES), invalid=invalid)

@@ -12,12 +12,13 @@ import os
 import sys
 import time
 
-from lossagg.modes import MODE_NAMES
+from lossagg.modes import MODES
 
 
 def add_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=100, help="optimizer steps per mode (default 100)")
-    p.add_argument("--modes", nargs="+", default=list(MODE_NAMES), choices=MODE_NAMES, help="modes to run")
+    names = list(MODES)  # the modes registered when the parser is built
+    p.add_argument("--modes", nargs="+", default=names, choices=names, help="modes to run (default: every registered mode)")
     p.add_argument("--out", default="demo-out", help="folder for the figure and the table (default demo-out)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompts-per-step", type=int, default=8)
@@ -81,11 +82,19 @@ def run_demo(args) -> int:
         except lossagg.ConfigError as exc:
             print(exc, file=sys.stderr)
             return 1
-        if args.config_obj.mode.value not in args.modes:
-            args.modes = [*args.modes, args.config_obj.mode.value]
+        if args.config_obj.mode not in args.modes:
+            args.modes = [*args.modes, args.config_obj.mode]
         # the groups the demo samples must be the config's groups
-        if args.config_obj.n_samples_per_prompt is not None:
-            args.n_samples_per_prompt = args.config_obj.n_samples_per_prompt
+        n = args.config_obj.n_samples_per_prompt
+        if n is not None:
+            if n < 2:
+                print(
+                    f"lossagg demo: {args.config}: n_samples_per_prompt must be >= 2 for the demo "
+                    f"(group-relative advantages need two samples per prompt), got {n}",
+                    file=sys.stderr,
+                )
+                return 2
+            args.n_samples_per_prompt = n
     problem = _check_demo_args(args)
     if problem:
         print(f"lossagg demo: {problem}", file=sys.stderr)

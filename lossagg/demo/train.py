@@ -150,7 +150,7 @@ def train_mode(mode, args, progress):
     policy = Policy()
     opt = torch.optim.Adam(policy.parameters(), lr=args.lr)
     n = args.n_samples_per_prompt
-    if args.config_obj is not None and args.config_obj.mode.value == mode:
+    if args.config_obj is not None and args.config_obj.mode == mode:
         config = args.config_obj
     else:
         config = lossagg.LossAggregationConfig(mode=mode, n_samples_per_prompt=n, **demo_settings(mode))

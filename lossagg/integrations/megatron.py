@@ -58,6 +58,11 @@ def make_loss_func(
         raise ValueError(f"rollout_mask must have the shape of loss_mask {tuple(loss_mask.shape)}, got {tuple(rollout_mask.shape)}")
     if calculate_per_token_loss:
         local_tokens = ((loss_mask if rollout_mask is None else rollout_mask) != 0).sum()  # no host sync
+        if "total_tokens" not in plan.totals:
+            raise ValueError(
+                "calculate_per_token_loss=True scales by the step's rollout tokens T: pass total_tokens= to StepPlan.from_totals "
+                f"(this plan of mode={plan.config.mode} holds {', '.join(plan.totals)})"
+            )
         scale = plan.totals.total_tokens
     else:
         scale = gradient_scale("megatron", dp_size=dp_size, cp_size=cp_size, num_micro_batches=num_micro_batches)

@@ -54,8 +54,8 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without TRL
     raise ImportError(f"lossagg.integrations.trl needs TRL (pip install trl): {exc}") from exc
 
-from lossagg.config import MIGRATION_DEFAULTS, MIGRATION_NAMES, ConfigError, LossAggregationConfig
-from lossagg.modes import MODES
+from lossagg.config import ConfigError, LossAggregationConfig
+from lossagg.modes import ALIASES, MODES, canonical_mode
 from lossagg.ops import reduce
 from lossagg.step import StepPlan
 from lossagg.validate import as_int
@@ -86,6 +86,7 @@ def config_for_loss_type(loss_type: str, *, num_generations: int, max_completion
     """The lossagg config a ``GRPOConfig.loss_type`` stands for (see the module docstring)."""
     if not isinstance(loss_type, str):
         raise TypeError(f"loss_type must be a string, got {type(loss_type).__name__}")
+    given, loss_type = loss_type, loss_type.strip().lower()  # TRL's names, as the config reads mode names
     if loss_type in _OTHER_OBJECTIVES:
         raise ValueError(
             f"loss_type={loss_type!r} is a different per-token objective than the clipped surrogate lossagg's TRL adapter computes; "
@@ -102,9 +103,12 @@ def config_for_loss_type(loss_type: str, *, num_generations: int, max_completion
             UserWarning,
             stacklevel=3,
         )
-    canonical = MIGRATION_NAMES[mode][0] if mode in MIGRATION_NAMES else mode.replace("-", "_")
+    try:
+        canonical, alias = canonical_mode(mode)
+    except ValueError as exc:
+        raise ValueError(f"loss_type={given!r}: {exc}") from None
     settings: dict[str, Any] = {"mode": mode}
-    if canonical in MODES and MODES[canonical].needs_divisor and mode not in MIGRATION_DEFAULTS:
+    if canonical in MODES and MODES[canonical].needs_divisor and not (alias and "divisor" in ALIASES[alias].implies):
         if max_completion_length is None:
             raise ValueError(f"loss_type={loss_type!r} divides by max_completion_length, which is not set in GRPOConfig")
         settings["divisor"] = float(max_completion_length)
@@ -112,10 +116,9 @@ def config_for_loss_type(loss_type: str, *, num_generations: int, max_completion
         config = LossAggregationConfig.from_dict(settings, source="GRPOConfig.loss_type")
     except ConfigError as exc:
         raise ValueError(
-            f"loss_type must be one of TRL's {', '.join(TRL_LOSS_TYPES)} or lossagg's {', '.join(MODES)} (or a migration name), "
-            f"got {loss_type!r}: {exc}"
+            f"loss_type must be one of TRL's {', '.join(TRL_LOSS_TYPES)} or lossagg's {', '.join(MODES)} (or a migration name), got {given!r}: {exc}"
         ) from None
-    if MODES[config.mode.value].needs_groups:
+    if MODES[config.mode].needs_groups:
         # through validation again (model_copy would skip it)
         config = LossAggregationConfig.from_dict({**config.model_dump(exclude_unset=True, mode="json"), "n_samples_per_prompt": num_generations})
     return config
@@ -136,7 +139,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
             config = LossAggregationConfig.from_dict(loss_aggregation) if isinstance(loss_aggregation, Mapping) else loss_aggregation
             if not isinstance(config, LossAggregationConfig):
                 raise TypeError(f"loss_aggregation must be a LossAggregationConfig or a mapping of its settings, got {type(config).__name__}")
-            if MODES[config.mode.value].needs_groups:
+            if MODES[config.mode].needs_groups:
                 if config.n_samples_per_prompt is None:
                     config = LossAggregationConfig.from_dict(
                         {**config.model_dump(exclude_unset=True, mode="json"), "n_samples_per_prompt": self.num_generations}
@@ -181,7 +184,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
         all_counts = self.accelerator.gather(counts)
         group_index = None
         config = self.loss_aggregation
-        if MODES[config.mode.value].needs_groups:
+        if MODES[config.mode].needs_groups:
             # TRL's advantage groups: num_generations consecutive completions of the gathered batch
             # (num_generations_eval of them in evaluation)
             group_size = self.num_generations if self.model.training else self.num_generations_eval

@@ -1,0 +1,316 @@
+"""The step totals a mode's denominators are made of, declared as one table (SPEC §3, §4).
+
+Each :class:`StepTotal` says what the number is, how a rank computes its share from its own
+samples, how ranks combine their shares (``sum`` or ``max``), and how a value handed to
+``StepPlan.from_totals`` under the same name is checked against the rank's own data. A mode
+lists the totals it needs (``ModeSpec.totals``); the planner gathers exactly those
+(:func:`gather_totals`: every ``sum`` total in one all-reduce, the ``max`` totals in a second
+one only when the mode has any), and ``from_totals`` asks for exactly those
+(:func:`given_totals`): a missing one is a named error, never a rank-local stand-in.
+
+Inside a mode's ``denoms`` the totals are read as attributes (``x.totals.num_samples``);
+reading one the mode did not declare is an error, so a mode cannot silently depend on a
+number the planner never gathered across ranks.
+
+Importing this module does not import torch (the configuration works without it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+COMBINES = ("sum", "max")
+# A bound on the group labels of one step (the all-reduce buffer holds two float64 per label):
+# 2**24 prompt groups is far beyond any real step and keeps the buffer at 256 MiB.
+MAX_GROUP_LABELS = 2**24
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What one rank knows of the step: its own samples.
+
+    ``token_counts`` are the rollout token counts ``M[i]`` (float64 ``[n_local]``);
+    ``group_dense`` the index of each sample's group label in ``group_labels`` (when the mode
+    has prompt groups); ``n_samples_per_prompt`` the group size the config promises.
+    """
+
+    token_counts: Any
+    group_labels: Any = None
+    group_dense: Any = None
+    n_samples_per_prompt: int | None = None
+
+    @property
+    def num_labels(self) -> int:
+        return 0 if self.group_labels is None else int(self.group_labels.numel())
+
+
+@dataclass(frozen=True)
+class StepTotal:
+    """One step total: a number (or per-sample values) every rank must agree on."""
+
+    name: str  # attribute of StepTotals and keyword of StepPlan.from_totals
+    symbol: str  # as the formulas write it
+    combine: str  # "sum" or "max": how the ranks' shares make the step's value
+    meaning: str  # one line, for the docs and the errors
+    share: Callable[[RankShare], Any]  # the rank's share: a float64 1-D tensor
+    value: Callable[[Any, RankShare], Any]  # the step's value from the combined shares
+    given: Callable[[Any, RankShare], Any]  # a value handed to from_totals, checked against the rank's own data
+    per_group: bool = False  # needs each sample's prompt group
+    per_sample: bool = False  # the value is one entry per local sample (not one number for the step)
+
+    def __post_init__(self):
+        if self.combine not in COMBINES:
+            raise ValueError(f"StepTotal {self.name!r}: combine must be one of {', '.join(COMBINES)}, got {self.combine!r}")
+
+
+class StepTotals(Mapping):
+    """The totals a plan holds, by name; read as attributes (``totals.num_samples``).
+
+    Only the totals the mode declared are here: reading another one raises an error naming it.
+    """
+
+    def __init__(self, values: Mapping[str, Any], mode: str | None = None):
+        object.__setattr__(self, "_values", dict(values))
+        object.__setattr__(self, "_mode", mode)
+
+    def __getattr__(self, name: str):
+        values = object.__getattribute__(self, "_values")
+        if name in values:
+            return values[name]
+        if name.startswith("_") or name not in TOTALS:
+            raise AttributeError(name)
+        mode = object.__getattribute__(self, "_mode")
+        raise AttributeError(
+            f"step total {name!r} was not gathered: mode {mode!r} does not list it in its totals "
+            f"({', '.join(values) or 'none'}); add it to the mode's ModeSpec.totals"
+        )
+
+    def __setattr__(self, name, value):
+        raise AttributeError("StepTotals is read-only")
+
+    def __getitem__(self, name: str):
+        return self._values[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        shown = {k: (v if isinstance(v, (int, float)) else f"<{type(v).__name__}>") for k, v in self._values.items()}
+        return f"StepTotals({shown})"
+
+
+# ------------------------------------------------------------ rank shares and checks
+def _torch():
+    import torch
+
+    return torch
+
+
+def _scalar(value) -> Any:
+    return _torch().tensor([float(value)], dtype=_torch().float64)
+
+
+def _group_sizes(share: RankShare):
+    torch = _torch()
+    sizes = torch.zeros(share.num_labels, dtype=torch.float64, device=share.token_counts.device)
+    return sizes.index_add_(0, share.group_dense, torch.ones_like(share.token_counts))
+
+
+def _group_token_sums(share: RankShare):
+    torch = _torch()
+    sums = torch.zeros(share.num_labels, dtype=torch.float64, device=share.token_counts.device)
+    return sums.index_add_(0, share.group_dense, share.token_counts)
+
+
+def _num_groups(sizes, share: RankShare) -> int:
+    from lossagg.denominators import check_group_sizes
+
+    check_group_sizes(share.group_labels, sizes.long(), share.n_samples_per_prompt)
+    return int((sizes > 0).sum().item())
+
+
+def _given_num_samples(value, share: RankShare) -> int:
+    from lossagg.validate import as_int
+
+    n = share.token_counts.shape[0]
+    value = as_int("num_samples", value, minimum=0)
+    if value < n:
+        raise ValueError(f"num_samples (N, the step's samples) must be >= this rank's {n} sample(s), got {value}")
+    return value
+
+
+def _given_at_least_local(name: str, what: str, local: Callable[[Any], float]) -> Callable[[Any, RankShare], float]:
+    def check(value, share: RankShare) -> float:
+        from lossagg.validate import as_number
+
+        number = as_number(name, value, positive=False)
+        own = local(share.token_counts)
+        if number < own:
+            raise ValueError(f"{name} ({what}) must be >= this rank's own {own:g}, got {value!r}")
+        return number
+
+    return check
+
+
+def _given_num_groups(value, share: RankShare) -> int:
+    from lossagg.validate import as_int
+
+    return as_int("num_groups", value, minimum=1 if share.token_counts.shape[0] else 0)
+
+
+def _given_group_token_sums(value, share: RankShare):
+    from lossagg.denominators import check_token_counts
+
+    counts = share.token_counts
+    sums = check_token_counts(value, name="group_token_sums").to(counts.device)
+    if sums.shape != counts.shape:
+        raise ValueError(f"group_token_sums must have one entry per local sample ({counts.shape[0]}), got shape {tuple(sums.shape)}")
+    short = sums < counts
+    if bool(short.any()):
+        i = int(short.nonzero()[0, 0])
+        raise ValueError(
+            f"group_token_sums[{i}] (Sg, the tokens of sample {i}'s prompt group) must be >= the sample's own "
+            f"{float(counts[i]):g} tokens, got {float(sums[i]):g}"
+        )
+    return sums
+
+
+def _local_max(counts) -> float:
+    return float(counts.max()) if counts.numel() else 0.0
+
+
+_ENTRIES = (
+    StepTotal(
+        name="num_samples",
+        symbol="N",
+        combine="sum",
+        meaning="samples in the step (empty ones included)",
+        share=lambda s: _scalar(s.token_counts.shape[0]),
+        value=lambda x, s: int(round(x.item())),
+        given=_given_num_samples,
+    ),
+    StepTotal(
+        name="total_tokens",
+        symbol="T",
+        combine="sum",
+        meaning="rollout tokens of the step",
+        share=lambda s: s.token_counts.sum().reshape(1),
+        value=lambda x, s: float(x.item()),
+        given=_given_at_least_local("total_tokens", "T, the step's rollout tokens", lambda c: float(c.sum())),
+    ),
+    StepTotal(
+        name="max_tokens",
+        symbol="L_max",
+        combine="max",
+        meaning="rollout tokens of the step's longest sample",
+        share=lambda s: _scalar(_local_max(s.token_counts)),
+        value=lambda x, s: float(x.item()),
+        given=_given_at_least_local("max_tokens", "L_max, the step's longest rollout", _local_max),
+    ),
+    StepTotal(
+        name="num_groups",
+        symbol="P",
+        combine="sum",
+        meaning="prompt groups present in the step",
+        share=_group_sizes,
+        value=_num_groups,
+        given=_given_num_groups,
+        per_group=True,
+    ),
+    StepTotal(
+        name="group_token_sums",
+        symbol="Sg[g(i)]",
+        combine="sum",
+        meaning="rollout tokens of each local sample's prompt group",
+        share=_group_token_sums,
+        value=lambda x, s: x[s.group_dense],
+        given=_given_group_token_sums,
+        per_group=True,
+        per_sample=True,
+    ),
+)
+
+#: Every step total a mode can declare, by name.
+TOTALS: Mapping[str, StepTotal] = MappingProxyType({t.name: t for t in _ENTRIES})
+
+
+# ----------------------------------------------------------------- consistency
+def _consistency(values: Mapping[str, Any], n_samples_per_prompt: int | None) -> None:
+    """Totals handed to from_totals that contradict each other."""
+    n, p = values.get("num_samples"), values.get("num_groups")
+    if n is not None and p is not None:
+        if p > n:
+            raise ValueError(f"num_groups (P, {p}) cannot exceed num_samples (N, {n}): every group holds at least one sample")
+        if n_samples_per_prompt is not None and n != n_samples_per_prompt * p:
+            raise ValueError(
+                f"num_samples (N, {n}) must equal n_samples_per_prompt ({n_samples_per_prompt}) × num_groups (P, {p}) = "
+                f"{n_samples_per_prompt * p}: the config promises whole groups of n_samples_per_prompt samples"
+            )
+    t, sg, lmax = values.get("total_tokens"), values.get("group_token_sums"), values.get("max_tokens")
+    if t is not None and sg is not None and sg.numel() and float(sg.max()) > t:
+        raise ValueError(f"group_token_sums holds {float(sg.max()):g}, more than total_tokens (T, {t:g}): a group's tokens are part of the step's")
+    if t is not None and lmax is not None and lmax > t:
+        raise ValueError(f"max_tokens (L_max, {lmax:g}) cannot exceed total_tokens (T, {t:g})")
+
+
+# ------------------------------------------------------------------ the two paths
+def needs_groups(names: Iterable[str]) -> bool:
+    return any(TOTALS[name].per_group for name in names)
+
+
+def gather_totals(names: Iterable[str], share: RankShare, process_group=None, mode: str | None = None) -> StepTotals:
+    """The totals ``names`` of the step: the rank's shares combined over ``process_group``.
+
+    All ``sum`` totals travel in one float64 all-reduce, the ``max`` totals in a second one
+    (only when there are any); without a process group the rank's shares are the step's.
+    """
+    torch = _torch()
+    wanted = [TOTALS[name] for name in dict.fromkeys(names)]
+    values: dict[str, Any] = {}
+    for combine in COMBINES:
+        group = [t for t in wanted if t.combine == combine]
+        if not group:
+            continue
+        shares = [t.share(share).to(torch.float64).reshape(-1) for t in group]
+        buf = torch.cat(shares)
+        if process_group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM if combine == "sum" else dist.ReduceOp.MAX, group=process_group)
+        for t, piece in zip(group, buf.split([s.numel() for s in shares]), strict=True):
+            values[t.name] = t.value(piece, share)
+    return StepTotals({t.name: values[t.name] for t in wanted}, mode)
+
+
+def given_totals(names: Iterable[str], given: Mapping[str, Any], share: RankShare, mode: str | None = None) -> StepTotals:
+    """The totals ``names`` from values a trainer already has (``StepPlan.from_totals``).
+
+    Every total the mode needs must be given (a named error otherwise); each is checked
+    against the rank's own data and against the others. Totals given but not needed are
+    checked too and kept.
+    """
+    unknown = [k for k in given if k not in TOTALS]
+    if unknown:
+        from lossagg.config.errors import did_you_mean
+
+        raise TypeError(f"unknown step total {unknown[0]!r}{did_you_mean(unknown[0], TOTALS)}; the totals are {', '.join(TOTALS)}")
+    wanted = list(dict.fromkeys(names))
+    missing = [name for name in wanted if given.get(name) is None]
+    if missing:
+        described = "; ".join(f"{name} ({TOTALS[name].symbol}, {TOTALS[name].meaning})" for name in missing)
+        raise ValueError(f"mode={mode} needs the step total(s) {described}: pass them to from_totals")
+    values = {name: TOTALS[name].given(value, share) for name, value in given.items() if value is not None}
+    _consistency(values, share.n_samples_per_prompt)
+    order = wanted + [name for name in values if name not in wanted]
+    return StepTotals({name: values[name] for name in order}, mode)
+
+
+def check_group_label_count(num_labels: int) -> None:
+    if num_labels > MAX_GROUP_LABELS:
+        raise ValueError(f"num_group_labels must be <= {MAX_GROUP_LABELS} (the planner all-reduces two float64 per label), got {num_labels}")
