@@ -119,6 +119,10 @@ def _constant_reference(r: ReferenceInputs):
     return sum(r.numerators) / (len(r.numerators) * float(r.divisor))
 
 
+def _max_length_reference(r: ReferenceInputs):
+    return sum(r.numerators) / (len(r.numerators) * _c(max(r.token_counts)))
+
+
 _ENTRIES = (
     ModeSpec(
         name="sample_mean",
@@ -158,13 +162,27 @@ _ENTRIES = (
         reference=_constant_reference,
         example_settings={"divisor": 64.0},
     ),
+    ModeSpec(
+        name="max_length",
+        summary="Dr.GRPO with L = the step's longest rollout (verl's seq-mean-token-sum-norm, split-invariant)",
+        formula="(1/N) Σ_i Σ_t m·l / c(L_max)",
+        denom_formula="N · c(L_max)",
+        totals=("num_samples", "max_tokens"),
+        denoms=lambda x: x.token_counts.new_full(x.token_counts.shape, float(x.totals.num_samples) * _c(x.totals.max_tokens)),
+        reference=_max_length_reference,
+    ),
 )
 
 # Other trainers' names for the same maths.
 _ALIASES = {
     "seq-mean-token-mean": Alias("sample_mean", "verl loss_agg_mode"),
     "token-mean": Alias("token_mean", "verl loss_agg_mode"),
-    "seq-mean-token-sum-norm": Alias("constant", "verl loss_agg_mode (Dr.GRPO; divisor = its loss_scale_factor)"),
+    "seq-mean-token-sum-norm": Alias(
+        "max_length",
+        "verl loss_agg_mode (Dr.GRPO; verl divides by its micro-batch's padded width: max_length uses the step's longest rollout; "
+        "with a divisor, its loss_scale_factor, it is constant)",
+        with_divisor="constant",
+    ),
     "grpo": Alias("sample_mean", "TRL GRPOConfig.loss_type"),
     "dapo": Alias("token_mean", "TRL GRPOConfig.loss_type (tokens of the whole accumulated batch)"),
     "dr_grpo": Alias("constant", "TRL GRPOConfig.loss_type (divisor = max_completion_length)"),

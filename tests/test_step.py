@@ -75,6 +75,9 @@ def hand_example():
         ("prompt_mean", {}, (6 + 4) / 4 / 1),  # 2.5
         ("token_mean", {}, (6 + 4) / 4),  # 2.5
         ("constant", {"divisor": 5.0}, (6 + 4) / (2 * 5)),  # 1.0
+        ("max_length", {}, (6 + 4) / (2 * 3)),  # L_max = 3: 1.666...
+        ("seq-mean-token-sum-norm", {}, (6 + 4) / (2 * 3)),  # verl's name without a divisor: max_length
+        ("seq-mean-token-sum-norm", {"divisor": 5.0}, (6 + 4) / (2 * 5)),  # with one (its loss_scale_factor): constant
     ],
 )
 def test_hand_worked_examples(mode, extra, expected):
