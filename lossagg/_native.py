@@ -12,7 +12,8 @@ import os
 
 import torch
 
-CPU_ISAS = ("auto", "avx512", "avx2", "baseline")
+from lossagg.env import CPU_ISAS
+
 REBUILD = "pip install --no-build-isolation -e .  (in a clone; `make demo` runs it) or pip install --no-build-isolation --force-reinstall lossagg"
 LIBRARY_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "liblossagg_ops.so")
 
@@ -45,16 +46,6 @@ for _name, _res, _args in (
 ):
     getattr(_lib, _name).restype = _res
     getattr(_lib, _name).argtypes = _args
-
-
-def check_cpu_isa_env() -> None:
-    """Raise ValueError naming LOSSAGG_CPU_ISA when it holds an unknown name."""
-    value = os.environ.get("LOSSAGG_CPU_ISA", "")
-    if value not in ("", *CPU_ISAS):
-        raise ValueError(f"LOSSAGG_CPU_ISA must be one of {', '.join(CPU_ISAS)}, got {value!r}")
-
-
-check_cpu_isa_env()
 
 
 def built_with_cuda() -> bool:

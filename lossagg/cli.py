@@ -79,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from lossagg.env import check_cpu_isa_env
+
+    try:
+        check_cpu_isa_env()
+    except ValueError as exc:
+        print(f"lossagg {args.command}: {exc}", file=sys.stderr)
+        return 2
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -34,6 +34,11 @@ Samples = slice | Sequence[int] | torch.Tensor
 
 
 def _as_config(config) -> LossAggregationConfig:
+    if isinstance(config, str):
+        raise TypeError(
+            f"config must be a LossAggregationConfig (or a mapping of its settings), got the string {config!r}: "
+            f"pass LossAggregationConfig(mode={config!r}) or {{'mode': {config!r}}}"
+        )
     if isinstance(config, Mapping):
         return LossAggregationConfig.from_dict(config)
     if not isinstance(config, LossAggregationConfig):
@@ -154,6 +159,8 @@ class StepPlan:
             raise TypeError(f"samples must be integer positions, a slice or a bool selection, got {type(samples).__name__}") from None
         if pos.dim() != 1:
             raise ValueError(f"samples must be 1-D, got shape {tuple(pos.shape)}")
+        if pos.numel() == 0 and pos.dtype != torch.bool:  # no samples (an empty list is float32 to torch)
+            return torch.zeros(0, dtype=torch.long, device=self.device)
         if pos.dtype == torch.bool:
             if pos.shape[0] != n:
                 raise ValueError(f"samples as a bool selection must have one entry per sample of this rank ({n}), got {pos.shape[0]}")

@@ -25,10 +25,9 @@ def _plain(value):
 
 
 def as_int(name: str, value, *, minimum: int) -> int:
-    """``value`` as an int >= ``minimum`` (Python/NumPy integers and 0-dim integer tensors)."""
+    """``value`` as an int >= ``minimum`` (Python/NumPy integers and 0-dim integer tensors;
+    floats are refused, integral or not: a count is an integer)."""
     plain = _plain(value)
-    if isinstance(plain, float) and plain.is_integer() and not isinstance(value, float):
-        plain = int(plain)
     if not isinstance(plain, int) or plain < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return plain

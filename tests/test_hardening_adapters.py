@@ -132,3 +132,170 @@ def test_trl_config_for_loss_type_checks_its_numbers():
         trl_adapter.config_for_loss_type("dr_grpo", num_generations=4, max_completion_length=0)
     config = trl_adapter.config_for_loss_type("prompt_mean", num_generations=np.int64(4), max_completion_length=8)
     assert config.n_samples_per_prompt == 4 and type(config.n_samples_per_prompt) is int
+
+
+def test_trl_loss_type_spelling_is_normalised_like_the_config():
+    trl_adapter = pytest.importorskip("lossagg.integrations.trl", reason="TRL is not importable (scripts/install_peers.sh installs it)")
+    for spelling in ("Dr_GRPO", " dr_grpo ", "DR_GRPO"):
+        config = trl_adapter.config_for_loss_type(spelling, num_generations=4, max_completion_length=16)
+        assert (config.mode, config.divisor) == ("constant", 16.0)
+    assert trl_adapter.config_for_loss_type(" DAPO", num_generations=4, max_completion_length=None).mode == "token_mean"
+    with pytest.raises(ValueError, match="loss_type='Token-Sum': mode 'token-sum' is not supported"):
+        trl_adapter.config_for_loss_type("Token-Sum", num_generations=4, max_completion_length=16)
+
+
+# ------------------------------------------------- hypothesis: the numeric arguments
+# Each property draws numbers of every kind a caller might hand over (Python, NumPy, 0-dim
+# tensors, bools, strings, NaN/inf, huge) and checks the verdict against an oracle written
+# here: accepted with the float64 formula's value, or refused naming the argument.
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+PROPERTY = settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+
+numbers = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 40),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.floats(-5, 40),
+    st.integers(-3, 40).map(np.int64),
+    st.integers(-3, 40).map(np.int32),
+    st.floats(-5, 40).map(np.float64),
+    st.integers(-3, 40).map(torch.tensor),
+    st.floats(-5, 40).map(lambda x: torch.tensor(x, dtype=torch.float64)),
+    st.just(torch.tensor([2, 3])),
+    st.just(torch.tensor(True)),
+    st.text(max_size=4),
+    st.just([2]),
+)
+
+
+def int_like(v):
+    """The integer a count argument stands for, or None (floats, bools, strings... are not counts)."""
+    if isinstance(v, bool) or isinstance(v, np.bool_):
+        return None
+    if isinstance(v, (int, np.integer)):
+        return int(v)
+    if isinstance(v, torch.Tensor) and v.dim() == 0 and not v.is_floating_point() and v.dtype != torch.bool:
+        return int(v.item())
+    return None
+
+
+def number_like(v):
+    """The finite float a number argument stands for, or None."""
+    n = int_like(v)
+    if n is not None:
+        return float(n)
+    if isinstance(v, (float, np.floating)) and not isinstance(v, bool):
+        return float(v) if np.isfinite(v) else None
+    if isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point():
+        return float(v.item()) if torch.isfinite(v) else None
+    return None
+
+
+def refused_naming(call, *names):
+    with pytest.raises((ValueError, TypeError)) as err:
+        call()
+    assert any(n in str(err.value) for n in names), f"{err.value!r} names none of {names}"
+
+
+@PROPERTY
+@given(batch_num_tokens=numbers, dp_size=numbers)
+def test_verl_token_mean_numbers(batch_num_tokens, dp_size):
+    call = lambda: verl(batch_num_tokens=batch_num_tokens, dp_size=dp_size)  # noqa: E731
+    dp = int_like(dp_size)
+    if dp is None or dp < 1:
+        return refused_naming(call, "dp_size")
+    if batch_num_tokens is None:
+        if dp > 1:
+            return refused_naming(call, "batch_num_tokens")
+        total = 11.0
+    else:
+        total = number_like(batch_num_tokens)
+        if total is None or total < 11:  # the micro-batch holds 11 tokens
+            return refused_naming(call, "batch_num_tokens")
+    assert call().item() == pytest.approx(MASKED_SUM / total * dp, rel=1e-12)
+
+
+@PROPERTY
+@given(global_batch_size=numbers, loss_scale_factor=numbers, dp_size=st.sampled_from([1, 2, np.int64(4)]))
+def test_verl_seq_mean_token_sum_norm_numbers(global_batch_size, loss_scale_factor, dp_size):
+    call = lambda: verl(
+        loss_agg_mode="seq-mean-token-sum-norm", global_batch_size=global_batch_size, loss_scale_factor=loss_scale_factor, dp_size=dp_size
+    )  # noqa: E731
+    dp = int(dp_size)
+    if global_batch_size is None:
+        if dp > 1:
+            return refused_naming(call, "global_batch_size")
+        batch = 3.0
+    else:
+        batch = int_like(global_batch_size)
+        if batch is None or batch < 3:  # the micro-batch holds 3 non-empty sequences
+            return refused_naming(call, "global_batch_size")
+    if loss_scale_factor is None:
+        scale = 5.0  # verl's default: the padded width
+    else:
+        scale = number_like(loss_scale_factor)
+        if scale is None or scale <= 0:
+            return refused_naming(call, "loss_scale_factor")
+    assert call().item() == pytest.approx(MASKED_SUM / (batch * scale) * dp, rel=1e-12)
+
+
+@PROPERTY
+@given(num_micro_batches=numbers, dp_size=numbers, cp_size=numbers, per_token=st.booleans())
+def test_megatron_sizes(num_micro_batches, dp_size, cp_size, per_token):
+    plan, cu, mask = megatron_plan()
+    call = lambda: make_loss_func(  # noqa: E731
+        plan, [0, 1], cu, mask, num_micro_batches=num_micro_batches, dp_size=dp_size, cp_size=cp_size, calculate_per_token_loss=per_token
+    )
+    sizes = {"num_micro_batches": int_like(num_micro_batches), "dp_size": int_like(dp_size), "cp_size": int_like(cp_size)}
+    bad = [name for name, v in sizes.items() if v is None or v < 1]
+    if bad:
+        return refused_naming(call, *bad)
+    out = call()(torch.full((9,), 3.0, dtype=torch.float64))
+    scale = 9.0 if per_token else sizes["num_micro_batches"] * sizes["dp_size"]  # T, or micro-batches x DP
+    assert out[0].item() == pytest.approx(3.0 * scale, rel=1e-12)
+
+
+@PROPERTY
+@given(num_samples=numbers, total_tokens=numbers, max_tokens=numbers)
+def test_from_totals_numbers(num_samples, total_tokens, max_tokens):
+    counts = torch.tensor([3, 0, 5, 4])  # 4 samples, 12 tokens, longest 5
+    config = lossagg.LossAggregationConfig(mode="max_length")
+    call = lambda: lossagg.StepPlan.from_totals(config, counts, num_samples=num_samples, total_tokens=total_tokens, max_tokens=max_tokens)  # noqa: E731
+    n, t, lmax = int_like(num_samples), number_like(total_tokens), number_like(max_tokens)
+    if num_samples is None:
+        return refused_naming(call, "num_samples")
+    if max_tokens is None:
+        return refused_naming(call, "max_tokens")
+    bad = []
+    if n is None or n < 4:
+        bad.append("num_samples")
+    if total_tokens is not None and (t is None or t < 12):
+        bad.append("total_tokens")
+    if lmax is None or lmax < 5:
+        bad.append("max_tokens")
+    if not bad and t is not None and lmax > t:
+        bad.append("max_tokens")
+    if bad:
+        return refused_naming(call, *bad)
+    assert call().sample_denoms.tolist() == [n * max(lmax, 1.0)] * 4
+
+
+@PROPERTY
+@given(num_generations=numbers, max_completion_length=numbers, loss_type=st.sampled_from(["grpo", "dr_grpo", "prompt_mean", "max_length"]))
+def test_trl_numbers(num_generations, max_completion_length, loss_type):
+    trl_adapter = pytest.importorskip("lossagg.integrations.trl", reason="TRL is not importable (scripts/install_peers.sh installs it)")
+    call = lambda: trl_adapter.config_for_loss_type(loss_type, num_generations=num_generations, max_completion_length=max_completion_length)  # noqa: E731
+    g, m = int_like(num_generations), int_like(max_completion_length)
+    if g is None or g < 1:
+        return refused_naming(call, "num_generations")
+    if max_completion_length is not None and (m is None or m < 1):
+        return refused_naming(call, "max_completion_length")
+    if loss_type == "dr_grpo" and m is None:
+        return refused_naming(call, "max_completion_length")
+    config = call()
+    assert config.divisor == (float(m) if loss_type == "dr_grpo" else None)
+    assert config.n_samples_per_prompt == (g if loss_type == "prompt_mean" else None)

@@ -41,14 +41,33 @@ std::atomic<int>& cap() {
     const char* env = std::getenv("LOSSAGG_CPU_ISA");
     Isa isa = Isa::avx512;
     if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0 || !parse(env, &isa)) {
-      return static_cast<int>(Isa::avx512);  // no cap (an unknown name is reported by cpu_isa_setting)
+      return static_cast<int>(Isa::avx512);  // no cap (the CPU ops raise isa_env_problem() for an unknown name)
     }
     return static_cast<int>(isa);
   }()};
   return value;
 }
 
+std::atomic<bool>& set_explicitly() {
+  static std::atomic<bool> value{false};
+  return value;
+}
+
 }  // namespace
+
+const std::string& isa_env_problem() {
+  static const std::string empty;
+  static const std::string problem = [] {
+    const char* env = std::getenv("LOSSAGG_CPU_ISA");
+    Isa isa = Isa::avx512;
+    if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0 || parse(env, &isa)) {
+      return std::string();
+    }
+    return "LOSSAGG_CPU_ISA must be one of auto, avx512, avx2, baseline, got '" + std::string(env) +
+        "' (fix or unset it; lossagg.set_cpu_isa() overrides it)";
+  }();
+  return set_explicitly().load(std::memory_order_relaxed) ? empty : problem;
+}
 
 Isa best_isa() {
   static const Isa best = detect();
@@ -96,6 +115,7 @@ void set_cpu_isa(const std::string& name) {
     TORCH_CHECK_VALUE(ok, "lossagg.set_cpu_isa: isa must be one of auto, avx512, avx2, baseline, got '", name, "'");
   }
   cpu::cap().store(static_cast<int>(isa));
+  cpu::set_explicitly().store(true, std::memory_order_relaxed);
 }
 
 }  // namespace lossagg

@@ -4,6 +4,8 @@
 // so the choice changes the speed, never a bit of the result.
 #pragma once
 
+#include <string>
+
 namespace lossagg::cpu {
 
 enum class Isa : int { baseline = 0, avx2 = 1, avx512 = 2 };
@@ -13,5 +15,8 @@ Isa active_isa();
 // The widest ISA this CPU and this build support.
 Isa best_isa();
 const char* isa_name(Isa isa);
+// Empty, or why LOSSAGG_CPU_ISA cannot be used (an unknown name): the CPU ops raise it, until
+// set_cpu_isa() overrides the variable.
+const std::string& isa_env_problem();
 
 }  // namespace lossagg::cpu

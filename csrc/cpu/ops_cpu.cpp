@@ -20,6 +20,8 @@ KernelArgs kernel_args(const TokenCall& call, c10::ScalarType values_dtype) {
 }
 
 const Engine& engine() {
+  const std::string& problem = isa_env_problem();
+  TORCH_CHECK_VALUE(problem.empty(), problem);
   return engine_for(active_isa());
 }
 

@@ -24,6 +24,20 @@ class ConfigError(ValueError):
 
 
 MAX_QUOTED = 80  # characters of a user's value quoted in a message
+#: Integer literals longer than this many digits are not converted (Python refuses over 4300
+#: by default, and the conversion costs quadratic time): they are kept as a HugeInt, so the
+#: error names the setting.
+MAX_INT_DIGITS = 4000
+
+
+class HugeInt:
+    """An integer literal of a config file too long to convert, kept as its length."""
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"<an integer of {self.digits} digits>"
 
 
 def short_repr(value: Any, limit: int = MAX_QUOTED, quote: bool = True) -> str:
@@ -79,6 +93,8 @@ def issues_from_validation(
                     f"{', '.join(modes)} (or a migration name: {', '.join(migration_names)})",
                 )
             )
+        elif isinstance(err.get("input"), HugeInt):
+            issues.append((loc, f"an integer of {err['input'].digits} digits is out of range for this setting"))
         elif kind == "bool_type" and isinstance(err.get("input"), str):
             issues.append((loc, f"expected a boolean (true/false, unquoted), got the string {short_repr(err['input'])}"))
         else:

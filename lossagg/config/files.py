@@ -5,7 +5,10 @@ Bounded work whatever the file holds: at most :data:`MAX_FILE_BYTES` are read (s
 ``/dev/zero`` or a huge file is refused before parsing), the parsed structure may hold at
 most :data:`MAX_NODES` values nested at most :data:`MAX_DEPTH` deep (YAML aliases are
 counted where they are used, so an alias bomb is refused), and a key given twice in one
-mapping is an error in every format. Every problem is a :class:`ConfigError` naming the
+mapping is an error in every format. YAML merge keys (``<<: *defaults``) work as YAML
+defines them (the mapping's own keys win). An integer literal of more than
+:data:`~lossagg.config.errors.MAX_INT_DIGITS` digits is not converted but kept as a
+:class:`~lossagg.config.errors.HugeInt`, so the config's error names its setting. Every problem is a :class:`ConfigError` naming the
 file: never a Python traceback.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import sys
 from collections.abc import Mapping
@@ -20,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from lossagg.config.errors import ConfigError, did_you_mean, short_repr
+from lossagg.config.errors import MAX_INT_DIGITS, ConfigError, HugeInt, did_you_mean, short_repr
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -69,12 +73,19 @@ class _DuplicateKey(ValueError):
         super().__init__(f"the key {short_repr(key)} is given twice in one mapping")
 
 
+def _json_int(text: str):
+    return HugeInt(len(text.lstrip("+-"))) if len(text) > MAX_INT_DIGITS else int(text)
+
+
 class _StrictYamlLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice in one mapping."""
+    """SafeLoader that refuses a key given twice in one mapping (merge keys aside) and keeps
+    over-long integers as HugeInt."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # merged in by SafeLoader; own keys win
+                continue
             key = self.construct_object(key_node, deep=deep)
             try:
                 hashable = hash(key) is not None
@@ -85,6 +96,30 @@ class _StrictYamlLoader(yaml.SafeLoader):
             if hashable:
                 seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node):
+        text = str(self.construct_scalar(node)).replace("_", "")
+        if len(text) > MAX_INT_DIGITS:
+            return HugeInt(len(text.lstrip("+-")))
+        return super().construct_yaml_int(node)
+
+
+_StrictYamlLoader.add_constructor("tag:yaml.org,2002:int", _StrictYamlLoader.construct_yaml_int)
+
+# TOML has no integer hook: a `key = <long integer>` line is rewritten to a marker string
+# before parsing and turned into a HugeInt after.
+_TOML_HUGE = re.compile(rf"^([ \t]*[^\s=#\[][^=\n]*=[ \t]*)([+-]?[0-9][0-9_]{{{MAX_INT_DIGITS},}})([ \t]*(?:#.*)?)$", re.M)
+_TOML_MARK = "__lossagg_huge_int__"
+
+
+def _toml_huge(value: Any) -> Any:
+    if isinstance(value, str) and value.startswith(_TOML_MARK):
+        return HugeInt(int(value[len(_TOML_MARK) :]))
+    if isinstance(value, dict):
+        return {k: _toml_huge(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_toml_huge(v) for v in value]
+    return value
 
 
 def _check_shape(data: Any, path: str) -> None:
@@ -107,9 +142,10 @@ def _check_shape(data: Any, path: str) -> None:
 
 def _parse(raw: bytes, ext: str) -> Any:
     if ext == ".json":
-        return json.loads(raw, object_pairs_hook=_no_duplicate_pairs)
+        return json.loads(raw, object_pairs_hook=_no_duplicate_pairs, parse_int=_json_int)
     if ext == ".toml":
-        return tomllib.loads(raw.decode("utf-8"))
+        text = _TOML_HUGE.sub(lambda m: f'{m.group(1)}"{_TOML_MARK}{len(m.group(2).lstrip("+-").replace("_", ""))}"{m.group(3)}', raw.decode("utf-8"))
+        return _toml_huge(tomllib.loads(text))
     return yaml.load(raw, Loader=_StrictYamlLoader)  # noqa: S506 - a SafeLoader subclass
 
 

@@ -34,6 +34,8 @@ from lossagg.config.files import read_file, select_section
 from lossagg.modes import ALIASES, DEFAULT_MODE, MODES, canonical_mode
 
 _TOKEN_MEAN = "token_mean"
+# Sample counts travel in float64 between ranks: exact up to 2**53.
+MAX_COUNT = 2**53
 
 
 def _registered_mode(value: Any) -> str:
@@ -84,10 +86,10 @@ class LossAggregationConfig(BaseModel):
     )
     calculate_per_token_loss: StrictBool | None = Field(None, description="Legacy Megatron flag; true means token_mean when mode is unset.")
     n_samples_per_prompt: StrictInt | None = Field(
-        None, ge=1, description="Samples per prompt group (n); when given, every group of a step must hold exactly n samples."
+        None, ge=1, le=MAX_COUNT, description="Samples per prompt group (n); when given, every group of a step must hold exactly n samples."
     )
     global_batch_size: StrictInt | None = Field(
-        None, ge=1, description="Samples per optimizer step; a multiple of n_samples_per_prompt under prompt_mean."
+        None, ge=1, le=MAX_COUNT, description="Samples per optimizer step; a multiple of n_samples_per_prompt under prompt_mean."
     )
 
     _notes: tuple[str, ...] = PrivateAttr(default=())
@@ -173,6 +175,8 @@ def _rule_problems(model: LossAggregationConfig, mode) -> list[tuple[str, str, t
     problems: list[tuple[str, str, tuple[str, ...]]] = []
     spec = MODES[mode]
     flag = model.calculate_per_token_loss
+    # what the resolved mode depends on: the flag too only when no mode was given
+    by = ("mode",) if "mode" in model.model_fields_set else ("mode", "calculate_per_token_loss")
     if flag is True and mode != _TOKEN_MEAN:
         problems.append(
             (
@@ -190,13 +194,13 @@ def _rule_problems(model: LossAggregationConfig, mode) -> list[tuple[str, str, t
             )
         )
     if spec.needs_divisor and model.divisor is None:
-        problems.append(("divisor", f"mode={mode} needs divisor (L, a finite number > 0)", ("mode", "calculate_per_token_loss", "divisor")))
+        problems.append(("divisor", f"mode={mode} needs divisor (L, a finite number > 0)", (*by, "divisor")))
     elif not spec.needs_divisor and model.divisor is not None:
         problems.append(
             (
                 "divisor",
                 f"divisor is only used with mode={', '.join(m.name for m in MODES.values() if m.needs_divisor)}, got it with mode={mode}",
-                ("mode", "calculate_per_token_loss", "divisor"),
+                (*by, "divisor"),
             )
         )
     n = model.n_samples_per_prompt
@@ -206,7 +210,7 @@ def _rule_problems(model: LossAggregationConfig, mode) -> list[tuple[str, str, t
                 "global_batch_size",
                 f"under {mode} global_batch_size ({model.global_batch_size}) must be a multiple of "
                 f"n_samples_per_prompt ({model.n_samples_per_prompt}) so that prompt groups stay whole",
-                ("mode", "calculate_per_token_loss", "global_batch_size", "n_samples_per_prompt"),
+                (*by, "global_batch_size", "n_samples_per_prompt"),
             )
         )
     return problems
