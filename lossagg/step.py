@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from lossagg.config import LossAggregationConfig
-from lossagg.denominators import check_token_counts, denoms_from_totals, needed_totals, plan_totals, rank_share
+from lossagg.denominators import check_token_counts, denoms_from_totals, plan_totals, rank_share
 from lossagg.layout import token_counts as _token_counts
 from lossagg.modes import METRIC_MODE, mode_spec
 from lossagg.ops import reduce, segment_sum
@@ -108,7 +108,11 @@ class StepPlan:
     @functools.cached_property
     def metric_denoms(self) -> torch.Tensor:
         """``d[i]`` of the default reducer (sample_mean), for metrics other than the PG loss."""
-        return denoms_from_totals(mode_spec(METRIC_MODE), self.token_counts, self.totals)
+        spec = mode_spec(METRIC_MODE)
+        missing = [name for name in spec.totals if name not in self.totals]
+        if missing:
+            raise ValueError(f"StepPlan.metrics reduces by {spec.name} and needs the step total(s) {', '.join(missing)}: pass them to from_totals")
+        return denoms_from_totals(spec, self.token_counts, self.totals)
 
     @classmethod
     def from_mask(
@@ -129,15 +133,16 @@ class StepPlan:
         (``N``, verl's ``global_batch_size``), ``total_tokens`` (``T``, verl's
         ``batch_num_tokens``, TRL's ``num_items_in_batch``), ``max_tokens`` (``L_max``),
         ``num_groups`` (``P``) and ``group_token_sums`` (``Sg[g(i)]`` of each local sample).
-        The mode's totals (``lossagg.MODES[mode].totals``) and ``num_samples`` are required;
-        each value is checked against this rank's own ``token_counts`` and against the others.
+        The mode's totals (``lossagg.MODES[mode].totals``) are required, ``num_samples`` also
+        for :meth:`metrics`; each value is checked against this rank's own ``token_counts``
+        and against the others.
         """
         config = _as_config(config)
         spec = mode_spec(config.mode)
         counts = check_token_counts(token_counts)
         share = RankShare(counts, n_samples_per_prompt=config.n_samples_per_prompt)
         plan = cls.__new__(cls)
-        plan._setup(config, counts, given_totals(needed_totals(spec), totals, share, spec.name))
+        plan._setup(config, counts, given_totals(spec.totals, totals, share, spec.name))
         return plan
 
     # ------------------------------------------------------------------- use

@@ -24,12 +24,18 @@ def _plain(value):
     return None
 
 
+#: The largest count accepted: counts and sizes are used in float64, exact up to 2**53.
+MAX_INT = 2**53
+
+
 def as_int(name: str, value, *, minimum: int) -> int:
-    """``value`` as an int >= ``minimum`` (Python/NumPy integers and 0-dim integer tensors;
-    floats are refused, integral or not: a count is an integer)."""
+    """``value`` as an int in ``[minimum, 2**53]`` (Python/NumPy integers and 0-dim integer
+    tensors; floats are refused, integral or not: a count is an integer)."""
     plain = _plain(value)
     if not isinstance(plain, int) or plain < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if plain > MAX_INT:
+        raise ValueError(f"{name} must be an integer <= 2**53 (counts are used in float64), got {value!r}")
     return plain
 
 

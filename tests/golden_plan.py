@@ -62,6 +62,13 @@ CHANGED: dict[str, str] = {
     "under modes without prompt groups (issue 18); N and T are unchanged"
     for n in SIZES
     for name in ("sample_mean", "token_mean", "constant_64", "constant_frac")
+} | {
+    f"verl/n{n}/{mode}/scale={scale}/dp=2": "verl adapter, lossagg modes with dp_size=2 and global-batch arguments: N = global_batch_size "
+    "and T = batch_num_tokens (they were ignored, giving the micro-batch's own totals); prompt_mean is refused (verl carries no "
+    "group totals) (issue 20)"
+    for n in SIZES
+    for mode in ("sample_mean", "token_mean", "constant", "prompt_mean")
+    for scale in VERL_SCALES
 }
 
 

@@ -44,6 +44,25 @@ VERL_REFUSED = [
     ("loss_mask a list", dict(loss_mask=MASK.tolist()), TypeError, "loss_mask"),
     ("loss_mask on the meta device", dict(loss_mask=MASK.to("meta")), ValueError, "loss_mask"),
     ("unknown mode", dict(loss_agg_mode="bogus"), ValueError, "loss_agg_mode"),
+    ("lossagg token_mean over DP without batch_num_tokens", dict(loss_agg_mode="token_mean", dp_size=2), ValueError, "needs batch_num_tokens"),
+    (
+        "lossagg sample_mean with a global batch below the micro-batch's",
+        dict(loss_agg_mode="sample_mean", global_batch_size=2),
+        ValueError,
+        "global_batch_size",
+    ),
+    (
+        "lossagg max_length over DP (verl carries no L_max)",
+        dict(loss_agg_mode="max_length", dp_size=2, global_batch_size=6),
+        ValueError,
+        "max_tokens",
+    ),
+    (
+        "lossagg prompt_mean over DP (no group totals)",
+        dict(loss_agg_mode="prompt_mean", dp_size=2, group_index=torch.tensor([0, 0, 1])),
+        ValueError,
+        "num_groups",
+    ),
 ]
 
 
@@ -59,6 +78,14 @@ VERL_ACCEPTED = [
     ("batch_num_tokens equal to the micro-batch's", dict(batch_num_tokens=11), MASKED_SUM / 11),
     ("global_batch_size as a 0-dim tensor", dict(loss_agg_mode="seq-mean-token-sum", global_batch_size=torch.tensor(6)), MASKED_SUM / 6),
     ("loss_scale_factor as NumPy", dict(loss_agg_mode="constant", loss_scale_factor=np.float64(4.0)), MASKED_SUM / (3 * 4.0)),
+    (
+        "lossagg sample_mean over DP: N = global_batch_size",
+        dict(loss_agg_mode="sample_mean", dp_size=2, global_batch_size=np.int64(6)),
+        sum(float((LOSS[i] * MASK[i]).sum()) / (6 * float(MASK[i].sum())) for i in range(3)) * 2,
+    ),
+    ("lossagg token_mean over DP: T = batch_num_tokens", dict(loss_agg_mode="token_mean", dp_size=2, batch_num_tokens=22), MASKED_SUM / 22 * 2),
+    ("lossagg constant, one rank, global batch", dict(loss_agg_mode="constant", global_batch_size=6, loss_scale_factor=4), MASKED_SUM / (6 * 4.0)),
+    ("lossagg max_length, the whole step", dict(loss_agg_mode="max_length"), MASKED_SUM / (3 * 4.0)),
 ]
 
 
@@ -173,14 +200,16 @@ numbers = st.one_of(
 
 
 def int_like(v):
-    """The integer a count argument stands for, or None (floats, bools, strings... are not counts)."""
+    """The integer a count argument stands for, or None (floats, bools, strings, beyond 2**53... are not counts)."""
     if isinstance(v, bool) or isinstance(v, np.bool_):
         return None
     if isinstance(v, (int, np.integer)):
-        return int(v)
-    if isinstance(v, torch.Tensor) and v.dim() == 0 and not v.is_floating_point() and v.dtype != torch.bool:
-        return int(v.item())
-    return None
+        n = int(v)
+    elif isinstance(v, torch.Tensor) and v.dim() == 0 and not v.is_floating_point() and v.dtype != torch.bool:
+        n = int(v.item())
+    else:
+        return None
+    return n if n <= 2**53 else None
 
 
 def number_like(v):

@@ -167,8 +167,10 @@ def test_verl_adapter_accepts_it(throwaway):
     config = lossagg.LossAggregationConfig(mode=throwaway)
     expected = reference_loss(config, loss_mat.reshape(-1), loss_mask.reshape(-1), torch.arange(0, 33, 8))
     assert j.item() == pytest.approx(expected.item(), rel=1e-12)
-    # a micro-batch of a step over 2 DP ranks: d[i] / dp_size, as verl's own modes
-    assert agg_loss(loss_mat, loss_mask, throwaway, dp_size=2).item() == pytest.approx(2 * expected.item(), rel=1e-12)
+    # a micro-batch of a step of 8 samples over 2 DP ranks: N = global_batch_size, d[i] / dp_size as verl's own modes
+    assert agg_loss(loss_mat, loss_mask, throwaway, dp_size=2, global_batch_size=8).item() == pytest.approx(expected.item(), rel=1e-12)
+    with pytest.raises(ValueError, match="needs global_batch_size"):
+        agg_loss(loss_mat, loss_mask, throwaway, dp_size=2)
 
 
 def test_megatron_adapter_accepts_it(throwaway):

@@ -17,9 +17,13 @@ Where verl's arithmetic has a hole, this one does not:
 * an all-masked step gives 0 and zero gradients (verl divides 0 by 0 when it counts the
   tokens or sequences itself).
 
-lossagg's own modes are accepted too (``sample_mean``, ``prompt_mean`` with
-``group_index``, ``token_mean``, ``constant`` with ``loss_scale_factor`` as the divisor),
-for a micro-batch that is the whole step on its rank.
+lossagg's own modes (every registered one, ``lossagg.MODES``) are accepted too:
+``group_index`` for a mode with prompt groups, ``loss_scale_factor`` as the divisor of a
+mode that takes one (the padded width when not given). With no global-batch argument and
+``dp_size=1`` the micro-batch is the whole step; otherwise ``global_batch_size`` is the
+step's ``N`` and ``batch_num_tokens`` its ``T``, and a mode that needs a total verl does not
+pass (``L_max``, prompt groups) is refused, naming it, rather than computed from the
+micro-batch alone.
 """
 
 from __future__ import annotations
@@ -82,6 +86,45 @@ def _verl_denoms(loss_mask, mode, dp_size, batch_num_tokens, global_batch_size, 
     return per_sequence * batch / dp_size
 
 
+# verl's global-batch arguments and the step totals they are
+_VERL_TOTALS = {"num_samples": "global_batch_size", "total_tokens": "batch_num_tokens"}
+
+
+def _lossagg_denoms(loss_mask, mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor, group_index) -> torch.Tensor:
+    """d[i] of a lossagg mode: the micro-batch alone when it is the whole step, else from verl's global-batch arguments."""
+    spec = MODES[mode]
+    divisor = loss_mask.shape[-1] if loss_scale_factor is None else as_number("loss_scale_factor", loss_scale_factor)
+    config = LossAggregationConfig(mode=mode, **({"divisor": float(divisor)} if spec.needs_divisor else {}))
+    counts = token_counts(loss_mask)
+    if dp_size == 1 and batch_num_tokens is None and global_batch_size is None:
+        return StepPlan(config, counts, group_index=group_index).sample_denoms
+    given = {"global_batch_size": global_batch_size, "batch_num_tokens": batch_num_tokens}
+    totals = {}
+    for total in spec.totals:
+        argument = _VERL_TOTALS.get(total)
+        if argument is None:
+            raise ValueError(
+                f"loss_agg_mode={mode} needs the step total {total}, which verl's agg_loss arguments do not carry: "
+                "use it where the micro-batch is its rank's whole step (dp_size=1, no global-batch arguments), "
+                "or build a lossagg.StepPlan over the step"
+            )
+        if given[argument] is None:
+            raise ValueError(f"loss_agg_mode={mode} with dp_size={dp_size} or other global-batch arguments needs {argument} (the step's {total})")
+    if global_batch_size is not None:
+        n = as_int("global_batch_size", global_batch_size, minimum=0)
+        if n < counts.shape[0]:
+            raise ValueError(f"global_batch_size (the step's samples) must be >= this micro-batch's {counts.shape[0]}, got {global_batch_size!r}")
+        totals["num_samples"] = n
+    if batch_num_tokens is not None:
+        t = as_number("batch_num_tokens", batch_num_tokens, positive=False)
+        if t < float(counts.sum()):
+            raise ValueError(
+                f"batch_num_tokens (the step's valid tokens) must be >= this micro-batch's {float(counts.sum()):g}, got {batch_num_tokens!r}"
+            )
+        totals["total_tokens"] = t
+    return StepPlan.from_totals(config, counts, **totals).sample_denoms
+
+
 def agg_loss(
     loss_mat: torch.Tensor,
     loss_mask: torch.Tensor,
@@ -109,10 +152,7 @@ def agg_loss(
     if loss_agg_mode in VERL_MODES:
         d = _verl_denoms(loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
     elif loss_agg_mode in MODES:
-        divisor = loss_mask.shape[-1] if loss_scale_factor is None else as_number("loss_scale_factor", loss_scale_factor)
-        settings = {"divisor": float(divisor)} if MODES[loss_agg_mode].needs_divisor else {}
-        config = LossAggregationConfig(mode=loss_agg_mode, **settings)
-        d = StepPlan(config, token_counts(loss_mask), group_index=group_index).sample_denoms / dp_size
+        d = _lossagg_denoms(loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor, group_index) / dp_size
     else:
         raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode!r}; expected one of {', '.join(VERL_MODES + tuple(MODES))}")
     return reduce(loss_mat, loss_mask, sample_denoms=d.to(loss_mat.device))
