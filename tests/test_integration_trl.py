@@ -35,7 +35,8 @@ except Exception as exc:  # pragma: no cover
     pytest.skip(f"trl.GRPOTrainer is not importable: {exc}", allow_module_level=True)
 
 from lossagg.config import LossAggregationConfig  # noqa: E402
-from lossagg.integrations.trl import DENOMS_KEY, GRPOTrainer, config_for_loss_type  # noqa: E402
+from lossagg.integrations.trl import DENOMS_KEY, TRL_LOSS_TYPES, GRPOTrainer, config_for_loss_type  # noqa: E402
+from lossagg.modes import MODES  # noqa: E402
 from lossagg.testing import reference_loss  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(20)]
@@ -141,7 +142,7 @@ def relative_difference(a, b) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a) / scale
 
 
-OUR_LOSS_TYPES = ["grpo", "dapo", "dr_grpo", "bnpo", "sample_mean", "prompt_mean", "token_mean", "constant"]
+OUR_LOSS_TYPES = [*TRL_LOSS_TYPES, *MODES]  # TRL's names and every registered mode
 
 
 @pytest.mark.parametrize("loss_type", OUR_LOSS_TYPES)
@@ -187,7 +188,7 @@ class Recorder(GRPOTrainer):
         return loss
 
 
-@pytest.mark.parametrize("loss_type", ["prompt_mean", "sample_mean", "token_mean", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", [*MODES, "dr_grpo"])
 def test_step_loss_is_the_reference_j(loss_type, tmp_path, tokenizer, dataset):
     """At the first step the ratio is 1, so the per-token loss is -advantage; the micro-batch
     losses of the step add up to J of SPEC §3 over the generation batch."""
