@@ -242,9 +242,9 @@ def gradient_scale(convention: str, *, dp_size: int = 1, cp_size: int = 1, num_m
       (``pipeline_parallel/schedules.py``, ``distributed/distributed_data_parallel.py``) and
       tested against it (tests/test_engine_megatron.py).
     """
-    for name, v in (("dp_size", dp_size), ("cp_size", cp_size), ("num_micro_batches", num_micro_batches)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    dp_size = as_int("dp_size", dp_size, minimum=1)
+    cp_size = as_int("cp_size", cp_size, minimum=1)
+    num_micro_batches = as_int("num_micro_batches", num_micro_batches, minimum=1)
     if convention == "sum":
         return 1.0
     if convention == "mean":

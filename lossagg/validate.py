@@ -42,6 +42,10 @@ def as_int(name: str, value, *, minimum: int) -> int:
 def as_number(name: str, value, *, positive: bool = True) -> float:
     """``value`` as a finite float, > 0 when ``positive`` else >= 0."""
     plain = _plain(value)
+    try:
+        plain = None if plain is None else float(plain)
+    except OverflowError:  # an int beyond float64
+        plain = None
     ok = plain is not None and math.isfinite(plain) and (plain > 0 if positive else plain >= 0)
     if not ok:
         raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")

@@ -44,6 +44,8 @@ VERL_REFUSED = [
     ("loss_mask a list", dict(loss_mask=MASK.tolist()), TypeError, "loss_mask"),
     ("loss_mask on the meta device", dict(loss_mask=MASK.to("meta")), ValueError, "loss_mask"),
     ("unknown mode", dict(loss_agg_mode="bogus"), ValueError, "loss_agg_mode"),
+    ("batch_num_tokens beyond float64", dict(batch_num_tokens=10**400), ValueError, "batch_num_tokens"),
+    ("loss_mat of integers", dict(loss_mat=torch.ones(3, 5, dtype=torch.int64)), TypeError, "loss_mat must be a floating tensor"),
     ("lossagg token_mean over DP without batch_num_tokens", dict(loss_agg_mode="token_mean", dp_size=2), ValueError, "needs batch_num_tokens"),
     (
         "lossagg sample_mean with a global batch below the micro-batch's",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -166,6 +167,9 @@ def test_gradient_scale():
         gradient_scale("avg")
     with pytest.raises(ValueError, match="dp_size must be an integer >= 1"):
         gradient_scale("mean", dp_size=0)
+    assert gradient_scale("mean", dp_size=np.int64(2), cp_size=torch.tensor(2)) == 4.0  # NumPy and 0-dim tensor sizes
+    with pytest.raises(ValueError, match="num_micro_batches must be an integer >= 1, got 2.0"):
+        gradient_scale("micro_batch_mean", num_micro_batches=2.0)
 
 
 def test_zigzag_layout():

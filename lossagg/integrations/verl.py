@@ -146,6 +146,8 @@ def agg_loss(
     as_tensor("loss_mask", loss_mask)
     if loss_mat.dim() != 2 or tuple(loss_mask.shape) != tuple(loss_mat.shape):
         raise ValueError(f"loss_mat and loss_mask must both be (bs, response_length), got {tuple(loss_mat.shape)} and {tuple(loss_mask.shape)}")
+    if not loss_mat.is_floating_point():
+        raise TypeError(f"loss_mat must be a floating tensor (float32, bfloat16, float16 or float64), got dtype {loss_mat.dtype}")
     if loss_mask.device != loss_mat.device:
         raise ValueError(f"loss_mask must be on the device of loss_mat ({loss_mat.device}), got {loss_mask.device}")
     dp_size = as_int("dp_size", dp_size, minimum=1)
