@@ -84,7 +84,14 @@ def needed_totals(spec: ModeSpec) -> tuple[str, ...]:
 
 
 def rank_share(
-    spec: ModeSpec, token_counts: torch.Tensor, group_index, *, n_samples_per_prompt=None, process_group=None, num_group_labels=None
+    spec: ModeSpec,
+    token_counts: torch.Tensor,
+    group_index,
+    *,
+    n_samples_per_prompt=None,
+    process_group=None,
+    num_group_labels=None,
+    labels_from: str = "num_group_labels",
 ) -> RankShare:
     """This rank's own data for the totals of ``spec``: its counts and, with prompt groups, its
     samples' group labels (the distinct labels it holds; with a process group, labels
@@ -96,7 +103,7 @@ def rank_share(
         labels, dense = torch.unique(group_index, return_inverse=True)
         return RankShare(token_counts, labels, dense, n_samples_per_prompt)
     g = num_group_labels
-    check_group_label_count(g)
+    check_group_label_count(g, labels_from)
     if group_index.numel() and (group_index.min() < 0 or group_index.max() >= g):
         raise ValueError(
             f"group_index must lie in [0, {g}) (global prompt index within the step), "

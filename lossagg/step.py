@@ -62,8 +62,9 @@ class StepPlan:
             (with a process group). The groups actually present, ``P``, are counted from
             the data: ``plan.totals.num_groups``.
 
-    ``plan.totals`` holds the step totals the mode declares (and ``num_samples``, which the
-    metrics reducer uses), by name.
+    ``plan.totals`` holds the step totals the mode declares and, gathered by every plan built
+    here, ``num_samples`` and ``total_tokens`` (the metrics reducer and Megatron's
+    per-token-loss scale use them), by name.
     """
 
     def __init__(
@@ -87,6 +88,9 @@ class StepPlan:
                     "n_samples_per_prompt in the config or pass num_group_labels"
                 )
             num_group_labels = config.global_batch_size // config.n_samples_per_prompt
+            labels_from = "num_group_labels (global_batch_size // n_samples_per_prompt of the config)"
+        else:
+            labels_from = "num_group_labels"
         share = rank_share(
             spec,
             counts,
@@ -94,6 +98,7 @@ class StepPlan:
             n_samples_per_prompt=config.n_samples_per_prompt,
             process_group=process_group,
             num_group_labels=num_group_labels,
+            labels_from=labels_from,
         )
         self._setup(config, counts, plan_totals(spec, share, process_group))
 

@@ -311,6 +311,6 @@ def given_totals(names: Iterable[str], given: Mapping[str, Any], share: RankShar
     return StepTotals({name: values[name] for name in order}, mode)
 
 
-def check_group_label_count(num_labels: int) -> None:
+def check_group_label_count(num_labels: int, what: str = "num_group_labels") -> None:
     if num_labels > MAX_GROUP_LABELS:
-        raise ValueError(f"num_group_labels must be <= {MAX_GROUP_LABELS} (the planner all-reduces two float64 per label), got {num_labels}")
+        raise ValueError(f"{what} must be <= {MAX_GROUP_LABELS} (the planner all-reduces two float64 per label), got {num_labels}")

@@ -226,6 +226,15 @@ def test_step_plan_refuses(case, kwargs, kind, message, monkeypatch):
         StepPlan(CFG["prompt_mean"], COUNTS, group_index=torch.tensor([0, 0, 1, 1]), process_group=_FakeGroup(), **kwargs)
 
 
+def test_group_labels_from_the_config_are_bounded_and_named(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: pytest.fail("no collective before the arguments are checked"))
+    config = LossAggregationConfig(mode="prompt_mean", n_samples_per_prompt=2, global_batch_size=2**40)
+    with pytest.raises(ValueError, match=re.escape("num_group_labels (global_batch_size // n_samples_per_prompt of the config) must be <= 16777216")):
+        StepPlan(config, COUNTS, group_index=torch.tensor([0, 0, 1, 1]), process_group=_FakeGroup())
+
+
 def test_step_plan_accepts_numpy_label_counts(monkeypatch):
     import torch.distributed as dist
 
