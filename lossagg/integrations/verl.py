@@ -10,6 +10,11 @@ Every verl mode keeps verl's signature, defaults and semantics, including the gl
 arguments verl hands each micro-batch (``dp_size``, ``batch_num_tokens``,
 ``global_batch_size``, ``loss_scale_factor``): with them, the micro-batch losses of a
 step add up (after DDP/FSDP's average over ``dp_size``) to the step's loss, on any split.
+
+Under verl's modes ``loss_mask`` is a weight, as in verl: bool, integer or floating, any
+finite value >= 0 (0.5 halves a token's loss; a token total is the mask's sum; a
+sequence counts when its mask sums to more than 0). The loss is verl 0.9.1's number for
+every such mask. A negative or non-finite entry is refused, naming its position.
 Where verl's arithmetic has a hole, this one does not:
 
 * a NaN or inf loss under a zero mask stays out (verl's ``seq-mean-*`` modes multiply
@@ -19,14 +24,17 @@ Where verl's arithmetic has a hole, this one does not:
 
 lossagg's own modes (every registered one, ``lossagg.MODES``) are accepted too:
 ``group_index`` for a mode with prompt groups, ``loss_scale_factor`` as the divisor of a
-mode that takes one (the padded width when not given). With no global-batch argument and
-``dp_size=1`` the micro-batch is the whole step; otherwise ``global_batch_size`` is the
-step's ``N`` and ``batch_num_tokens`` its ``T``, and a mode that needs a total verl does not
-pass (``L_max``, prompt groups) is refused, naming it, rather than computed from the
-micro-batch alone.
+mode that takes one (the padded width when not given). Their ``d[i]`` is made of token
+counts, so their ``loss_mask`` must be 0/1 (a fractional entry is refused, naming it).
+With no global-batch argument and ``dp_size=1`` the micro-batch is the whole step;
+otherwise ``global_batch_size`` is the step's ``N`` and ``batch_num_tokens`` its ``T``,
+and a mode that needs a total verl does not pass (``L_max``, prompt groups) is refused,
+naming it, rather than computed from the micro-batch alone.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -39,51 +47,124 @@ from lossagg.validate import as_int, as_number, as_tensor
 
 VERL_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
 
+# What lossagg's reduce op reads; anything else would be refused by the op under its own
+# argument names (values, mask), so it is refused here under the user's.
+_VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, *_VALUE_DTYPES)
 
-def _sequence_count(loss_mask: torch.Tensor) -> torch.Tensor:
-    """Sequences with at least one valid token (verl's default global batch size)."""
-    return (loss_mask.sum(-1) > 0).sum()
+
+def _where(bad: torch.Tensor) -> str:
+    return "loss_mask[" + ", ".join(str(i) for i in torch.nonzero(bad)[0].tolist()) + "]"
 
 
-def _verl_denoms(loss_mask, mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor) -> torch.Tensor:
-    """d[i] (float64 [bs]) such that sum_i (sum_t m*l) / d[i] is verl's loss for this mode."""
+def _check_weights(loss_mask: torch.Tensor) -> None:
+    """A verl mode reads the mask as weights (verl's masked_sum multiplies by it): any finite
+    value >= 0 is a weight. A negative one is refused: verl would count a row only when its
+    sum is > 0 while still adding its negatively weighted tokens to the other rows' terms,
+    and it could divide by a token total of 0 or below."""
+    if loss_mask.dtype in (torch.bool, torch.uint8):
+        return
+    bad = ~(loss_mask >= 0)  # NaN fails the comparison too
+    if loss_mask.is_floating_point():
+        bad |= torch.isinf(loss_mask)
+    if bool(bad.any()):
+        where = _where(bad)
+        raise ValueError(
+            f"loss_mask must hold finite weights >= 0 (verl's modes multiply each token's loss by its mask entry), "
+            f"got {loss_mask[bad][0].item()!r} at {where}"
+        )
+
+
+def _check_zero_one(loss_mask: torch.Tensor, mode: str) -> None:
+    """lossagg's modes build d[i] from token counts (mask entries that are non-zero), while
+    the numerator multiplies by the mask: only a 0/1 mask makes the two agree."""
+    if loss_mask.dtype == torch.bool:
+        return
+    bad = (loss_mask != 0) & (loss_mask != 1)
+    if bool(bad.any()):
+        raise ValueError(
+            f"loss_agg_mode={mode} needs a 0/1 loss_mask, got {loss_mask[bad][0].item()!r} at {_where(bad)}: lossagg's modes count tokens "
+            "(d[i] is built from how many entries are non-zero), while verl's mode names (token-mean, seq-mean-token-mean, ...) "
+            "treat a fractional mask as a weight"
+        )
+
+
+def _verl_sum(loss_mask: torch.Tensor, what: str, **kwargs) -> torch.Tensor:
+    """``loss_mask.sum(...)`` as verl takes it: in the mask's own dtype (an int64 sum for bool
+    and integer masks), so that every divisor is the number verl divides by."""
+    total = loss_mask.sum(**kwargs)
+    if total.is_floating_point() and not bool(torch.isfinite(total).all()):
+        raise ValueError(
+            f"loss_mask's {what} overflows its dtype {loss_mask.dtype} (verl sums the mask in its own dtype): pass a float32 loss_mask"
+        )
+    return total
+
+
+def _tolerance(loss_mask: torch.Tensor) -> float:
+    """How far a trainer's step total may fall below this micro-batch's own sum and still be
+    taken for it: 0 for bool and integer masks (exact), the rounding of a floating sum else."""
+    return max(torch.finfo(loss_mask.dtype).eps, 1e-6) if loss_mask.is_floating_point() else 0.0
+
+
+def _verl_denoms(loss_mask, mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor) -> tuple[torch.Tensor, float | None]:
+    """``(d, after)``: d[i] (float64 [bs]) such that ``sum_i (sum_t m*l) / d[i]``, divided by
+    ``after`` when it is not None, is verl's loss for this mode (verl 0.9.1,
+    ``verl/trainer/ppo/core_algos.py: agg_loss``, numerators by ``verl/utils/torch_functional.py:
+    masked_sum``). The mask is a weight; every total verl takes from it is its sum (not a count)."""
     bs = loss_mask.shape[0]
     device = loss_mask.device
     ones = torch.ones(bs, dtype=torch.float64, device=device)
     if mode == "token-sum":
-        return ones / dp_size
+        return ones / dp_size, None
     if mode == "token-mean":
         if batch_num_tokens is None:
             if dp_size > 1:
                 raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
-            total = float(loss_mask.ne(0).sum())
+            total = float(_verl_sum(loss_mask, "sum"))
         else:
-            # the step's tokens: at least this micro-batch's own (0 only when it has none)
+            # the step's mask sum: at least this micro-batch's own (up to the rounding of a floating sum)
             total = as_number("batch_num_tokens", batch_num_tokens, positive=False)
-            local = float(loss_mask.ne(0).sum())
-            if total < local:
-                raise ValueError(f"batch_num_tokens (the step's valid tokens) must be >= this micro-batch's {local:g}, got {batch_num_tokens!r}")
-        return ones * max(total, 1.0) / dp_size  # 0 valid tokens: loss 0, not 0/0
+            local = float(loss_mask.sum(dtype=torch.float64))
+            if total < local * (1.0 - _tolerance(loss_mask)):
+                raise ValueError(
+                    f"batch_num_tokens (the step's loss_mask sum, its valid tokens for a 0/1 mask) must be >= this micro-batch's {local:g}, "
+                    f"got {batch_num_tokens!r}"
+                )
+        # A total of 0 means every weight is 0 (none is negative): the loss is 0, not verl's 0/0.
+        # A fractional total below 1 is kept: verl divides by it.
+        return ones * (total if total > 0 else 1.0) / dp_size, None
+    # verl counts a sequence when its mask sums to more than 0
+    local_sequences = int((_verl_sum(loss_mask, "row sums", dim=-1) > 0).sum())
     if global_batch_size is None:
         if dp_size > 1:
             raise ValueError("global_batch_size is required when dp_size > 1")
-        batch = float(_sequence_count(loss_mask))
+        batch = float(local_sequences)
     else:
         batch = float(as_int("global_batch_size", global_batch_size, minimum=0))
-        local = float(_sequence_count(loss_mask))
-        if batch < local:
+        if batch < local_sequences:
             raise ValueError(
-                f"global_batch_size (the step's sequences) must be >= this micro-batch's {local:g} non-empty sequences, got {global_batch_size!r}"
+                f"global_batch_size (the step's sequences) must be >= this micro-batch's {local_sequences} sequences whose loss_mask "
+                f"sums to more than 0, got {global_batch_size!r}"
             )
     batch = max(batch, 1.0)
     if mode == "seq-mean-token-sum":
-        return ones * batch / dp_size
+        return ones * batch / dp_size, None
     if mode == "seq-mean-token-sum-norm":
-        scale = loss_mask.shape[-1] if loss_scale_factor is None else as_number("loss_scale_factor", loss_scale_factor)
-        return ones * batch * float(scale) / dp_size
-    # seq-mean-token-mean: each sequence's token mean, verl's "+ 1e-8" included
-    per_sequence = loss_mask.to(torch.float64).sum(-1) + 1e-8
-    return per_sequence * batch / dp_size
+        # verl's default is the padded width; an empty width has no tokens, so any divisor gives 0
+        scale = max(loss_mask.shape[-1], 1) if loss_scale_factor is None else as_number("loss_scale_factor", loss_scale_factor)
+        d = batch * float(scale) / dp_size
+        if math.isfinite(d) and d > 0:
+            return ones * d, None
+        # verl divides in two steps (by the batch, then by loss_scale_factor), so its loss stays
+        # finite where one divisor would leave float64; only then are the two steps taken here,
+        # so every other case keeps its bits
+        return ones * batch / dp_size, float(scale)
+    # seq-mean-token-mean: each sequence's weighted token mean, verl's "+ 1e-8" in the mask's sum dtype
+    row_sums = _verl_sum(loss_mask, "row sums", dim=-1)
+    per_sequence = (row_sums + 1e-8).to(torch.float64)
+    # a row of zero weights adds 0 whatever its divisor; 1e-8 can vanish in a half-precision sum
+    per_sequence = torch.where(per_sequence > 0, per_sequence, torch.ones_like(per_sequence))
+    return per_sequence * batch / dp_size, None
 
 
 # verl's global-batch arguments and the step totals they are
@@ -93,23 +174,26 @@ _VERL_TOTALS = {"num_samples": "global_batch_size", "total_tokens": "batch_num_t
 def _lossagg_denoms(loss_mask, mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor, group_index) -> torch.Tensor:
     """d[i] of a lossagg mode: the micro-batch alone when it is the whole step, else from verl's global-batch arguments."""
     spec = MODES[mode]
-    divisor = loss_mask.shape[-1] if loss_scale_factor is None else as_number("loss_scale_factor", loss_scale_factor)
+    if dp_size > 1 or batch_num_tokens is not None or global_batch_size is not None:
+        # the totals verl cannot carry first: no argument would help
+        uncarried = [total for total in spec.totals if total not in _VERL_TOTALS]
+        if uncarried:
+            raise ValueError(
+                f"loss_agg_mode={mode} needs the step total(s) {', '.join(uncarried)}, which verl's agg_loss arguments do not carry: "
+                "use it where the micro-batch is its rank's whole step (dp_size=1, no global-batch arguments), "
+                "or build a lossagg.StepPlan over the step"
+            )
+        given = {"global_batch_size": global_batch_size, "batch_num_tokens": batch_num_tokens}
+        missing = [f"{_VERL_TOTALS[total]} (the step's {total})" for total in spec.totals if given[_VERL_TOTALS[total]] is None]
+        if missing:
+            raise ValueError(f"loss_agg_mode={mode} with dp_size={dp_size} or other global-batch arguments needs {' and '.join(missing)}")
+    _check_zero_one(loss_mask, mode)
+    divisor = max(loss_mask.shape[-1], 1) if loss_scale_factor is None else as_number("loss_scale_factor", loss_scale_factor)
     config = LossAggregationConfig(mode=mode, **({"divisor": float(divisor)} if spec.needs_divisor else {}))
     counts = token_counts(loss_mask)
     if dp_size == 1 and batch_num_tokens is None and global_batch_size is None:
         return StepPlan(config, counts, group_index=group_index).sample_denoms
-    given = {"global_batch_size": global_batch_size, "batch_num_tokens": batch_num_tokens}
     totals = {}
-    for total in spec.totals:
-        argument = _VERL_TOTALS.get(total)
-        if argument is None:
-            raise ValueError(
-                f"loss_agg_mode={mode} needs the step total {total}, which verl's agg_loss arguments do not carry: "
-                "use it where the micro-batch is its rank's whole step (dp_size=1, no global-batch arguments), "
-                "or build a lossagg.StepPlan over the step"
-            )
-        if given[argument] is None:
-            raise ValueError(f"loss_agg_mode={mode} with dp_size={dp_size} or other global-batch arguments needs {argument} (the step's {total})")
     if global_batch_size is not None:
         n = as_int("global_batch_size", global_batch_size, minimum=0)
         if n < counts.shape[0]:
@@ -123,6 +207,16 @@ def _lossagg_denoms(loss_mask, mode, dp_size, batch_num_tokens, global_batch_siz
             )
         totals["total_tokens"] = t
     return StepPlan.from_totals(config, counts, **totals).sample_denoms
+
+
+def _readable(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as lossagg's op reads it. An expanded view (verl's callers broadcast advantages or
+    masks) is materialised: verl's own ``loss_mat * loss_mask`` is a full-size tensor too."""
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}: pass {name}.to_dense()")
+    if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
+        return t.contiguous()
+    return t
 
 
 def agg_loss(
@@ -139,22 +233,33 @@ def agg_loss(
     """verl's ``agg_loss``: ``loss_mat`` and ``loss_mask`` are ``(bs, response_length)``.
 
     Returns a 0-dim tensor, differentiable in ``loss_mat``. ``loss_agg_mode`` is one of
-    verl's modes (:data:`VERL_MODES`) or one of lossagg's (``group_index`` for
-    ``prompt_mean``).
+    verl's modes (:data:`VERL_MODES`), where ``loss_mask`` is a weight (bool, integer or
+    floating, finite and >= 0), or one of lossagg's (``group_index`` for ``prompt_mean``),
+    where it must be 0/1.
     """
     as_tensor("loss_mat", loss_mat)
     as_tensor("loss_mask", loss_mask)
     if loss_mat.dim() != 2 or tuple(loss_mask.shape) != tuple(loss_mat.shape):
         raise ValueError(f"loss_mat and loss_mask must both be (bs, response_length), got {tuple(loss_mat.shape)} and {tuple(loss_mask.shape)}")
-    if not loss_mat.is_floating_point():
+    if loss_mat.dtype not in _VALUE_DTYPES:
         raise TypeError(f"loss_mat must be a floating tensor (float32, bfloat16, float16 or float64), got dtype {loss_mat.dtype}")
+    if loss_mask.dtype not in _MASK_DTYPES:
+        raise TypeError(
+            "loss_mask must be a bool, integer (uint8, int8/16/32/64) or floating (float32, bfloat16, float16, float64) tensor, "
+            f"got dtype {loss_mask.dtype}"
+        )
     if loss_mask.device != loss_mat.device:
         raise ValueError(f"loss_mask must be on the device of loss_mat ({loss_mat.device}), got {loss_mask.device}")
+    loss_mat = _readable("loss_mat", loss_mat)
+    loss_mask = _readable("loss_mask", loss_mask)
     dp_size = as_int("dp_size", dp_size, minimum=1)
+    after = None
     if loss_agg_mode in VERL_MODES:
-        d = _verl_denoms(loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
+        _check_weights(loss_mask)
+        d, after = _verl_denoms(loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
     elif loss_agg_mode in MODES:
         d = _lossagg_denoms(loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor, group_index) / dp_size
     else:
         raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode!r}; expected one of {', '.join(VERL_MODES + tuple(MODES))}")
-    return reduce(loss_mat, loss_mask, sample_denoms=d.to(loss_mat.device))
+    loss = reduce(loss_mat, loss_mask, sample_denoms=d.to(loss_mat.device))
+    return loss if after is None else loss / after
