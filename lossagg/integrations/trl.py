@@ -33,6 +33,11 @@ micro-batches; each micro-batch's loss is ``lossagg.reduce(per_token_loss, mask,
 sample_denoms=d)`` times the process count (DDP/FSDP average gradients over processes),
 so the micro-batch gradients add up to the gradient of J whatever the split.
 
+The loss mask is TRL's (``completion_mask``, times ``tool_mask`` when present) and a weight,
+as in TRL: ``M[i]`` and ``T`` are its sums, so a fractional mask (an ``env_mask`` of
+weights, say) gives TRL's number for ``grpo``, ``dapo`` and ``dr_grpo``, and lossagg's
+modes read the same sums. A negative or non-finite entry is refused, naming its position.
+
 The per-token objective is TRL's clipped surrogate (token- or sequence-level importance
 sampling, ``epsilon_low``/``epsilon_high``, ``delta``, the ``beta`` KL term, vLLM's
 importance-sampling correction, the off-policy mask and the top-entropy mask). Parts of
@@ -124,6 +129,21 @@ def config_for_loss_type(loss_type: str, *, num_generations: int, max_completion
     return config
 
 
+def _check_weights(mask: torch.Tensor, with_tool_mask: bool) -> None:
+    """TRL multiplies each token's loss by its loss-mask entry and divides by sums of the
+    mask, so any finite entry >= 0 is a weight with TRL's number. A negative or non-finite
+    one is refused: lossagg's step totals are sums of non-negative counts."""
+    if mask.dtype == torch.bool or not (mask.is_floating_point() or mask.is_signed()):
+        return
+    bad = ~(mask >= 0)  # NaN fails the comparison too
+    if mask.is_floating_point():
+        bad |= torch.isinf(mask)
+    if bool(bad.any()):
+        name = "completion_mask * tool_mask" if with_tool_mask else "completion_mask"
+        where = ", ".join(str(i) for i in torch.nonzero(bad)[0].tolist())
+        raise ValueError(f"the loss mask ({name}) must hold finite weights >= 0, got {mask[bad][0].item()!r} at [{where}]")
+
+
 class GRPOTrainer(_TRLGRPOTrainer):
     """``trl.GRPOTrainer`` whose policy loss is aggregated by lossagg, exactly per optimizer step.
 
@@ -178,8 +198,16 @@ class GRPOTrainer(_TRLGRPOTrainer):
         return mask if batch.get("tool_mask") is None else mask * batch["tool_mask"]
 
     def _step_denoms(self, batch) -> torch.Tensor:
-        """``d[i]`` (float64) of this process's completions, from the totals of every process's batch."""
-        counts = self._loss_mask(batch).sum(-1).to(torch.float64)
+        """``d[i]`` (float64) of this process's completions, from the totals of every process's batch.
+
+        ``M[i]`` is the sum of the completion's loss mask, as TRL's normalisers take it
+        (``trl/trainer/grpo_trainer.py``, ``GRPOTrainer._compute_loss``: ``mask.sum(-1)`` for
+        grpo, ``num_items_in_batch``, the gathered ``loss_mask.sum()``, for dapo): a fractional
+        mask is a weight there and here alike.
+        """
+        mask = self._loss_mask(batch)
+        _check_weights(mask, "tool_mask" in batch and batch["tool_mask"] is not None)
+        counts = mask.sum(-1).to(torch.float64)
         n_local = counts.shape[0]
         all_counts = self.accelerator.gather(counts)
         group_index = None
@@ -209,8 +237,9 @@ class GRPOTrainer(_TRLGRPOTrainer):
         per_token_loss, is_clipped = self._surrogate(inputs, logps, entropies, mask)
 
         denoms = inputs[DENOMS_KEY].to(per_token_loss.device)
-        # the per-token loss is (B, T), or (B, 1) with sequence-level ratios and nothing per-token on top
-        per_token_loss = per_token_loss.expand_as(mask)
+        # the per-token loss is (B, T), or (B, 1) with sequence-level ratios and nothing per-token on top; the op
+        # reads every element from memory, so a broadcast (B, 1) is materialised ((B, T) like TRL's own product)
+        per_token_loss = per_token_loss.expand_as(mask).contiguous()
         loss = reduce(per_token_loss, mask, sample_denoms=denoms) * self.accelerator.num_processes
 
         mode = "train" if self.model.training else "eval"
