@@ -29,7 +29,27 @@ from collections.abc import Callable
 import torch
 
 from lossagg.step import StepPlan, gradient_scale
-from lossagg.validate import as_int
+from lossagg.validate import as_int, as_tensor
+
+
+def _check_zero_one(name: str, mask) -> None:
+    """A 0/1 mask (bool, integer or floating). The plan's ``d[i]`` and ``T`` and the reported
+    ``num_tokens`` are token counts, while Megatron's own per-token loss divides by
+    ``loss_mask.sum()``, a weight sum: with a fractional mask the two would silently differ.
+    Reads the mask (one host sync for a non-bool mask on an accelerator)."""
+    as_tensor(name, mask)
+    if mask.is_complex():
+        raise TypeError(f"{name} must be a bool, integer or floating tensor of 0s and 1s, got dtype {mask.dtype}")
+    if mask.dtype == torch.bool:
+        return
+    bad = (mask != 0) & (mask != 1)
+    if bool(bad.any()):
+        where = ", ".join(str(i) for i in torch.nonzero(bad)[0].tolist())
+        raise ValueError(
+            f"{name} must hold 0s and 1s, got {mask[bad][0].item()!r} at {name}[{where}]: the plan's d[i] and the num_tokens reported to "
+            "Megatron are token counts, while a fractional mask would weigh the token's loss (Megatron's own per-token loss divides "
+            "by loss_mask.sum(), a weight sum)"
+        )
 
 
 def make_loss_func(
@@ -50,12 +70,18 @@ def make_loss_func(
     With ``calculate_per_token_loss`` the returned ``num_tokens`` is this shard's count of
     rollout-mask tokens (``rollout_mask``, default ``loss_mask``), so that Megatron's sum of
     them over the step is the plan's ``T``.
+
+    ``loss_mask`` and ``rollout_mask`` must be 0/1 (bool, integer or floating): the plan
+    counts tokens, so a fractional weight is refused, naming the mask and the entry.
     """
     num_micro_batches = as_int("num_micro_batches", num_micro_batches, minimum=1)
     dp_size = as_int("dp_size", dp_size, minimum=1)
     cp_size = as_int("cp_size", cp_size, minimum=1)
-    if rollout_mask is not None and tuple(rollout_mask.shape) != tuple(loss_mask.shape):
-        raise ValueError(f"rollout_mask must have the shape of loss_mask {tuple(loss_mask.shape)}, got {tuple(rollout_mask.shape)}")
+    _check_zero_one("loss_mask", loss_mask)
+    if rollout_mask is not None:
+        _check_zero_one("rollout_mask", rollout_mask)
+        if tuple(rollout_mask.shape) != tuple(loss_mask.shape):
+            raise ValueError(f"rollout_mask must have the shape of loss_mask {tuple(loss_mask.shape)}, got {tuple(rollout_mask.shape)}")
     if calculate_per_token_loss:
         local_tokens = ((loss_mask if rollout_mask is None else rollout_mask) != 0).sum()  # no host sync
         if "total_tokens" not in plan.totals:
