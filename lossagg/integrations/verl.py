@@ -59,9 +59,9 @@ def _where(bad: torch.Tensor) -> str:
 
 def _check_weights(loss_mask: torch.Tensor) -> None:
     """A verl mode reads the mask as weights (verl's masked_sum multiplies by it): any finite
-    value >= 0 is a weight. A negative one is refused: verl would count a row only when its
-    sum is > 0 while still adding its negatively weighted tokens to the other rows' terms,
-    and it could divide by a token total of 0 or below."""
+    value >= 0 is a weight. A negative one is refused rather than followed: with it verl's
+    token total can be 0 or below (and verl divides by it), and its seq-mean modes drop a
+    row whose sum is <= 0 although some of its tokens weigh more than 0."""
     if loss_mask.dtype in (torch.bool, torch.uint8):
         return
     bad = ~(loss_mask >= 0)  # NaN fails the comparison too
@@ -90,8 +90,9 @@ def _check_zero_one(loss_mask: torch.Tensor, mode: str) -> None:
 
 
 def _verl_sum(loss_mask: torch.Tensor, what: str, **kwargs) -> torch.Tensor:
-    """``loss_mask.sum(...)`` as verl takes it: in the mask's own dtype (an int64 sum for bool
-    and integer masks), so that every divisor is the number verl divides by."""
+    """``loss_mask.sum(...)`` as verl divides by it: in the mask's own dtype (an int64 sum for
+    bool and integer masks), so that every divisor is verl's. A half-precision sum that
+    overflows would make verl divide by inf; refused instead."""
     total = loss_mask.sum(**kwargs)
     if total.is_floating_point() and not bool(torch.isfinite(total).all()):
         raise ValueError(
@@ -133,8 +134,8 @@ def _verl_denoms(loss_mask, mode, dp_size, batch_num_tokens, global_batch_size, 
         # A total of 0 means every weight is 0 (none is negative): the loss is 0, not verl's 0/0.
         # A fractional total below 1 is kept: verl divides by it.
         return ones * (total if total > 0 else 1.0) / dp_size, None
-    # verl counts a sequence when its mask sums to more than 0
-    local_sequences = int((_verl_sum(loss_mask, "row sums", dim=-1) > 0).sum())
+    # verl counts a sequence when its mask sums to more than 0 (an overflowed sum, inf, counts too)
+    local_sequences = int((loss_mask.sum(-1) > 0).sum())
     if global_batch_size is None:
         if dp_size > 1:
             raise ValueError("global_batch_size is required when dp_size > 1")
@@ -160,7 +161,7 @@ def _verl_denoms(loss_mask, mode, dp_size, batch_num_tokens, global_batch_size, 
         # so every other case keeps its bits
         return ones * batch / dp_size, float(scale)
     # seq-mean-token-mean: each sequence's weighted token mean, verl's "+ 1e-8" in the mask's sum dtype
-    row_sums = _verl_sum(loss_mask, "row sums", dim=-1)
+    row_sums = _verl_sum(loss_mask, "sum over a row", dim=-1)
     per_sequence = (row_sums + 1e-8).to(torch.float64)
     # a row of zero weights adds 0 whatever its divisor; 1e-8 can vanish in a half-precision sum
     per_sequence = torch.where(per_sequence > 0, per_sequence, torch.ones_like(per_sequence))
@@ -214,7 +215,7 @@ def _readable(name: str, t: torch.Tensor) -> torch.Tensor:
     masks) is materialised: verl's own ``loss_mat * loss_mask`` is a full-size tensor too."""
     if t.layout != torch.strided:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}: pass {name}.to_dense()")
-    if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
+    if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride(), strict=True)):
         return t.contiguous()
     return t
 
