@@ -96,6 +96,25 @@ def test_verl_accepts(case, kwargs, expected):
     assert verl(**kwargs).item() == pytest.approx(expected, rel=1e-12)
 
 
+@pytest.mark.parametrize(
+    ("mode", "kwargs", "named", "not_named"),
+    [
+        # the total verl cannot carry comes first: no argument would supply it
+        ("max_length", dict(dp_size=2), "max_tokens", "global_batch_size"),
+        ("max_length", dict(dp_size=2, global_batch_size=6), "max_tokens", "global_batch_size"),
+        ("max_length", dict(batch_num_tokens=11), "max_tokens", "global_batch_size"),
+        ("prompt_mean", dict(dp_size=2, group_index=torch.tensor([0, 0, 1])), "num_groups, group_token_sums", "global_batch_size"),
+        # then the arguments verl does carry, every missing one at once
+        ("sample_mean", dict(dp_size=2), "needs global_batch_size (the step's num_samples)", "batch_num_tokens"),
+        ("token_mean", dict(dp_size=2, global_batch_size=6), "needs batch_num_tokens (the step's total_tokens)", "global_batch_size"),
+    ],
+)
+def test_verl_lossagg_modes_name_what_is_missing_first(mode, kwargs, named, not_named):
+    with pytest.raises(ValueError) as err:
+        verl(loss_agg_mode=mode, **kwargs)
+    assert named in str(err.value) and not_named not in str(err.value), str(err.value)
+
+
 def test_verl_zero_tokens_everywhere_is_zero_not_nan():
     out = verl(loss_mask=torch.zeros_like(MASK), batch_num_tokens=0)
     assert out.item() == 0.0
@@ -177,7 +196,7 @@ def test_trl_loss_type_spelling_is_normalised_like_the_config():
 # Each property draws numbers of every kind a caller might hand over (Python, NumPy, 0-dim
 # tensors, bools, strings, NaN/inf, huge) and checks the verdict against an oracle written
 # here: accepted with the float64 formula's value, or refused naming the argument.
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 PROPERTY = settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -252,6 +271,7 @@ def test_verl_token_mean_numbers(batch_num_tokens, dp_size):
 
 @PROPERTY
 @given(global_batch_size=numbers, loss_scale_factor=numbers, dp_size=st.sampled_from([1, 2, np.int64(4)]))
+@example(global_batch_size=6, loss_scale_factor=1e308, dp_size=2)  # batch x factor beyond float64; verl's loss is finite
 def test_verl_seq_mean_token_sum_norm_numbers(global_batch_size, loss_scale_factor, dp_size):
     call = lambda: verl(
         loss_agg_mode="seq-mean-token-sum-norm", global_batch_size=global_batch_size, loss_scale_factor=loss_scale_factor, dp_size=dp_size
@@ -271,7 +291,8 @@ def test_verl_seq_mean_token_sum_norm_numbers(global_batch_size, loss_scale_fact
         scale = number_like(loss_scale_factor)
         if scale is None or scale <= 0:
             return refused_naming(call, "loss_scale_factor")
-    assert call().item() == pytest.approx(MASKED_SUM / (batch * scale) * dp, rel=1e-12)
+    # verl's order (core_algos.agg_loss): by the batch, times dp_size, then by the factor; finite for any factor
+    assert call().item() == pytest.approx(MASKED_SUM / batch * dp / scale, rel=1e-12, abs=0.0)
 
 
 @PROPERTY
