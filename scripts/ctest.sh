@@ -8,13 +8,14 @@
 # the default tier is 300, about a minute on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/steps.sh
 BUILD=${LOSSAGG_BUILD_DIR:-build/native}
 [ -f "$BUILD/CMakeCache.txt" ] || { echo "ctest: no build in $BUILD (run scripts/setup.sh first)" >&2; exit 1; }
 cases=300
 [ "${LOSSAGG_TEST_TIER:-default}" = "full" ] && cases=1200
-cmake -S . -B "$BUILD" -DLOSSAGG_BUILD_TESTS=ON -DLOSSAGG_CUDA_HOST_CASES=$cases >"$BUILD/tests.configure.log" 2>&1 \
-  || { cat "$BUILD/tests.configure.log"; exit 1; }
-cmake --build "$BUILD" -j "$(nproc)"
+run_step "ctest: configured the C++ tests ($cases emulated CUDA cases)" ctest-configure \
+  cmake -S . -B "$BUILD" -DLOSSAGG_BUILD_TESTS=ON -DLOSSAGG_CUDA_HOST_CASES=$cases
+run_step "ctest: built the C++ tests" ctest-build cmake --build "$BUILD" -j "$(nproc)"
 # the library the C++ tests link is the file Python loads
 cmp -s "$BUILD/liblossagg_ops.so" lossagg/liblossagg_ops.so \
   || { echo "ctest: $BUILD/liblossagg_ops.so differs from lossagg/liblossagg_ops.so (rebuild with scripts/setup.sh)" >&2; exit 1; }

@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # Installs what lossagg needs and builds it in place (pip install -e, which drives CMake:
-# setup.py). Safe to run again: it skips the build when the library is newer than every
-# source and the build settings are unchanged.
+# setup.py), into whichever Python runs it (PYTHON, else python3: a virtualenv's when one is
+# active). Safe to run again: it skips the build when the library is newer than every source
+# and the build settings are unchanged. One line per step; pip's and the build's own output
+# is in build/logs/ (printed in full when a step fails).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
+. scripts/steps.sh
 
 if ! "$PY" -c "import torch" 2>/dev/null; then
   # torch 2.14.1 (CUDA 13.0 build) is what lossagg is developed and tested against;
   # any torch >= 2.4 works. Override with LOSSAGG_TORCH_SPEC.
-  pip_install "${LOSSAGG_TORCH_SPEC:-torch==2.14.1}"
+  spec=${LOSSAGG_TORCH_SPEC:-torch==2.14.1}
+  run_step "setup: installed $spec" setup-torch pip_install "$spec"
 fi
 # what the package, the demo and the tests import, and the build tools (cmake, ninja)
 missing=$("$PY" - <<'PYEOF'
@@ -24,22 +27,21 @@ PYEOF
 )
 if [ -n "$missing" ]; then
   # shellcheck disable=SC2086
-  pip_install $missing
+  run_step "setup: installed $missing" setup-packages pip_install $missing
 fi
 
 # Rebuild when a source is newer than the library or the build settings changed.
 stamp_file=build/.lossagg-build-settings
 plan=$("$PY" scripts/build_plan.py)
-settings="torch=$("$PY" -c 'import torch; print(torch.__version__)') plan=$plan cuda_home=${CUDA_HOME:-auto} archs=${TORCH_CUDA_ARCH_LIST:-}"
+settings="python=$("$PY" -c 'import sys; print(sys.prefix)') torch=$("$PY" -c 'import torch; print(torch.__version__)') plan=$plan cuda_home=${CUDA_HOME:-auto} archs=${TORCH_CUDA_ARCH_LIST:-}"
 so=lossagg/liblossagg_ops.so
 if [ -f "$so" ] && [ -z "$(find csrc CMakeLists.txt setup.py scripts/find_cuda_home.py scripts/build_plan.py -newer "$so" -type f | head -n1)" ] \
    && [ "$(cat "$stamp_file" 2>/dev/null)" = "$settings" ] && "$PY" -c "import lossagg" 2>/dev/null; then
-  echo "lossagg: native library up to date ($so)"
+  echo "setup: native library up to date ($so)"
 else
   echo "$plan"
-  start=$(date +%s)
-  LOSSAGG_QUIET_CMAKE=1 MAX_JOBS=${MAX_JOBS:-$(nproc)} pip_install --no-build-isolation -e .
+  LOSSAGG_QUIET_CMAKE=1 MAX_JOBS=${MAX_JOBS:-$(nproc)} \
+    run_step "setup: built the native library and installed lossagg in place (pip install -e .)" setup-build pip_install --no-build-isolation -e .
   mkdir -p build && echo "$settings" > "$stamp_file"
-  echo "lossagg: built in $(( $(date +%s) - start )) s"
 fi
-"$PY" -c "import lossagg; print('lossagg', lossagg.__version__, '| CUDA kernels built:', lossagg.built_with_cuda())"
+"$PY" -c "import lossagg; print('setup: lossagg', lossagg.__version__, 'in', __import__('sys').prefix, '| CUDA kernels built:', lossagg.built_with_cuda())"

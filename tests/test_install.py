@@ -46,10 +46,20 @@ def test_wheel_installs_and_runs_without_a_compiler(tmp_path):
         [sys.executable, "-c", f"import zipfile; z = zipfile.ZipFile({wheel!r}); print(z.read('lossagg-0.1.0.dist-info/METADATA').decode())"]
     ).stdout
     assert f"Requires-Dist: torch=={torch.__version__.split('+')[0]}" in meta
-    # a fresh virtualenv that sees this environment's torch (and pydantic, ...), not its lossagg
+    # A fresh virtualenv that sees the packages of the interpreter running this test (torch,
+    # pydantic, ...), whatever that interpreter is: a plain one, a virtualenv (with or without
+    # --system-site-packages) or a conda env. `venv --system-site-packages` would show the
+    # *base* interpreter's packages instead, so a .pth file lists this process's package
+    # folders. Those are only appended to the path: their own .pth files (lossagg's editable
+    # install among them) are not run, and the venv's own site-packages, where the wheel
+    # goes, comes first.
     venv = tmp_path / "venv"
-    run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)])
+    run([sys.executable, "-m", "venv", str(venv)])
     python = str(venv / "bin" / "python")
+    venv_site = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
+    seen = [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages") and os.path.isdir(p)]
+    with open(os.path.join(venv_site, "outer-packages.pth"), "w") as f:
+        f.write("".join(p + "\n" for p in seen))
     # no compiler on the way: the wheel only unpacks
     env = dict(os.environ, PATH=f"{venv / 'bin'}:/usr/bin/false-dir", CC="false", CXX="false", CMAKE="false")
     env.pop("PYTHONPATH", None)
