@@ -1,8 +1,9 @@
 """lossagg: exact, split-invariant aggregation of per-token policy-gradient losses.
 
-``import lossagg`` loads the native library, which registers ``torch.ops.lossagg.*``.
-Public names are loaded from their modules on first use; where torch is not installed,
-the configuration (:mod:`lossagg.config`, :mod:`lossagg.modes`) still works.
+``import lossagg`` loads the native library, which registers ``torch.ops.lossagg.*``, and
+the ops' fake kernels (:mod:`lossagg.ops`), so ``torch.compile`` and ``opcheck`` of
+``torch.ops.lossagg.*`` work right after it. Public names are loaded from their modules
+on first use; where torch is not installed, the configuration (:mod:`lossagg.config`, :mod:`lossagg.modes`) still works.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ except ModuleNotFoundError as _exc:  # config-only use without torch
     if _exc.name != "torch":
         raise
 else:
-    from lossagg import _native  # noqa: F401  (registers torch.ops.lossagg.*)
+    # the native library (torch.ops.lossagg.*) and, with it, the ops' fake kernels: an op
+    # without its fake fails under torch.compile and FakeTensorMode
+    from lossagg import ops  # noqa: F401
 
 # public name -> module that defines it
 _EXPORTS = {

@@ -10,6 +10,8 @@ the rank's own samples, combined over the DP group) or takes them from a trainer
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 
@@ -18,7 +20,12 @@ from lossagg.totals import RankShare, StepTotals, check_group_label_count, gathe
 
 
 def _as_tensor(name: str, value, what: str, device=None) -> torch.Tensor:
+    """``value`` as a dense tensor holding data (a meta or sparse tensor is refused by name)."""
     if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided:
+            raise TypeError(f"{name} must be a dense (strided) tensor, got layout {value.layout}: pass {name}.to_dense()")
+        if value.device.type == "meta":
+            raise ValueError(f"{name} must hold data (a CPU or CUDA tensor), got a meta tensor")
         return value if device is None else value.to(device)
     try:
         return torch.as_tensor(value, device=device)
@@ -130,10 +137,49 @@ def denoms_from_totals(spec: ModeSpec, token_counts: torch.Tensor, totals: StepT
         raise ValueError(f"mode={spec.name} needs the step total(s) {', '.join(missing)}")
     view = StepTotals({name: totals[name] for name in spec.totals}, spec.name)  # only what the mode declared
     d = spec.denoms(DenomInputs(token_counts.to(torch.float64), view, None if divisor is None else float(divisor)))
-    if not isinstance(d, torch.Tensor) or tuple(d.shape) != tuple(token_counts.shape):
-        got = tuple(d.shape) if isinstance(d, torch.Tensor) else type(d).__name__
-        raise ValueError(f"mode={spec.name}: its denoms must return one d[i] per local sample (shape {tuple(token_counts.shape)}), got {got}")
-    return d.to(torch.float64)
+    inputs = {name: view[name] for name in spec.totals if isinstance(view[name], (int, float))}
+    if spec.needs_divisor:
+        inputs["divisor"] = divisor
+    return check_denoms(d, f"mode={spec.name}", tuple(token_counts.shape), inputs, token_counts.device)
+
+
+def _shown(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def check_denoms(d, what: str, shape: tuple[int, ...], inputs: Mapping[str, object] = MappingProxyType({}), device=None) -> torch.Tensor:
+    """``d[i]`` as a mode (``what``) built it, checked before any op sees it; float64.
+
+    A real floating tensor of ``shape`` holding data (not meta) on ``device`` (when given),
+    every entry finite and > 0. ``inputs`` are the settings and totals it was made of, named in
+    the message when an entry overflows float64 or is not > 0, so the error points at the
+    number the user gave rather than at the op's ``sample_denoms``.
+    """
+    if not isinstance(d, torch.Tensor):
+        raise TypeError(f"{what}: its denoms must return a tensor of d[i] (one per local sample), got {type(d).__name__}")
+    if tuple(d.shape) != shape:
+        raise ValueError(f"{what}: its denoms must return one d[i] per local sample (shape {shape}), got {tuple(d.shape)}")
+    if not d.is_floating_point():
+        raise TypeError(f"{what}: its denoms must return a real floating tensor of d[i], got dtype {d.dtype}")
+    if d.layout != torch.strided:
+        raise TypeError(f"{what}: its denoms must return a dense (strided) tensor of d[i], got layout {d.layout}")
+    if d.device.type == "meta":
+        raise ValueError(f"{what}: its denoms returned a meta tensor (no data); d[i] must hold numbers on the device of the token counts")
+    if device is not None and d.device != device:
+        raise ValueError(f"{what}: its denoms must return d[i] on the device of the token counts ({device}), got {d.device}")
+    d = d.to(torch.float64)
+    finite = torch.isfinite(d)
+    bad = ~finite | (d <= 0)
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0, 0])
+        value = float(d[i])
+        made_of = ", ".join(f"{name}={_shown(v)}" for name, v in inputs.items())
+        if math.isinf(value) and all(math.isfinite(float(v)) for v in inputs.values()):
+            why = f"it overflows float64 (made of {made_of}): the settings or totals are too large" if made_of else "it overflows float64"
+        else:
+            why = f"made of {made_of}" if made_of else "its denoms returned it"
+        raise ValueError(f"{what}: d[{i}] = {value!r}, but every d[i] must be finite and > 0 ({int(bad.sum())} of {d.numel()} are not); {why}")
+    return d
 
 
 def prompt_mask_sums(token_counts, group_index, n_samples_per_prompt: int | None = None) -> torch.Tensor:

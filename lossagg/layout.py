@@ -57,6 +57,7 @@ def token_counts(mask: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> 
         if not isinstance(cu_seqlens, torch.Tensor):
             raise TypeError(f"cu_seqlens must be a 1-D int32/int64 tensor [B+1], got {type(cu_seqlens).__name__}")
         cu_seqlens = cu_seqlens.to(mask.device)  # host offsets for a device mask are accepted
-    from lossagg import ops  # noqa: F401  (the fake and the non-CPU kernels)
+    from lossagg import ops  # the fake and the non-CPU kernels
 
+    ops.check_readable("token_counts", lambda: ops._mask_layout("token_counts", mask, cu_seqlens), mask=mask, cu_seqlens=cu_seqlens)
     return torch.ops.lossagg.token_counts(mask, cu_seqlens)

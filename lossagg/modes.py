@@ -23,6 +23,7 @@ Importing this module does not import torch.
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -205,12 +206,54 @@ _REFUSED = {
     ),
 }
 
-_REGISTRY: dict[str, ModeSpec] = {}
+class _RegistryView(Mapping):
+    """A read-only live view of the registry that is safe to read while other threads register.
+
+    The registry is copy-on-write: a change publishes a new dict under :data:`_LOCK` and a
+    published dict is never changed again. Each read here (a lookup, one iteration, ``keys``,
+    ``values``, ``items``) uses the one dict published when it starts, so a reader never meets
+    a dict changing size under it, and a mode it lists is one it can look up in that view.
+    """
+
+    def __getitem__(self, name: str) -> ModeSpec:
+        return _published[name]
+
+    def __iter__(self):
+        return iter(_published)
+
+    def __len__(self) -> int:
+        return len(_published)
+
+    def __contains__(self, name: object) -> bool:
+        try:
+            return name in _published
+        except TypeError:  # an unhashable key is not a mode name
+            return False
+
+    def keys(self):
+        return _published.keys()
+
+    def values(self):
+        return _published.values()
+
+    def items(self):
+        return _published.items()
+
+    def snapshot(self) -> Mapping[str, ModeSpec]:
+        """The registry as it is now, frozen: several reads that must agree use one snapshot."""
+        return MappingProxyType(_published)
+
+    def __repr__(self) -> str:
+        return f"MODES({', '.join(_published)})"
+
+
+_published: dict[str, ModeSpec] = {}  # replaced, never changed, under _LOCK
+_LOCK = threading.RLock()
 _BUILT_IN: frozenset[str] = frozenset(m.name for m in _ENTRIES)
 
 #: Every registered mode, in the order the docs list them (built-in ones first); the first
 #: is the default. A read-only live view: modes registered later appear in it.
-MODES: Mapping[str, ModeSpec] = MappingProxyType(_REGISTRY)
+MODES: _RegistryView = _RegistryView()
 #: Other trainers' names for our modes: name -> Alias.
 ALIASES: Mapping[str, Alias] = MappingProxyType(_ALIASES)
 #: Names refused with the reason (their maths is not one of ours).
@@ -229,7 +272,7 @@ def _check_spec(spec: Any) -> None:
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ValueError(f"ModeSpec.name must be lower case letters, digits and '_' (starting with a letter, <= 64 characters), got {name!r}")
     for spelling in {name, name.replace("_", "-")}:
-        if spelling in _REGISTRY:
+        if spelling in _published:
             raise ValueError(f"mode {name!r} is already registered")
         if spelling in _ALIASES and _ALIASES[spelling].mode != name:
             raise ValueError(f"mode name {name!r} is taken: {spelling!r} is an alias of mode {_ALIASES[spelling].mode} ({_ALIASES[spelling].origin})")
@@ -257,46 +300,58 @@ def _check_spec(spec: Any) -> None:
         raise TypeError(f"ModeSpec.example_settings of mode {name!r} must be a mapping, got {type(spec.example_settings).__name__}")
 
 
+def _publish(registry: dict[str, ModeSpec]) -> None:
+    global _published
+    _published = registry
+
+
 def register_mode(spec: ModeSpec) -> ModeSpec:
     """Add a mode at run time; the config, planner, references, demo and adapters accept it at once.
 
     Refused (nothing registered): a name already used by a mode, an alias or a refused name
     (hyphens and underscores count as the same), a malformed entry, or ``example_settings``
     that do not make a valid config. Register in every process (DP ranks, spawned workers):
-    the registry is per process.
+    the registry is per process. Safe from several threads: of concurrent registrations of
+    one name exactly one succeeds, the others are refused.
     """
-    _check_spec(spec)
-    _REGISTRY[spec.name] = spec
-    try:
-        from lossagg.config import LossAggregationConfig
+    from lossagg.config import LossAggregationConfig
 
-        LossAggregationConfig.from_dict({"mode": spec.name, **spec.example_settings})
-    except Exception as exc:
-        del _REGISTRY[spec.name]
-        raise ValueError(f"ModeSpec.example_settings of mode {spec.name!r} do not make a valid config: {exc}") from None
+    with _LOCK:
+        _check_spec(spec)
+        before = _published
+        _publish({**before, spec.name: spec})
+        try:
+            LossAggregationConfig.from_dict({"mode": spec.name, **spec.example_settings})
+        except Exception as exc:
+            _publish(before)
+            raise ValueError(f"ModeSpec.example_settings of mode {spec.name!r} do not make a valid config: {exc}") from None
     return spec
 
 
 def unregister_mode(name: str) -> None:
     """Remove a mode added by :func:`register_mode` (built-in modes stay)."""
-    if name in _BUILT_IN:
-        raise ValueError(f"mode {name!r} is built in and cannot be unregistered")
-    if name not in _REGISTRY:
-        raise ValueError(f"mode {name!r} is not registered; registered modes: {', '.join(_REGISTRY)}")
-    del _REGISTRY[name]
+    if not isinstance(name, str):
+        raise TypeError(f"unregister_mode takes a mode name (str), got {type(name).__name__}: {name!r}")
+    with _LOCK:
+        if name in _BUILT_IN:
+            raise ValueError(f"mode {name!r} is built in and cannot be unregistered")
+        if name not in _published:
+            raise ValueError(f"mode {name!r} is not registered; registered modes: {', '.join(_published)}")
+        _publish({k: v for k, v in _published.items() if k != name})
 
 
 def mode_names() -> tuple[str, ...]:
     """The registered modes' names, in registry order (the first is the default)."""
-    return tuple(_REGISTRY)
+    return tuple(_published)
 
 
 def mode_spec(mode: Any) -> ModeSpec:
     """The entry of the mode named ``mode``; ValueError naming the registered modes if unknown."""
+    registry = _published
     try:
-        return _REGISTRY[mode]
+        return registry[mode]
     except (KeyError, TypeError):
-        raise ValueError(f"mode must be one of {', '.join(_REGISTRY)}, got {mode!r}") from None
+        raise ValueError(f"mode must be one of {', '.join(registry)}, got {mode!r}") from None
 
 
 def canonical_mode(name: Any, settings: Mapping[str, Any] = MappingProxyType({})) -> tuple[Any, str | None]:
@@ -311,18 +366,19 @@ def canonical_mode(name: Any, settings: Mapping[str, Any] = MappingProxyType({})
     if not isinstance(name, str):
         return name, None
     key = name.strip().lower()
-    if key in _REGISTRY:
+    registry = _published
+    if key in registry:
         return key, None
     if key in _REFUSED:
         raise ValueError(f"mode {name!r} is not supported: {_REFUSED[key]}")
     if key in _ALIASES:  # an alias spelled like a mode stands for that very mode (registration makes sure)
         return _ALIASES[key].resolve(settings), key
-    if key.replace("-", "_") in _REGISTRY:
+    if key.replace("-", "_") in registry:
         return key.replace("-", "_"), None
     return name, None
 
 
 for _spec in _ENTRIES:
     _check_spec(_spec)
-    _REGISTRY[_spec.name] = _spec
+    _publish({**_published, _spec.name: _spec})
 del _spec

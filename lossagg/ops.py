@@ -27,6 +27,14 @@ def segment_sum(values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tens
     Returns ``[B]`` (or ``[K, B]`` for ``[K, T]`` / ``[K, B, T]`` values), float32
     (float64 for float64 values). Differentiable in ``values``.
     """
+    check_readable(
+        "segment_sum",
+        lambda: _token_layout("segment_sum", values, mask, cu_seqlens, allow_metric_dim=True),
+        isinstance(values, torch.Tensor) and values.requires_grad and torch.is_grad_enabled(),
+        values=values,
+        mask=mask,
+        cu_seqlens=cu_seqlens,
+    )
     return torch.ops.lossagg.segment_sum(values, mask, cu_seqlens)
 
 
@@ -54,7 +62,57 @@ def reduce(
         )
     if sample_denoms is None:
         raise TypeError("lossagg.reduce: missing the keyword argument sample_denoms (the [B] per-sample denominators d[i])")
+    check_readable(
+        "reduce",
+        lambda: _reduce_fake(values, mask, cu_seqlens, sample_denoms),
+        isinstance(values, torch.Tensor) and values.requires_grad and torch.is_grad_enabled(),
+        values=values,
+        mask=mask,
+        cu_seqlens=cu_seqlens,
+        sample_denoms=sample_denoms,
+    )
     return torch.ops.lossagg.reduce(values, mask, cu_seqlens, sample_denoms)
+
+
+def check_readable(op: str, validate=None, saved_for_backward: bool = False, **tensors) -> None:
+    """Each tensor argument is one the native kernels read where it lies: dense (strided), and
+    not an expanded view. An expanded view (a stride of 0 over more than one element) would
+    be copied in full before the kernels run: ``torch.ones(()).expand(2**31)`` is 4 bytes of
+    data and an 8 GiB copy. Refused by name, so the user decides (``.contiguous()`` makes the
+    copy explicit); ``validate()``, the op's own shape and dtype checks, runs first so that
+    their messages win. None is skipped (the optional ``cu_seqlens``). With
+    ``saved_for_backward`` (values require grad), a tensor made under
+    ``torch.inference_mode()`` is refused by name: autograd cannot save it for the backward.
+    Costs a few attribute reads per tensor on the usual (contiguous) path.
+    """
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            _fail(TypeError, op, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            _fail(TypeError, op, f"{name} must be a dense (strided) tensor, got layout {t.layout}: pass {name}.to_dense()")
+        if saved_for_backward and t.is_inference():
+            _fail(
+                ValueError,
+                op,
+                f"{name} was made under torch.inference_mode(), so autograd cannot save it for the backward of values (which require grad): "
+                f"make it under torch.no_grad() instead, or pass {name}.clone()",
+            )
+        if t.is_contiguous() or t.device.type == "meta":  # a meta tensor has no data to copy
+            continue
+        for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
+            if stride == 0 and size > 1:
+                if validate is not None:
+                    validate()
+                size_bytes = t.numel() * t.element_size()
+                copy = f"{size_bytes / 2**30:.1f} GiB" if size_bytes >= 2**30 else f"{size_bytes / 2**20:.1f} MiB" if size_bytes >= 2**20 else f"{size_bytes} bytes"
+                _fail(
+                    ValueError,
+                    op,
+                    f"{name} is an expanded view (stride 0 along dim {dim} of size {size}): the kernels read every element from memory, "
+                    f"so it would first be copied in full ({t.numel()} elements, {copy}); pass {name}.contiguous() if that copy is meant",
+                )
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:

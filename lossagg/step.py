@@ -181,6 +181,13 @@ class StepPlan:
             lo, hi = int(pos.min()), int(pos.max())
             if lo < 0 or hi >= n:
                 raise ValueError(f"samples must be positions in [0, {n}) among this rank's samples, got values in [{lo}, {hi}]")
+            distinct, counts = torch.unique(pos, return_counts=True)
+            if distinct.numel() != pos.numel():
+                first = int(torch.nonzero(counts > 1)[0, 0])
+                raise ValueError(
+                    f"samples must name each sample of the micro-batch once, got position {int(distinct[first])} {int(counts[first])} times "
+                    "(a sample counted twice would weigh twice in J)"
+                )
         return pos.to(device=self.device, dtype=torch.long)
 
     def _micro_batch_denoms(self, samples: Samples, mask: torch.Tensor, cu_seqlens, device) -> torch.Tensor:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import socket
 import subprocess
 import sys
 
@@ -231,6 +233,64 @@ def test_bad_files(tmp_path, name, text, message):
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="file not found"):
         LossAggregationConfig.from_file(tmp_path / "nope.yaml")
+
+
+def _fifo(tmp_path):
+    path = tmp_path / "pipe.yaml"
+    os.mkfifo(path)
+    return str(path)
+
+
+def _socket(tmp_path):
+    path = str(tmp_path / "sock.yaml")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(path)  # the file stays after the socket object is collected
+    return path
+
+
+def _link_to_fifo(tmp_path):
+    os.symlink(_fifo(tmp_path), tmp_path / "link.toml")
+    return str(tmp_path / "link.toml")
+
+
+NOT_REGULAR_FILES = [
+    ("fifo", _fifo, "is a named pipe (FIFO), not a regular file"),
+    ("socket", _socket, "is a socket, not a regular file"),
+    ("link_to_fifo", _link_to_fifo, "is a named pipe (FIFO), not a regular file"),
+    ("dev_null", lambda _: "/dev/null", "is a character device, not a regular file"),
+    ("dev_zero", lambda _: "/dev/zero", "is a character device, not a regular file"),
+    ("directory", lambda tmp_path: str(tmp_path), "is a directory"),
+]
+
+
+@pytest.mark.parametrize(("case", "make", "message"), NOT_REGULAR_FILES, ids=[c[0] for c in NOT_REGULAR_FILES])
+def test_paths_that_are_not_regular_files_are_refused_without_blocking(tmp_path, case, make, message):
+    """The loader and `lossagg check` read regular files only: a FIFO with no writer, a socket
+    or a device is named and refused at once, never waited on."""
+    path = make(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        LossAggregationConfig.from_file(path)
+    assert message in str(info.value) and path in str(info.value), str(info.value)
+    done = subprocess.run(
+        [sys.executable, "-m", "lossagg", "check", path], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120
+    )
+    assert done.returncode == 1 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+BOM_FILES = [
+    ("c.toml", 'mode = "constant"\ndivisor = 8.0\n'),
+    ("c.json", '{"mode": "constant", "divisor": 8.0}'),
+    ("c.yaml", "mode: constant\ndivisor: 8.0\n"),
+    ("c.yml", "loss_aggregation:\n  mode: constant\n  divisor: 8.0\n"),
+]
+
+
+@pytest.mark.parametrize(("name", "text"), BOM_FILES, ids=[c[0] for c in BOM_FILES])
+def test_a_utf8_byte_order_mark_is_accepted_in_every_format(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    c = LossAggregationConfig.from_file(str(path))
+    assert (c.mode, c.divisor) == ("constant", 8.0)
 
 
 # -------------------------------------------------------------------- argparse

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import tempfile
+import threading
+import time
 
 import pytest
 import torch
@@ -239,3 +242,141 @@ def test_a_mode_returning_the_wrong_shape_is_named():
             lossagg.StepPlan(lossagg.LossAggregationConfig(mode="scalar_d"), torch.tensor([3, 4]))
     finally:
         unregister_mode("scalar_d")
+
+
+# ------------------------------------------------------------- what a mode's d[i] may be
+def _bad_denoms(make):
+    return throwaway_spec(name="bad_d", denoms=lambda x: make(x.token_counts))
+
+
+DENOMS_REFUSED = [
+    ("bool", lambda m: m > 0, TypeError, "mode=bad_d: its denoms must return a real floating tensor of d[i], got dtype torch.bool"),
+    ("complex", lambda m: m.to(torch.complex128) + 1j, TypeError, "real floating tensor of d[i], got dtype torch.complex128"),
+    ("integer", lambda m: m.long() + 1, TypeError, "real floating tensor of d[i], got dtype torch.int64"),
+    ("meta", lambda m: torch.ones_like(m, device="meta"), ValueError, "mode=bad_d: its denoms returned a meta tensor (no data)"),
+    ("sparse", lambda m: (m + 1).to_sparse(), TypeError, "must return a dense (strided) tensor of d[i], got layout torch.sparse_coo"),
+    ("nan", lambda m: m * float("nan"), ValueError, "mode=bad_d: d[0] = nan, but every d[i] must be finite and > 0 (2 of 2 are not)"),
+    ("zero", lambda m: m * 0, ValueError, "mode=bad_d: d[0] = 0.0, but every d[i] must be finite and > 0"),
+    ("negative", lambda m: -m, ValueError, "mode=bad_d: d[0] = -3.0, but every d[i] must be finite and > 0"),
+    ("inf", lambda m: m * float("inf"), ValueError, "mode=bad_d: d[0] = inf, but every d[i] must be finite and > 0"),
+    ("one_entry_bad", lambda m: torch.stack([m[0], -m[1]]), ValueError, "mode=bad_d: d[1] = -5.0, but every d[i] must be finite and > 0 (1 of 2 are not)"),
+    ("not_a_tensor", lambda m: [1.0, 2.0], TypeError, "mode=bad_d: its denoms must return a tensor of d[i] (one per local sample), got list"),
+]
+
+
+@pytest.mark.parametrize(("case", "make", "kind", "message"), DENOMS_REFUSED, ids=[c[0] for c in DENOMS_REFUSED])
+def test_a_mode_whose_denoms_are_not_positive_finite_floats_is_refused_by_the_plan(case, make, kind, message):
+    """StepPlan checks the d[i] a mode builds (never read True as 1.0 or drop an imaginary part,
+    never leave the op to blame sample_denoms, which the user did not pass)."""
+    register_mode(_bad_denoms(make))
+    try:
+        for build in (
+            lambda: lossagg.StepPlan({"mode": "bad_d"}, torch.tensor([3.0, 5.0])),
+            lambda: lossagg.StepPlan.from_totals({"mode": "bad_d"}, torch.tensor([3.0, 5.0]), num_samples=2),
+        ):
+            with pytest.raises(kind) as info:
+                build()
+            assert message in str(info.value), str(info.value)
+            assert "sample_denoms" not in str(info.value)
+    finally:
+        unregister_mode("bad_d")
+
+
+# ------------------------------------------------------------- the registry under threads
+@pytest.fixture
+def eager_thread_switches():
+    """Threads switch every microsecond instead of every 5 ms, so that a window between a
+    check and a change, or inside an iteration, is hit within a few rounds."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+
+
+def test_registering_one_name_from_many_threads_has_exactly_one_winner(eager_thread_switches):
+    """Many rounds of 4 threads registering the same new name at once: exactly one succeeds and
+    its spec is the one registered; the others are told the name is taken."""
+    for round_ in range(40):
+        name = f"race_{round_}"
+        specs = [throwaway_spec(name=name, summary=f"contender {i}") for i in range(4)]
+        start = threading.Barrier(len(specs))
+        outcome: dict[int, str] = {}
+
+        def contend(i):
+            start.wait()
+            try:
+                register_mode(specs[i])
+                outcome[i] = "won"
+            except ValueError as exc:
+                outcome[i] = str(exc)
+
+        threads = [threading.Thread(target=contend, args=(i,)) for i in range(len(specs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        try:
+            winners = [i for i, o in outcome.items() if o == "won"]
+            assert len(winners) == 1, outcome
+            assert lossagg.MODES[name] is specs[winners[0]]
+            assert all(f"mode {name!r} is already registered" in o for i, o in outcome.items() if i != winners[0]), outcome
+        finally:
+            unregister_mode(name)
+
+
+def test_readers_never_see_the_registry_change_under_them(eager_thread_switches):
+    """Config validation, the JSON Schema, argparse flags and StepPlan, read from threads while
+    others register and unregister modes: never an exception from a changing dict, and every
+    mode a reader lists is one it can look up."""
+    import argparse
+
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def churn(k):
+        i = 0
+        while not stop.is_set():
+            name = f"churn_{k}_{i % 7}"
+            try:
+                register_mode(throwaway_spec(name=name))
+                unregister_mode(name)
+            except BaseException as exc:  # noqa: BLE001 - any failure is the finding
+                errors.append(exc)
+                return
+            i += 1
+
+    def read():
+        counts = torch.tensor([3.0, 5.0])
+        while not stop.is_set():
+            try:
+                schema = lossagg.LossAggregationConfig.model_json_schema()
+                assert "sample_mean" in json.dumps(schema)
+                lossagg.add_loss_aggregation_args(argparse.ArgumentParser())
+                for name, spec in lossagg.MODES.items():
+                    assert spec.name == name
+                snapshot = list(lossagg.MODES.values())
+                assert snapshot
+                lossagg.StepPlan(lossagg.LossAggregationConfig(mode="sample_mean"), counts)
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=churn, args=(k,)) for k in range(2)] + [threading.Thread(target=read) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(3.0)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors, repr(errors[0])
+    assert not [m for m in lossagg.MODES if m.startswith("churn_")]
+
+
+@pytest.mark.parametrize(("name", "kind", "message"), [(["a"], TypeError, "unregister_mode takes a mode name (str), got list"),
+                                                       (None, TypeError, "got NoneType"),
+                                                       ("no_such_mode", ValueError, "mode 'no_such_mode' is not registered")])  # fmt: skip
+def test_unregister_names_what_it_was_given(name, kind, message):
+    with pytest.raises(kind, match=re.escape(message)):
+        unregister_mode(name)

@@ -123,3 +123,84 @@ def test_nothing_is_computed_on_bad_input_with_grad():
     with pytest.raises(ValueError):
         lossagg.reduce(v, m, cu_seqlens=cu, sample_denoms=torch.tensor([1.0, -1.0]))
     assert v.grad is None
+
+
+# ---------------------------------------------- tensors the kernels cannot read where they lie
+def _inference(t):
+    with torch.inference_mode():
+        return t.clone()
+
+
+def _call_reduce(values, mask, cu, denoms):
+    return lossagg.reduce(values, mask, cu_seqlens=cu, sample_denoms=denoms)
+
+
+def _call_segment_sum(values, mask, cu, denoms):
+    return lossagg.segment_sum(values, mask, cu)
+
+
+def _call_token_counts(values, mask, cu, denoms):
+    return lossagg.token_counts(mask, cu)
+
+
+def _call_plan_loss(values, mask, cu, denoms):
+    plan = lossagg.StepPlan({"mode": "sample_mean"}, torch.tensor([4.0, 6.0]))
+    return plan.loss(values, mask, [0, 1], cu)
+
+
+# (case, what to change: argument -> new tensor, entry points, kind, fragments of the message)
+UNREADABLE = [
+    ("sparse_values", {"values": lambda v: v.detach().to_sparse()}, ["reduce", "segment_sum"], TypeError, ["values", "dense (strided)", "sparse_coo"]),
+    ("sparse_mask", {"mask": lambda m: m.to_sparse()}, ["reduce", "segment_sum", "token_counts", "plan"], TypeError, ["mask", "dense", "sparse_coo"]),
+    ("sparse_denoms", {"denoms": lambda d: d.to_sparse()}, ["reduce"], TypeError, ["sample_denoms", "dense", "sparse_coo"]),
+    ("expanded_mask", {"mask": lambda m: m[:1].expand(10)}, ["reduce", "segment_sum", "token_counts", "plan"], ValueError,
+     ["mask is an expanded view", "stride 0 along dim 0 of size 10", "copied in full", "mask.contiguous()"]),
+    ("expanded_values", {"values": lambda v: v[:1].expand(10)}, ["reduce", "segment_sum", "plan"], ValueError, ["values is an expanded view"]),
+    ("expanded_denoms", {"denoms": lambda d: d[:1].expand(2)}, ["reduce"], ValueError, ["sample_denoms is an expanded view"]),
+    ("inference_mask", {"mask": _inference}, ["reduce", "segment_sum", "plan"], ValueError,
+     ["mask was made under torch.inference_mode()", "backward of values", "torch.no_grad()", "mask.clone()"]),
+    ("inference_cu", {"cu": _inference}, ["reduce", "segment_sum"], ValueError, ["cu_seqlens was made under torch.inference_mode()"]),
+    ("inference_denoms", {"denoms": _inference}, ["reduce"], ValueError, ["sample_denoms was made under torch.inference_mode()"]),
+]  # fmt: skip
+ENTRY_POINTS = {"reduce": _call_reduce, "segment_sum": _call_segment_sum, "token_counts": _call_token_counts, "plan": _call_plan_loss}
+
+
+@pytest.mark.parametrize(
+    ("case", "entry"), [(c[0], e) for c in UNREADABLE for e in c[2]], ids=[f"{c[0]}-{e}" for c in UNREADABLE for e in c[2]]
+)
+def test_tensors_the_kernels_cannot_read_in_place_are_named(case, entry):
+    """Sparse tensors, expanded views (a copy of every element, ~10 GB for 2**31 expanded tokens)
+    and inference-mode tensors that autograd would have to save: a named error from lossagg's
+    entry points, not the dispatcher's text or a silent copy."""
+    (_, change, _, kind, fragments) = next(c for c in UNREADABLE if c[0] == case)
+    values, mask, cu, denoms = packed("cpu")
+    values.requires_grad_(True)
+    args = {"values": values, "mask": mask, "cu": cu, "denoms": denoms}
+    for name, make in change.items():
+        args[name] = make(args[name])
+    with pytest.raises(kind) as info:
+        ENTRY_POINTS[entry](args["values"], args["mask"], args["cu"], args["denoms"])
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+
+
+def test_inference_tensors_are_fine_where_nothing_is_saved_for_backward():
+    values, mask, cu, denoms = packed("cpu")
+    with torch.inference_mode():
+        want = lossagg.reduce(values, mask, cu_seqlens=cu, sample_denoms=denoms)
+        mask_i, cu_i, denoms_i = mask.clone(), cu.clone(), denoms.clone()
+    assert torch.equal(lossagg.reduce(values, mask_i, cu_seqlens=cu_i, sample_denoms=denoms_i), want)  # values need no grad
+    with torch.no_grad():
+        assert torch.equal(lossagg.reduce(values.requires_grad_(True), mask_i, cu_seqlens=cu_i, sample_denoms=denoms_i), want)
+
+
+def test_a_view_with_strides_is_read_and_a_contiguous_copy_gives_the_same_bits():
+    """Non-contiguous views that are not expanded (a column of a matrix, every other token) are
+    accepted and give the bits of their contiguous copy."""
+    base = torch.randn(10, 3, dtype=torch.float64)
+    values = base[:, 1]
+    mask = torch.ones(20, dtype=torch.bool)[::2]
+    cu = torch.tensor([0, 4, 10])
+    denoms = torch.tensor([2.0, 3.0], dtype=torch.float64)
+    got = lossagg.reduce(values, mask, cu_seqlens=cu, sample_denoms=denoms)
+    assert torch.equal(got, lossagg.reduce(values.contiguous(), mask.contiguous(), cu_seqlens=cu, sample_denoms=denoms))

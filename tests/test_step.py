@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import lossagg
 from lossagg import LossAggregationConfig, StepPlan, gradient_scale
@@ -191,3 +195,76 @@ def test_prompt_mean_groups_of_unequal_size_unless_a_size_is_promised():
     assert plan.sample_denoms.tolist() == [12.0, 12.0, 20.0, 20.0, 20.0]  # P * Sg
     with pytest.raises(ValueError, match="group 0 has 2 sample"):
         StepPlan(LossAggregationConfig(mode="prompt_mean", n_samples_per_prompt=3), counts, group_index=groups)
+
+
+# ------------------------------------------------- the plan checks the d[i] it builds
+D_OVERFLOW = [
+    ("constant_divisor", lambda: StepPlan({"mode": "constant", "divisor": 1e308}, torch.tensor([3.0, 5.0])), ["mode=constant", "divisor=1e+308"]),
+    ("constant_from_totals", lambda: StepPlan.from_totals({"mode": "constant", "divisor": 1e300}, torch.tensor([3.0]), num_samples=2**53),
+     ["mode=constant", "divisor=1e+300", "num_samples=9007199254740992"]),
+    ("max_length", lambda: StepPlan.from_totals({"mode": "max_length"}, torch.tensor([3.0, 5.0]), num_samples=2**53, max_tokens=1e300),
+     ["mode=max_length", "max_tokens=1e+300", "num_samples=9007199254740992"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "build", "fragments"), D_OVERFLOW, ids=[c[0] for c in D_OVERFLOW])
+def test_denominators_that_overflow_float64_name_the_mode_and_the_setting(case, build, fragments):
+    with pytest.raises(ValueError) as info:
+        build()
+    message = str(info.value)
+    assert "overflows float64" in message and "sample_denoms" not in message, message
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+@given(divisor=st.floats(min_value=1e-300, max_value=1e308), n=st.integers(min_value=1, max_value=2**53))
+@settings(max_examples=150, deadline=None)
+def test_a_plan_either_holds_positive_finite_denominators_or_refuses_by_name(divisor, n):
+    """Over the whole range of divisor and N: never an inf or a 0 d[i] handed to the op."""
+    try:
+        plan = StepPlan.from_totals({"mode": "constant", "divisor": divisor}, torch.tensor([1.0]), num_samples=n)
+    except ValueError as exc:
+        assert "mode=constant" in str(exc) and "divisor=" in str(exc), str(exc)
+    else:
+        d = plan.sample_denoms
+        assert bool(torch.isfinite(d).all()) and bool((d > 0).all()), d
+
+
+MICRO_BATCH_POSITIONS_REFUSED = [
+    ("same_sample_twice", [1, 1], "position 1 2 times"),
+    ("three_times", [0, 2, 2, 2], "position 2 3 times"),
+    ("tensor", torch.tensor([0, 0]), "position 0 2 times"),
+    ("numpy", np.array([3, 1, 3]), "position 3 2 times"),
+]
+
+
+@pytest.mark.parametrize(("case", "samples", "message"), MICRO_BATCH_POSITIONS_REFUSED, ids=[c[0] for c in MICRO_BATCH_POSITIONS_REFUSED])
+def test_a_micro_batch_naming_a_sample_twice_is_refused(case, samples, message):
+    """A sample counted twice would weigh twice in J: loss, metrics and sample_denoms_for refuse it."""
+    plan = StepPlan({"mode": "sample_mean"}, torch.tensor([2.0, 2.0, 2.0, 2.0]))
+    b = len(samples)
+    values, mask = torch.ones(2 * b), torch.ones(2 * b, dtype=torch.bool)
+    cu = torch.arange(0, 2 * b + 1, 2)
+    for call in (
+        lambda: plan.loss(values, mask, samples, cu),
+        lambda: plan.metrics({"x": values}, mask, samples, cu),
+        lambda: plan.sample_denoms_for(samples),
+    ):
+        with pytest.raises(ValueError, match=r"samples must name each sample of the micro-batch once, got " + message):
+            call()
+
+
+PLAN_TENSORS_REFUSED = [
+    ("meta_group_index", dict(group_index=torch.zeros(2, dtype=torch.long, device="meta")), ValueError, "group_index must hold data"),
+    ("sparse_group_index", dict(group_index=torch.zeros(2, dtype=torch.long).to_sparse()), TypeError, "group_index must be a dense (strided) tensor"),
+    ("meta_counts", dict(token_counts=torch.ones(2, device="meta")), ValueError, "token_counts must hold data"),
+    ("sparse_counts", dict(token_counts=torch.ones(2).to_sparse()), TypeError, "token_counts must be a dense (strided) tensor"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "changes", "kind", "message"), PLAN_TENSORS_REFUSED, ids=[c[0] for c in PLAN_TENSORS_REFUSED])
+def test_plan_tensors_without_data_are_named(case, changes, kind, message):
+    kwargs = dict(token_counts=torch.tensor([3.0, 4.0]), group_index=torch.tensor([0, 0]))
+    kwargs.update(changes)
+    with pytest.raises(kind, match=re.escape(message)):
+        StepPlan({"mode": "prompt_mean"}, kwargs.pop("token_counts"), **kwargs)

@@ -373,7 +373,8 @@ __global__ void segment_sum_fixup_kernel(
 // Backward: out[k, t] = mask_weight(m[t]) * coef(k, s(t)), 0 where the mask is 0.
 // grid: (ceil(tiles / kWarpsPerBlock), min(K, kMaxGridY)). Every token of the tile is
 // written: with an invalid cu_seqlens (device checks off) the tiles that see it are all
-// NaN, so the gradient holds NaN and never unwritten memory.
+// NaN (every lane's stores of the walk ordered before the fill), so the gradient holds NaN
+// and never unwritten memory.
 template <typename scalar_t, typename acc_t, typename mask_t, typename Coef>
 __global__ void expand_tiles_kernel(
     scalar_t* __restrict__ out,
@@ -419,6 +420,10 @@ __global__ void expand_tiles_kernel(
       }
     });
     if (!ok) {
+      // A token may have been written by another lane in the walk above (the vector body
+      // maps tokens to lanes differently from this loop). `ok` is warp-uniform, so the whole
+      // warp meets here: the barrier orders those stores before the NaN ones.
+      __syncwarp();
       for (int64_t i = lo + lane; i < hi; i += kWarp) {
         o[i] = static_cast<scalar_t>(quiet_nan<acc_t>());
       }

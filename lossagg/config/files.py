@@ -1,14 +1,16 @@
 """Reading a config from a JSON, YAML or TOML file, optionally one (dotted) section of a
 larger training config.
 
-Bounded work whatever the file holds: at most :data:`MAX_FILE_BYTES` are read (so
-``/dev/zero`` or a huge file is refused before parsing), the parsed structure may hold at
-most :data:`MAX_NODES` values nested at most :data:`MAX_DEPTH` deep (YAML aliases are
-counted where they are used, so an alias bomb is refused), and a key given twice in one
-mapping is an error in every format. YAML merge keys (``<<: *defaults``) work as YAML
-defines them (the mapping's own keys win). An integer literal of more than
-:data:`~lossagg.config.errors.MAX_INT_DIGITS` digits is not converted but kept as a
-:class:`~lossagg.config.errors.HugeInt`, so the config's error names its setting. Every problem is a :class:`ConfigError` naming the
+Bounded work whatever the file holds: only a regular file is read (a FIFO, socket or
+device such as ``/dev/zero`` is refused without blocking), at most :data:`MAX_FILE_BYTES`
+of it (a huge file is refused before parsing); a UTF-8 byte-order mark is skipped in every
+format; the parsed structure may hold at most :data:`MAX_NODES` values nested at most
+:data:`MAX_DEPTH` deep (YAML aliases are counted where they are used, so an alias bomb is
+refused), and a key given twice in one mapping is an error in every format. YAML merge
+keys (``<<: *defaults``) work as YAML defines them (the mapping's own keys win). An integer
+literal of more than :data:`~lossagg.config.errors.MAX_INT_DIGITS` digits is not converted
+but kept as a :class:`~lossagg.config.errors.HugeInt`, so the config's error names its
+setting. Every problem is a :class:`ConfigError` naming the
 file: never a Python traceback.
 """
 
@@ -39,21 +41,47 @@ MAX_DEPTH = 64
 MAX_NODES = 200_000
 
 
+_NOT_REGULAR = (
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _NOT_REGULAR if test(mode)), "not a regular file")
+
+
+def _check_regular(st: os.stat_result, path) -> None:
+    if stat.S_ISDIR(st.st_mode):
+        raise ConfigError([("", "is a directory; expected a .json, .yaml/.yml or .toml file")], path)
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError([("", f"is {_kind(st.st_mode)}, not a regular file; expected a .json, .yaml/.yml or .toml file")], path)
+
+
 def _open_bounded(path: str) -> bytes:
-    """The file's bytes, refusing what is not a readable regular file of a sane size."""
+    """The file's bytes, refusing what is not a readable regular file of a sane size.
+
+    The path is checked before it is opened, then opened without blocking and checked again
+    on the open descriptor (it may have been replaced meanwhile): a FIFO with no writer, a
+    socket or a device never stalls the caller, and what is read is what was checked.
+    """
     try:
-        st = os.stat(path)  # follows links; a loop raises ELOOP
+        _check_regular(os.stat(path), path)  # follows links; a loop raises ELOOP
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise ConfigError([("", "file not found")], path) from None
     except OSError as exc:
         raise ConfigError([("", f"cannot read the file: {exc.strerror or exc}")], path) from None
-    if stat.S_ISDIR(st.st_mode):
-        raise ConfigError([("", "is a directory; expected a .json, .yaml/.yml or .toml file")], path)
     try:
-        with open(path, "rb") as f:
+        _check_regular(os.fstat(fd), path)
+        with os.fdopen(fd, "rb", closefd=False) as f:
             raw = f.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
         raise ConfigError([("", f"cannot read the file: {exc.strerror or exc}")], path) from None
+    finally:
+        os.close(fd)
     if len(raw) > MAX_FILE_BYTES:
         raise ConfigError([("", f"the file is larger than {MAX_FILE_BYTES // (1024 * 1024)} MiB; a loss aggregation config is a few lines")], path)
     return raw
@@ -140,6 +168,9 @@ def _check_shape(data: Any, path: str) -> None:
             stack.extend((v, depth + 1) for v in value)
 
 
+_UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def _parse(raw: bytes, ext: str) -> Any:
     if ext == ".json":
         return json.loads(raw, object_pairs_hook=_no_duplicate_pairs, parse_int=_json_int)
@@ -153,6 +184,8 @@ def read_file(path: str) -> Mapping:
     """The top-level mapping of a config file; ConfigError naming the file otherwise."""
     ext = os.path.splitext(path)[1].lower()
     raw = _open_bounded(path)
+    if raw.startswith(_UTF8_BOM):  # an editor's byte-order mark: accepted alike by every format
+        raw = raw[len(_UTF8_BOM) :]
     if ext not in EXTENSIONS:
         raise ConfigError([("", f"unknown file type {short_repr(ext)}; expected {', '.join(EXTENSIONS)}")], path)
     if not raw.strip():

@@ -31,7 +31,7 @@ from pydantic_core import PydanticCustomError
 
 from lossagg.config.errors import ConfigError, issues_from_validation, short_repr
 from lossagg.config.files import read_file, select_section
-from lossagg.modes import ALIASES, DEFAULT_MODE, MODES, canonical_mode
+from lossagg.modes import ALIASES, DEFAULT_MODE, MODES, canonical_mode, mode_spec
 
 _TOKEN_MEAN = "token_mean"
 # Sample counts travel in float64 between ranks: exact up to 2**53.
@@ -48,11 +48,12 @@ class _ModeJsonSchema:
     """The JSON Schema of ``mode``: the modes registered when the schema is generated."""
 
     def __get_pydantic_json_schema__(self, core_schema, handler) -> dict[str, Any]:
+        modes = MODES.snapshot()  # one view of the registry, while other threads may register
         return {
             "type": "string",
-            "enum": list(MODES),
+            "enum": list(modes),
             "title": "Mode",
-            "description": "; ".join(f"{m.name}: {m.summary}" for m in MODES.values()),
+            "description": "; ".join(f"{m.name}: {m.summary}" for m in modes.values()),
         }
 
 
@@ -173,7 +174,7 @@ class LossAggregationConfig(BaseModel):
 def _rule_problems(model: LossAggregationConfig, mode) -> list[tuple[str, str, tuple[str, ...]]]:
     """The cross-field rules, on validated fields and the resolved mode: (path, message, the settings it depends on)."""
     problems: list[tuple[str, str, tuple[str, ...]]] = []
-    spec = MODES[mode]
+    spec = mode_spec(mode)  # ValueError (a validation error) if another thread unregistered it meanwhile
     flag = model.calculate_per_token_loss
     # what the resolved mode depends on: the flag too only when no mode was given
     by = ("mode",) if "mode" in model.model_fields_set else ("mode", "calculate_per_token_loss")

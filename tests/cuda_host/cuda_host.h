@@ -7,7 +7,11 @@
 // arrived at a block barrier, as on the GPU; a shuffle with an exited lane, or a
 // barrier that can never be passed, aborts with a message. Blocks run one at a time in
 // the order the test chooses (in order, reversed, shuffled), so __shared__ memory can
-// be a static of the kernel. Include this before any kernel header.
+// be a static of the kernel; so do the threads of a block between two meeting points
+// (lanes in order, reversed, shuffled), so that stores of two lanes to one address with
+// no __syncwarp/__syncthreads between them (a race on the GPU, where independent thread
+// scheduling orders them in any way) give results that depend on the lane order.
+// Include this before any kernel header.
 #pragma once
 
 #define LOSSAGG_CUDA_HOST_EMULATION 1
@@ -92,6 +96,7 @@ struct Block {
   void (*body)(void*) = nullptr;
   void* body_arg = nullptr;
   std::vector<uint64_t> warp_slots;  // one exchange slot per thread
+  std::vector<unsigned> lane_order;  // the order the scheduler visits the threads in
   void* fake_stack = nullptr;
   const void* scheduler_stack_bottom = nullptr;
   size_t scheduler_stack_size = 0;
@@ -141,6 +146,14 @@ inline void __syncthreads() {
 }
 
 inline void __threadfence() {}
+
+// A warp barrier with memory ordering among its lanes (the full mask only).
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+  if (mask != 0xffffffffu) {
+    cuda_host::fail("__syncwarp: only the full-warp mask is emulated");
+  }
+  cuda_host::warp_sync();
+}
 
 template <typename T>
 T __shfl_xor_sync(unsigned mask, T var, int lane_mask) {
@@ -196,9 +209,12 @@ inline double __longlong_as_double(long long u) {
 namespace cuda_host {
 
 enum class BlockOrder { InOrder, Reversed, Shuffled };
+// The order a block's ready threads run in between two meeting points.
+enum class LaneOrder { InOrder, Reversed, Shuffled };
 
-// Runs one block of `threads` threads to completion, each calling body(arg).
-inline void run_block(unsigned threads, void (*body)(void*), void* arg) {
+// Runs one block of `threads` threads to completion, each calling body(arg), visiting the
+// ready threads in `lane_order` (a permutation of 0..threads-1; empty: in order).
+inline void run_block(unsigned threads, void (*body)(void*), void* arg, const std::vector<unsigned>& lane_order = {}) {
   Block& b = block();
   if (b.fibers.size() < threads) {
     b.fibers.resize(threads);
@@ -206,13 +222,18 @@ inline void run_block(unsigned threads, void (*body)(void*), void* arg) {
   b.body = body;
   b.body_arg = arg;
   b.warp_slots.assign(threads, 0);
+  b.lane_order = lane_order;
+  if (b.lane_order.size() != threads) {
+    b.lane_order.resize(threads);
+    std::iota(b.lane_order.begin(), b.lane_order.end(), 0u);
+  }
   for (unsigned t = 0; t < threads; ++t) {
     b.fibers[t].state = State::Ready;
   }
   const unsigned warps = (threads + kWarpSize - 1) / kWarpSize;
   for (;;) {
     bool ran = false;
-    for (unsigned t = 0; t < threads; ++t) {
+    for (unsigned t : b.lane_order) {
       Fiber& f = b.fibers[t];
       if (f.state != State::Ready) {
         continue;
@@ -294,7 +315,8 @@ inline void run_block(unsigned threads, void (*body)(void*), void* arg) {
 // (NaN for floats) so that a kernel reading memory nobody wrote shows up in the results.
 class HostDevice {
  public:
-  explicit HostDevice(BlockOrder order = BlockOrder::InOrder, uint64_t seed = 0) : order_(order), rng_(seed) {}
+  explicit HostDevice(BlockOrder order = BlockOrder::InOrder, uint64_t seed = 0, LaneOrder lanes = LaneOrder::InOrder)
+      : order_(order), lanes_(lanes), rng_(seed) {}
   HostDevice(const HostDevice&) = delete;
   HostDevice& operator=(const HostDevice&) = delete;
 
@@ -324,9 +346,17 @@ class HostDevice {
     }
     auto call = [&]() { kernel(static_cast<KernelArgs>(args)...); };
     using Call = decltype(call);
+    std::vector<unsigned> lanes(block_dim.x);
+    std::iota(lanes.begin(), lanes.end(), 0u);
+    if (lanes_ == LaneOrder::Reversed) {
+      std::reverse(lanes.begin(), lanes.end());
+    }
     for (uint64_t id : ids) {
       blockIdx = uint3{static_cast<unsigned>(id % grid.x), static_cast<unsigned>(id / grid.x), 0};
-      run_block(block_dim.x, [](void* c) { (*static_cast<Call*>(c))(); }, &call);
+      if (lanes_ == LaneOrder::Shuffled) {
+        std::shuffle(lanes.begin(), lanes.end(), rng_);
+      }
+      run_block(block_dim.x, [](void* c) { (*static_cast<Call*>(c))(); }, &call, lanes);
     }
   }
 
@@ -334,6 +364,7 @@ class HostDevice {
 
  private:
   BlockOrder order_;
+  LaneOrder lanes_;
   std::mt19937_64 rng_;
   std::vector<std::vector<unsigned char>> buffers_;
 };

@@ -25,6 +25,7 @@
 #include <vector>
 
 using cuda_host::BlockOrder;
+using cuda_host::LaneOrder;
 using cuda_host::HostDevice;
 using lossagg::BoolMask;
 using lossagg::Segments;
@@ -315,6 +316,45 @@ void run_case(const Case& c, uint64_t case_seed) {
   expect(rgrad_ok, "reduce_backward writes grad * m[t] / d[s] to every token");
 }
 
+// The gradient under a defective cu_seqlens, run with the lanes of each block in three
+// orders (the GPU orders unsynchronised stores of two lanes in any way): every token is
+// written, every tile of kTileTokens tokens is NaN throughout or holds no NaN at all (the
+// incoming gradient and the denominators are finite, so a NaN comes only from a tile that
+// saw the defect), and the three runs agree bit for bit.
+template <typename S, typename In, typename Seg, typename Layout, typename acc_t>
+void expect_tiles_all_nan_or_none(const Case& c, const In& in, const Seg& seg, const Layout& layout, std::vector<acc_t>& denoms) {
+  std::vector<std::vector<double>> runs;
+  for (LaneOrder lanes : {LaneOrder::InOrder, LaneOrder::Reversed, LaneOrder::Shuffled}) {
+    Phased<S> grad(c.T, c.values_phase);
+    std::fill(grad.data, grad.data + c.T, static_cast<S>(12345.0));
+    acc_t upstream = acc_t(1);
+    {
+      HostDevice dev(BlockOrder::InOrder, 7, lanes);
+      lossagg::cuda::launch_expand<S, acc_t>(dev, layout, seg, grad.data, in.mask.data, lossagg::cuda::GradOverDenom<acc_t>{&upstream, denoms.data()});
+    }
+    std::vector<double> g(grad.data, grad.data + c.T);
+    bool g_nan = false, g_written = true, tiles_whole = true;
+    for (int64_t lo = 0; lo < c.T; lo += lossagg::cuda::kTileTokens) {
+      const int64_t hi = std::min<int64_t>(lo + lossagg::cuda::kTileTokens, c.T);
+      int64_t nans = 0;
+      for (int64_t t = lo; t < hi; ++t) {
+        nans += std::isnan(g[t]);
+        g_written = g_written && g[t] != 12345.0;
+      }
+      g_nan = g_nan || nans > 0;
+      tiles_whole = tiles_whole && (nans == 0 || nans == hi - lo);
+    }
+    expect(g_nan && g_written, "bad cu_seqlens: the gradient holds NaN, every token written");
+    expect(tiles_whole, "bad cu_seqlens: each tile of the gradient is NaN throughout or holds no NaN, whatever the lane order");
+    runs.push_back(std::move(g));
+  }
+  bool same = true;
+  for (size_t r = 1; r < runs.size(); ++r) {
+    same = same && std::memcmp(runs[r].data(), runs[0].data(), runs[0].size() * sizeof(double)) == 0;
+  }
+  expect(same, "bad cu_seqlens: the gradient is the same bits in every lane order");
+}
+
 // cu_seqlens that break the rules, with the device checks off: NaN results, every
 // output written, no access out of bounds (AddressSanitizer watches).
 template <typename S, typename M>
@@ -324,6 +364,7 @@ void run_bad_table_case(Case c, int defect) {
     case 0: c.cu[0] = uniform(1, 3); break;                                   // does not start at 0
     case 1: c.cu.back() += uniform(1, 2000); break;                           // ends past T
     case 2: c.cu.back() -= uniform(1, 2000); break;  // ends before T (negative when T is small)
+    case 4: break;                                   // the defect is in the case as given
     default: {                                                                // decreasing somewhere
       const int64_t i = uniform(1, static_cast<int64_t>(c.cu.size()) - 2);
       c.cu[i] = c.cu[i + 1] + uniform(1, 1500);
@@ -356,20 +397,7 @@ void run_bad_table_case(Case c, int defect) {
   expect(std::isnan(static_cast<double>(result)), "bad cu_seqlens: reduce gives NaN");
 
   if (c.T > 0) {
-    Phased<S> grad(c.T, c.values_phase);
-    std::fill(grad.data, grad.data + c.T, static_cast<S>(12345.0));
-    acc_t upstream = acc_t(1);
-    {
-      HostDevice dev;
-      lossagg::cuda::launch_expand<S, acc_t>(dev, layout, seg, grad.data, in.mask.data, lossagg::cuda::GradOverDenom<acc_t>{&upstream, denoms.data()});
-    }
-    bool g_nan = false, g_written = true;
-    for (int64_t t = 0; t < c.T; ++t) {
-      const double x = to_double(grad.data[t]);
-      g_nan = g_nan || std::isnan(x);
-      g_written = g_written && x != 12345.0;
-    }
-    expect(g_nan && g_written, "bad cu_seqlens: the gradient holds NaN, every token written");
+    expect_tiles_all_nan_or_none<S>(c, in, seg, layout, denoms);
   }
 }
 
@@ -433,6 +461,18 @@ int main(int argc, char** argv) {
       run_bad_table_case<float, BoolMask>(c, defect);
     } else {
       run_bad_table_case<c10::BFloat16, float>(c, defect);
+    }
+  }
+
+  if (shard == 0) {  // a table whose walk fails late in a tile, after segments were written
+    for (int64_t back : {500, 1500, 1999}) {
+      Case c;
+      c.B = 3;
+      c.cu = {0, 2000, back, 3000};
+      c.T = 3000;
+      case_name = "bad table: cu_seqlens [0, 2000, " + std::to_string(back) + ", 3000]";
+      run_bad_table_case<float, BoolMask>(c, 4);
+      run_bad_table_case<c10::BFloat16, float>(c, 4);
     }
   }
 

@@ -1,0 +1,73 @@
+"""The ops right after a plain ``import lossagg``, in a fresh process.
+
+Training code calls ``torch.ops.lossagg.*`` directly (the README's first example): the fake
+kernels must be registered by ``import lossagg`` itself, not by a later touch of
+``lossagg.reduce``. Every other test module imports more of lossagg first, so this one runs
+its checks in a subprocess that does nothing else before them: ``opcheck`` of every op
+(fake tensors, schema, autograd registration) and ``torch.compile(fullgraph=True)`` of the
+forward ops with their backward.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+FRESH = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import lossagg
+
+    assert "lossagg.step" not in sys.modules and "lossagg.aggregate" not in sys.modules, "the test must start from a plain import"
+    ops = torch.ops.lossagg
+    v = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    m = torch.tensor([1, 1, 0, 1, 1, 1, 0], dtype=torch.bool)
+    cu = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
+    d = torch.tensor([2.0, 1.0, 4.0], dtype=torch.float64)
+    k2 = torch.randn(2, 7, dtype=torch.float64, requires_grad=True)
+    padded = torch.randn(3, 4, requires_grad=True)
+    padded_mask = torch.rand(3, 4) > 0.3
+    calls = {
+        "reduce": [(v, m, cu, d), (padded, padded_mask, None, torch.tensor([1.0, 2.0, 3.0]))],
+        "segment_sum": [(v, m, cu), (k2, m, cu), (padded, padded_mask, None)],
+        "reduce_backward": [(torch.tensor(1.5, dtype=torch.float64), m, cu, d, torch.float64)],
+        "segment_sum_backward": [(torch.randn(3, dtype=torch.float64), m, cu, torch.float32)],
+        "token_counts": [(m, cu), (padded_mask, None)],
+    }
+    for name, arg_sets in calls.items():
+        for args in arg_sets:
+            torch.library.opcheck(getattr(ops, name).default, args)
+        print("opcheck", name)
+
+    def step(values):
+        return ops.reduce(values, m, cu, d) + ops.segment_sum(values, m, cu).sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got = compiled(v)
+    (g,) = torch.autograd.grad(got, v)
+    want = step(v)
+    (g_want,) = torch.autograd.grad(want, v)
+    assert torch.equal(got, want) and torch.equal(g, g_want), (got, want, g, g_want)
+    print("compile ok")
+    """
+)
+
+
+def test_every_op_has_its_fake_and_compiles_right_after_a_plain_import():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", FRESH], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    lines = done.stdout.splitlines()
+    assert [line for line in lines if line.startswith("opcheck")] == [
+        "opcheck reduce",
+        "opcheck segment_sum",
+        "opcheck reduce_backward",
+        "opcheck segment_sum_backward",
+        "opcheck token_counts",
+    ]
+    assert lines[-1] == "compile ok", done.stdout
