@@ -83,8 +83,11 @@ def check_readable(op: str, validate=None, saved_for_backward: bool = False, **t
     their messages win. None is skipped (the optional ``cu_seqlens``). With
     ``saved_for_backward`` (values require grad), a tensor made under
     ``torch.inference_mode()`` is refused by name: autograd cannot save it for the backward.
-    Costs a few attribute reads per tensor on the usual (contiguous) path.
+    Costs a few attribute reads per tensor on the usual (contiguous) path. Skipped while
+    torch.compile traces (the fake kernels check what a trace can see).
     """
+    if torch.compiler.is_compiling():
+        return
     for name, t in tensors.items():
         if t is None:
             continue
