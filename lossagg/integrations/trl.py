@@ -56,8 +56,11 @@ import torch
 
 try:
     from trl import GRPOTrainer as _TRLGRPOTrainer
-except ImportError as exc:  # pragma: no cover - exercised only without TRL
-    raise ImportError(f"lossagg.integrations.trl needs TRL (pip install trl): {exc}") from exc
+except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without TRL
+    # a ModuleNotFoundError, as for any missing package: pytest.importorskip skips on it
+    raise ModuleNotFoundError(f"lossagg.integrations.trl needs TRL (pip install trl): {exc}", name="trl") from exc
+except ImportError as exc:  # pragma: no cover - a TRL without GRPOTrainer, or one that fails to import
+    raise ImportError(f"lossagg.integrations.trl needs TRL with its GRPOTrainer (written against TRL 1.16): {exc}") from exc
 
 from lossagg.config import ConfigError, LossAggregationConfig
 from lossagg.modes import ALIASES, MODES, canonical_mode
