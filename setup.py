@@ -5,7 +5,11 @@ definition: sources, flags, CUDA architectures, the C++ tests).
 --no-build-isolation .`` and ``make wheel`` all come here: CMake configures ``build/native``
 (``LOSSAGG_BUILD_DIR``), ninja compiles every source once on every core (``MAX_JOBS``),
 and ``liblossagg_ops.so`` is written into the ``lossagg`` package next to ``_build_info.py``,
-which records the torch it was built against (checked at import, lossagg/_native.py).
+which records the oldest torch it loads into and, with CUDA kernels, the CUDA major version
+(both checked at import, lossagg/_native.py). The library uses the LibTorch stable ABI only
+and no Python API, so a wheel is tagged ``py3-none-<platform>``: one CPU wheel serves every
+Python >= 3.10 and every torch from the floor on; a CUDA wheel, every torch of its CUDA
+major.
 ``scripts/test.sh`` then builds the C++ tests in the same tree against the same library.
 
 Build isolation: lossagg compiles against the torch it will run with. Under pip's default
@@ -30,7 +34,12 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from build_plan import check_build_isolation, cmake_args, describe, want_cuda  # noqa: E402
+from build_plan import TORCH_FLOOR, check_build_isolation, cmake_args, describe, want_cuda  # noqa: E402
+
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # setuptools < 70.1: the wheel package's
+    from wheel.bdist_wheel import bdist_wheel
 
 
 class CMakeBuild(build_ext):
@@ -66,25 +75,31 @@ class CMakeBuild(build_ext):
         with open(os.path.join(folder, "_build_info.py"), "w") as f:
             f.write(
                 '"""Written by setup.py: what the native library in this folder was built against."""\n\n'
-                f"TORCH_VERSION = {torch.__version__!r}\n"
+                f"TORCH_VERSION = {torch.__version__!r}  # the torch whose headers compiled it\n"
+                f"TORCH_FLOOR = {TORCH_FLOOR!r}  # the oldest torch it loads into (its stable ABI target)\n"
                 f"TORCH_CUDA = {torch.version.cuda!r}\n"
                 f"BUILT_WITH_CUDA = {cuda!r}\n"
+                f"CUDA_MAJOR = {int(torch.version.cuda.split('.')[0]) if cuda and torch.version.cuda else None!r}  # of the CUDA kernels\n"
                 f"CUDA_ARCHS = {archs!r}  # empty: the defaults of CMakeLists.txt, or none\n"
                 f"WHY = {why!r}\n"
             )
 
 
-def _requirements() -> list[str]:
-    """torch pinned to the release built against (any local build tag, e.g. +cu130, matches)."""
-    check_build_isolation()
-    import torch
+class PlatformWheel(bdist_wheel):
+    """``py3-none-<platform>``: the native library links no Python and only torch's stable C ABI."""
 
-    release = torch.__version__.split("+")[0]
-    return [f"torch=={release}", "pydantic>=2.6", "pyyaml>=6", "tomli>=2; python_version < '3.11'"]
+    def get_tag(self):
+        _, _, platform = super().get_tag()
+        return "py3", "none", platform
+
+
+def _requirements() -> list[str]:
+    """Any torch from the floor on: the library targets the floor's stable ABI."""
+    return [f"torch>={TORCH_FLOOR}", "pydantic>=2.6", "pyyaml>=6", "tomli>=2; python_version < '3.11'"]
 
 
 setup(
     ext_modules=[Extension("lossagg.liblossagg_ops", sources=[])],
-    cmdclass={"build_ext": CMakeBuild},
+    cmdclass={"build_ext": CMakeBuild, "bdist_wheel": PlatformWheel},
     install_requires=_requirements(),
 )

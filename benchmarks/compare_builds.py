@@ -4,9 +4,10 @@ Each build runs in its own long-lived worker process (two builds of the same ops
 share a process); the parent asks them in turn, one timed call per (build, case, pass) per
 round, the order alternating every round, and reports medians and the ratio
 baseline / this build. Cases: reduce on B=1024 x ~512 packed tokens, float32 values, with
-a bool, an int64 and a float32 mask; forward and forward+backward.
+a bool, an int64 and a float32 mask, and on T=16 tokens (B=2, bool mask: the fixed cost of
+a call, Python wrapper and autograd included); forward and forward+backward.
 
-    python benchmarks/compare_builds.py --baseline /path/to/folder/holding/old/lossagg [--rounds 41]
+    python benchmarks/compare_builds.py --baseline /path/to/folder/holding/old/lossagg [--rounds 41] [--cases large,small]
 
 The baseline folder holds an importable `lossagg` package with its built library (e.g. a
 copy of the package folder of an older build).
@@ -31,22 +32,31 @@ cu = torch.zeros(n + 1, dtype=torch.int32); cu[1:] = torch.cumsum(lengths, 0)
 total = int(cu[-1])
 values = torch.randn(total, generator=g)
 keep = torch.rand(total, generator=g) < 0.9
-masks = {"bool": keep, "int64": keep.long(), "float32": keep.float()}
-denoms = 1.0 + lengths.float()
-def fwd(m):
-    return lossagg.reduce(values, m, cu_seqlens=cu, sample_denoms=denoms)
-def fwd_bwd(m):
-    v = values.detach().requires_grad_(True)
-    lossagg.reduce(v, m, cu_seqlens=cu, sample_denoms=denoms).backward()
-for m in masks.values():
-    for _ in range(3):
-        fwd(m); fwd_bwd(m)
+small_cu = torch.tensor([0, 7, 16], dtype=torch.int32)
+small = (torch.randn(16, generator=g), torch.rand(16, generator=g) < 0.9, small_cu, torch.tensor([7.0, 9.0]))
+batches = {name: (values, m, cu, 1.0 + lengths.float()) for name, m in (("bool", keep), ("int64", keep.long()), ("float32", keep.float()))}
+batches["T=16 bool"] = small
+def fwd(b):
+    v, m, c, d = b
+    return lossagg.reduce(v, m, cu_seqlens=c, sample_denoms=d)
+def fwd_bwd(b):
+    v, m, c, d = b
+    v = v.detach().requires_grad_(True)
+    lossagg.reduce(v, m, cu_seqlens=c, sample_denoms=d).backward()
+for b in batches.values():
+    for _ in range(20):
+        fwd(b); fwd_bwd(b)
 print("ready", lossagg.__file__, lossagg.cpu_isa(), flush=True)
 for line in sys.stdin:
-    mask, pass_name = line.split()
-    f = fwd if pass_name == "fwd" else fwd_bwd
-    t0 = time.perf_counter(); f(masks[mask]); t1 = time.perf_counter()
-    print(f"{(t1 - t0) * 1e3:.6f}", flush=True)
+    batch, pass_name = line.rsplit(" ", 1)
+    f = fwd if pass_name.strip() == "fwd" else fwd_bwd
+    reps = 200 if batch.startswith("T=16") else 1  # a small call is timed over 200 calls
+    b = batches[batch]
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        f(b)
+    t1 = time.perf_counter()
+    print(f"{(t1 - t0) * 1e3 / reps:.6f}", flush=True)
 """
 
 
@@ -74,10 +84,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", required=True, help="folder holding the baseline lossagg package")
     parser.add_argument("--rounds", type=int, default=41)
+    parser.add_argument("--cases", default="large,small", help="large (B=1024 x ~512, three mask dtypes), small (T=16), or both")
     args = parser.parse_args(argv)
+    kinds = set(args.cases.split(","))
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     builds = {"baseline": start("baseline", os.path.abspath(args.baseline)), "this build": start("this build", here)}
-    cases = [(m, p) for m in ("bool", "int64", "float32") for p in ("fwd", "fwd+bwd")]
+    batches = (["bool", "int64", "float32"] if "large" in kinds else []) + (["T=16 bool"] if "small" in kinds else [])
+    cases = [(m, p) for m in batches for p in ("fwd", "fwd+bwd")]
     times = {(b, c): [] for b in builds for c in cases}
     order = list(builds)
     for r in range(args.rounds):
@@ -87,13 +100,13 @@ def main(argv=None) -> int:
     for proc in builds.values():
         proc.stdin.close()
         proc.wait()
-    print(f"# reduce, B=1024 x ~512 packed, float32 values; medians of {args.rounds} interleaved rounds (ms)\n")
-    print("| mask | pass | baseline | this build | baseline / this build |")
+    print(f"# reduce, float32 values: B=1024 x ~512 packed (mask dtype) and T=16 (B=2); medians of {args.rounds} interleaved rounds (ms per call)\n")
+    print("| batch (mask) | pass | baseline | this build | baseline / this build |")
     print("|---|---|---:|---:|---:|")
     for case in cases:
         old = statistics.median(times[("baseline", case)])
         new = statistics.median(times[("this build", case)])
-        print(f"| {case[0]} | {case[1]} | {old:.3f} | {new:.3f} | {old / new:.2f} |")
+        print(f"| {case[0]} | {case[1]} | {old:.4f} | {new:.4f} | {old / new:.2f} |")
     return 0
 
 

@@ -4,7 +4,7 @@
 // throws: a C caller cannot catch a C++ exception.
 #include "lossagg.h"
 
-#include <torch/version.h>
+#include <torch/headeronly/version.h>
 
 #include <exception>
 #include <string>
@@ -46,7 +46,18 @@ LOSSAGG_EXPORT int lossagg_set_cpu_isa(const char* name) {
   }
 }
 
-// The torch version the library was compiled against (torch/version.h).
+// The torch whose headers the library was compiled with.
 LOSSAGG_EXPORT const char* lossagg_torch_version() {
   return TORCH_VERSION;
+}
+
+// The oldest torch the library runs on: the stable ABI version it targets ("2.10").
+LOSSAGG_EXPORT const char* lossagg_torch_floor() {
+#ifdef TORCH_TARGET_VERSION
+  static const std::string floor =
+      std::to_string((TORCH_TARGET_VERSION >> 56) & 0xff) + "." + std::to_string((TORCH_TARGET_VERSION >> 48) & 0xff);
+#else
+  static const std::string floor = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);
+#endif
+  return floor.c_str();
 }

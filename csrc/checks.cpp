@@ -2,8 +2,6 @@
 
 #include "lossagg.h"
 
-#include <ATen/core/Tensor.h>
-#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <atomic>
@@ -27,33 +25,33 @@ std::atomic<bool>& device_checks_flag() {
   return flag;
 }
 
-bool is_mask_dtype(c10::ScalarType t) {
-  return t == c10::kBool || t == c10::kByte || t == c10::kChar || t == c10::kShort || t == c10::kInt || t == c10::kLong ||
-      t == c10::kFloat || t == c10::kDouble || t == c10::kHalf || t == c10::kBFloat16;
+bool is_mask_dtype(ScalarType t) {
+  return t == ScalarType::Bool || t == ScalarType::Byte || t == ScalarType::Char || t == ScalarType::Short || t == ScalarType::Int || t == ScalarType::Long ||
+      t == ScalarType::Float || t == ScalarType::Double || t == ScalarType::Half || t == ScalarType::BFloat16;
 }
 
-bool is_values_dtype(c10::ScalarType t) {
-  return t == c10::kFloat || t == c10::kDouble || t == c10::kHalf || t == c10::kBFloat16;
+bool is_values_dtype(ScalarType t) {
+  return t == ScalarType::Float || t == ScalarType::Double || t == ScalarType::Half || t == ScalarType::BFloat16;
 }
 
-bool wants_data_checks(const at::Tensor& t) {
-  return t.device().is_cpu() || device_checks_enabled();
+bool wants_data_checks(const Tensor& t) {
+  return t.is_cpu() || device_checks_enabled();
 }
 
-void check_same_device(const char* op, const char* name, const at::Tensor& t, const at::Tensor& like, const char* like_name) {
-  TORCH_CHECK_VALUE(
+void check_same_device(const char* op, const char* name, const Tensor& t, const Tensor& like, const char* like_name) {
+  LOSSAGG_CHECK_VALUE(
       t.device() == like.device(),
-      "lossagg.", op, ": ", name, " must be on the same device as ", like_name, " (", like.device(), "), got ",
-      t.device());
+      "lossagg.", op, ": ", name, " must be on the same device as ", like_name, " (", device_name(like), "), got ",
+      device_name(t));
 }
 
-void check_cu_seqlens_meta(const char* op, const at::Tensor& cu, const at::Tensor& like) {
-  TORCH_CHECK_TYPE(
-      cu.scalar_type() == c10::kInt || cu.scalar_type() == c10::kLong,
+void check_cu_seqlens_meta(const char* op, const Tensor& cu, const Tensor& like) {
+  LOSSAGG_CHECK_TYPE(
+      cu.scalar_type() == ScalarType::Int || cu.scalar_type() == ScalarType::Long,
       "lossagg.", op, ": cu_seqlens must have dtype int32 or int64, got ", cu.scalar_type());
-  TORCH_CHECK_VALUE(
+  LOSSAGG_CHECK_VALUE(
       cu.dim() == 1 && cu.size(0) >= 1,
-      "lossagg.", op, ": cu_seqlens must be a 1-D [B+1] tensor with at least one element, got shape ", cu.sizes());
+      "lossagg.", op, ": cu_seqlens must be a 1-D [B+1] tensor with at least one element, got shape ", shape_of(cu));
   check_same_device(op, "cu_seqlens", cu, like, "the token tensors");
 }
 
@@ -77,14 +75,14 @@ bool built_with_cuda() {
 
 TokenLayout check_token_layout(
     const char* op,
-    const at::Tensor& values,
-    const at::Tensor& mask,
-    const std::optional<at::Tensor>& cu_seqlens,
+    const Tensor& values,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens,
     bool allow_metric_dim) {
-  TORCH_CHECK_TYPE(
+  LOSSAGG_CHECK_TYPE(
       is_values_dtype(values.scalar_type()),
       "lossagg.", op, ": values must have dtype float32, bfloat16, float16 or float64, got ", values.scalar_type());
-  TORCH_CHECK_TYPE(
+  LOSSAGG_CHECK_TYPE(
       is_mask_dtype(mask.scalar_type()),
       "lossagg.", op, ": mask must have dtype bool, an integer dtype (uint8, int8/16/32/64) or a floating dtype, got ", mask.scalar_type());
   check_same_device(op, "mask", mask, values, "values");
@@ -96,22 +94,22 @@ TokenLayout check_token_layout(
   const char* metric_shape = layout.packed ? "[K, T]" : "[K, B, T]";
   const bool ok_dim = values.dim() == token_dims || (allow_metric_dim && values.dim() == token_dims + 1);
   if (allow_metric_dim) {
-    TORCH_CHECK_VALUE(
+    LOSSAGG_CHECK_VALUE(
         ok_dim, "lossagg.", op, ": values must be ", token_shape, " or ", metric_shape,
         layout.packed ? " when cu_seqlens is given (packed layout)" : " when cu_seqlens is None (padded layout)",
-        ", got shape ", values.sizes());
+        ", got shape ", shape_of(values));
   } else {
-    TORCH_CHECK_VALUE(
+    LOSSAGG_CHECK_VALUE(
         ok_dim, "lossagg.", op, ": values must be ", token_shape,
         layout.packed ? " when cu_seqlens is given (packed layout)" : " when cu_seqlens is None (padded layout)",
-        ", got shape ", values.sizes());
+        ", got shape ", shape_of(values));
   }
   layout.has_metric_dim = values.dim() == token_dims + 1;
   layout.num_metrics = layout.has_metric_dim ? values.size(0) : 1;
   auto token_sizes = values.sizes().slice(layout.has_metric_dim ? 1 : 0);
-  TORCH_CHECK_VALUE(
-      mask.sizes() == token_sizes, "lossagg.", op, ": mask must have the token shape of values ", token_sizes,
-      ", got shape ", mask.sizes());
+  LOSSAGG_CHECK_VALUE(
+      mask.sizes() == token_sizes, "lossagg.", op, ": mask must have the token shape of values ", Shape{token_sizes},
+      ", got shape ", shape_of(mask));
 
   if (layout.packed) {
     check_cu_seqlens_meta(op, *cu_seqlens, values);
@@ -128,11 +126,11 @@ TokenLayout check_token_layout(
 
 TokenLayout check_mask_layout(
     const char* op,
-    const at::Tensor& mask,
-    const std::optional<at::Tensor>& cu_seqlens,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens,
     int64_t num_metrics,
     bool has_metric_dim) {
-  TORCH_CHECK_TYPE(
+  LOSSAGG_CHECK_TYPE(
       is_mask_dtype(mask.scalar_type()),
       "lossagg.", op, ": mask must have dtype bool, an integer dtype (uint8, int8/16/32/64) or a floating dtype, got ", mask.scalar_type());
   TokenLayout layout{};
@@ -140,16 +138,16 @@ TokenLayout check_mask_layout(
   layout.has_metric_dim = has_metric_dim;
   layout.num_metrics = num_metrics;
   if (layout.packed) {
-    TORCH_CHECK_VALUE(
+    LOSSAGG_CHECK_VALUE(
         mask.dim() == 1, "lossagg.", op, ": mask must be [T] when cu_seqlens is given (packed layout), got shape ",
-        mask.sizes());
+        shape_of(mask));
     check_cu_seqlens_meta(op, *cu_seqlens, mask);
     layout.num_segments = cu_seqlens->size(0) - 1;
     layout.num_tokens = mask.size(0);
   } else {
-    TORCH_CHECK_VALUE(
+    LOSSAGG_CHECK_VALUE(
         mask.dim() == 2, "lossagg.", op, ": mask must be [B, T] when cu_seqlens is None (padded layout), got shape ",
-        mask.sizes());
+        shape_of(mask));
     layout.num_segments = mask.size(0);
     layout.row_len = mask.size(1);
     layout.num_tokens = mask.size(0) * mask.size(1);
@@ -157,14 +155,14 @@ TokenLayout check_mask_layout(
   return layout;
 }
 
-void check_sample_denoms(const char* op, const at::Tensor& sample_denoms, const TokenLayout& layout, const at::Tensor& like) {
-  TORCH_CHECK_TYPE(
-      c10::isFloatingType(sample_denoms.scalar_type()),
+void check_sample_denoms(const char* op, const Tensor& sample_denoms, const TokenLayout& layout, const Tensor& like) {
+  LOSSAGG_CHECK_TYPE(
+      is_floating(sample_denoms.scalar_type()),
       "lossagg.", op, ": sample_denoms must have a floating dtype, got ", sample_denoms.scalar_type());
-  TORCH_CHECK_VALUE(
+  LOSSAGG_CHECK_VALUE(
       sample_denoms.dim() == 1 && sample_denoms.size(0) == layout.num_segments,
       "lossagg.", op, ": sample_denoms must be a 1-D tensor of length B = ", layout.num_segments,
-      " (one denominator per sample), got shape ", sample_denoms.sizes());
+      " (one denominator per sample), got shape ", shape_of(sample_denoms));
   check_same_device(op, "sample_denoms", sample_denoms, like, "the token tensors");
 }
 
@@ -174,7 +172,7 @@ namespace {
 // early exit (it vectorises); the first bad entry is looked for only to word an error.
 template <typename O>
 int64_t check_offsets(const char* op, const O* p, int64_t n, int64_t stride, int64_t num_tokens) {
-  TORCH_CHECK_VALUE(p[0] == 0, "lossagg.", op, ": cu_seqlens[0] must be 0, got ", static_cast<int64_t>(p[0]));
+  LOSSAGG_CHECK_VALUE(p[0] == 0, "lossagg.", op, ": cu_seqlens[0] must be 0, got ", static_cast<int64_t>(p[0]));
   int64_t longest = 0;
   int64_t shortest = 0;
   if (stride == 1) {
@@ -194,13 +192,13 @@ int64_t check_offsets(const char* op, const O* p, int64_t n, int64_t stride, int
     for (int64_t i = 1; i < n; ++i) {
       const int64_t hi = static_cast<int64_t>(p[i * stride]);
       const int64_t lo = static_cast<int64_t>(p[(i - 1) * stride]);
-      TORCH_CHECK_VALUE(
+      LOSSAGG_CHECK_VALUE(
           hi >= lo, "lossagg.", op, ": cu_seqlens must be non-decreasing, got cu_seqlens[", i, "] = ", hi, " < cu_seqlens[", i - 1,
           "] = ", lo);
     }
   }
   const int64_t last = static_cast<int64_t>(p[(n - 1) * stride]);
-  TORCH_CHECK_VALUE(
+  LOSSAGG_CHECK_VALUE(
       last == num_tokens, "lossagg.", op, ": cu_seqlens[-1] must equal the number of tokens T = ", num_tokens, ", got ", last);
   return longest;
 }
@@ -214,7 +212,7 @@ inline bool positive_finite(A x) {
 
 }  // namespace
 
-int64_t check_cu_seqlens_data(const char* op, const std::optional<at::Tensor>& cu_seqlens, const TokenLayout& layout) {
+int64_t check_cu_seqlens_data(const char* op, const std::optional<Tensor>& cu_seqlens, const TokenLayout& layout) {
   if (!cu_seqlens.has_value()) {
     return layout.row_len;
   }
@@ -222,31 +220,30 @@ int64_t check_cu_seqlens_data(const char* op, const std::optional<at::Tensor>& c
     return -1;
   }
   // Read where it is (no copy) on the CPU; a CUDA tensor is copied to the host.
-  const at::Tensor cu = cu_seqlens->device().is_cpu() ? *cu_seqlens : cu_seqlens->to(at::kCPU);
+  const Tensor cu = cu_seqlens->is_cpu() ? *cu_seqlens : torch::stable::to(*cu_seqlens, Device(DeviceType::CPU));
   const int64_t n = cu.size(0);
   const int64_t stride = cu.stride(0);
-  if (cu.scalar_type() == c10::kInt) {
+  if (cu.scalar_type() == ScalarType::Int) {
     return check_offsets(op, cu.const_data_ptr<int32_t>(), n, stride, layout.num_tokens);
   }
   return check_offsets(op, cu.const_data_ptr<int64_t>(), n, stride, layout.num_tokens);
 }
 
-void check_sample_denoms_data(const char* op, const at::Tensor& sample_denoms, c10::ScalarType values_dtype) {
+void check_sample_denoms_data(const char* op, const Tensor& sample_denoms, ScalarType values_dtype) {
   if (!wants_data_checks(sample_denoms)) {
     return;
   }
   // The kernels divide in the accumulation dtype: each value is checked as converted to
   // it, read in place (no copy) on the CPU. The value as given words the error.
-  const bool in_double = values_dtype == c10::kDouble;
-  const at::Tensor d = sample_denoms.device().is_cpu() ? sample_denoms : sample_denoms.to(at::kCPU);
+  const bool in_double = values_dtype == ScalarType::Double;
+  const Tensor d = sample_denoms.is_cpu() ? sample_denoms : torch::stable::to(sample_denoms, Device(DeviceType::CPU));
   const int64_t n = d.size(0);
   const int64_t stride = d.stride(0);
-  auto fail = [&](int64_t i, double converted) {
-    const double given = d[i].item<double>();
-    TORCH_CHECK_VALUE(
+  auto fail = [&](int64_t i, double given, double converted) {
+    LOSSAGG_CHECK_VALUE(
         std::isfinite(given) && given > 0.0, "lossagg.", op, ": sample_denoms must be finite and > 0, got sample_denoms[", i, "] = ",
         given);
-    TORCH_CHECK_VALUE(
+    LOSSAGG_CHECK_VALUE(
         false, "lossagg.", op, ": sample_denoms[", i, "] = ", given, " is ", converted, " in ", in_double ? "Double" : "Float",
         ", the dtype the division happens in for ", values_dtype,
         " values; it must be finite and > 0 there (rescale the denominators or use float64 values)");
@@ -269,7 +266,7 @@ void check_sample_denoms_data(const char* op, const at::Tensor& sample_denoms, c
       for (int64_t i = 0; i < n; ++i) {
         const A x = static_cast<A>(p[i * stride]);
         if (!positive_finite(x)) {
-          fail(i, static_cast<double>(x));
+          fail(i, static_cast<double>(p[i * stride]), static_cast<double>(x));
         }
       }
     };
@@ -280,33 +277,33 @@ void check_sample_denoms_data(const char* op, const at::Tensor& sample_denoms, c
     }
   };
   switch (d.scalar_type()) {
-    case c10::kDouble:
+    case ScalarType::Double:
       return check(d.const_data_ptr<double>());
-    case c10::kFloat:
+    case ScalarType::Float:
       return check(d.const_data_ptr<float>());
-    case c10::kHalf:
+    case ScalarType::Half:
       return check(d.const_data_ptr<c10::Half>());
-    case c10::kBFloat16:
+    case ScalarType::BFloat16:
       return check(d.const_data_ptr<c10::BFloat16>());
     default:
-      TORCH_CHECK_TYPE(false, "lossagg.", op, ": sample_denoms must have a floating dtype, got ", d.scalar_type());
+      LOSSAGG_CHECK_TYPE(false, "lossagg.", op, ": sample_denoms must have a floating dtype, got ", d.scalar_type());
   }
 }
 
 TokenLayout check_segment_sum_inputs(
-    const at::Tensor& values,
-    const at::Tensor& mask,
-    const std::optional<at::Tensor>& cu_seqlens) {
+    const Tensor& values,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens) {
   TokenLayout layout = check_token_layout("segment_sum", values, mask, cu_seqlens, /*allow_metric_dim=*/true);
   layout.max_segment_tokens = check_cu_seqlens_data("segment_sum", cu_seqlens, layout);
   return layout;
 }
 
 TokenLayout check_reduce_inputs(
-    const at::Tensor& values,
-    const at::Tensor& mask,
-    const std::optional<at::Tensor>& cu_seqlens,
-    const at::Tensor& sample_denoms) {
+    const Tensor& values,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens,
+    const Tensor& sample_denoms) {
   TokenLayout layout = check_token_layout("reduce", values, mask, cu_seqlens, /*allow_metric_dim=*/false);
   check_sample_denoms("reduce", sample_denoms, layout, values);
   layout.max_segment_tokens = check_cu_seqlens_data("reduce", cu_seqlens, layout);
@@ -315,16 +312,16 @@ TokenLayout check_reduce_inputs(
 }
 
 TokenLayout check_reduce_backward_inputs(
-    const at::Tensor& grad,
-    const at::Tensor& mask,
-    const std::optional<at::Tensor>& cu_seqlens,
-    const at::Tensor& sample_denoms,
-    c10::ScalarType values_dtype) {
+    const Tensor& grad,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens,
+    const Tensor& sample_denoms,
+    ScalarType values_dtype) {
   const char* op = "reduce_backward";
-  TORCH_CHECK_VALUE(
-      grad.dim() == 0, "lossagg.", op, ": grad must be a 0-dim tensor, got shape ", grad.sizes());
-  TORCH_CHECK_TYPE(
-      c10::isFloatingType(grad.scalar_type()), "lossagg.", op, ": grad must have a floating dtype, got ",
+  LOSSAGG_CHECK_VALUE(
+      grad.dim() == 0, "lossagg.", op, ": grad must be a 0-dim tensor, got shape ", shape_of(grad));
+  LOSSAGG_CHECK_TYPE(
+      is_floating(grad.scalar_type()), "lossagg.", op, ": grad must have a floating dtype, got ",
       grad.scalar_type());
   TokenLayout layout = check_mask_layout(op, mask, cu_seqlens, 1, false);
   check_sample_denoms(op, sample_denoms, layout, mask);
@@ -335,26 +332,26 @@ TokenLayout check_reduce_backward_inputs(
 }
 
 TokenLayout check_segment_sum_backward_inputs(
-    const at::Tensor& grad,
-    const at::Tensor& mask,
-    const std::optional<at::Tensor>& cu_seqlens) {
+    const Tensor& grad,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens) {
   const char* op = "segment_sum_backward";
-  TORCH_CHECK_VALUE(
-      grad.dim() == 1 || grad.dim() == 2, "lossagg.", op, ": grad must be [B] or [K, B], got shape ", grad.sizes());
-  TORCH_CHECK_TYPE(
-      c10::isFloatingType(grad.scalar_type()), "lossagg.", op, ": grad must have a floating dtype, got ",
+  LOSSAGG_CHECK_VALUE(
+      grad.dim() == 1 || grad.dim() == 2, "lossagg.", op, ": grad must be [B] or [K, B], got shape ", shape_of(grad));
+  LOSSAGG_CHECK_TYPE(
+      is_floating(grad.scalar_type()), "lossagg.", op, ": grad must have a floating dtype, got ",
       grad.scalar_type());
   const bool has_metric_dim = grad.dim() == 2;
   TokenLayout layout = check_mask_layout(op, mask, cu_seqlens, has_metric_dim ? grad.size(0) : 1, has_metric_dim);
-  TORCH_CHECK_VALUE(
-      grad.size(-1) == layout.num_segments, "lossagg.", op, ": grad must have B = ", layout.num_segments,
-      " entries in its last dimension, got shape ", grad.sizes());
+  LOSSAGG_CHECK_VALUE(
+      grad.size(grad.dim() - 1) == layout.num_segments, "lossagg.", op, ": grad must have B = ", layout.num_segments,
+      " entries in its last dimension, got shape ", shape_of(grad));
   check_same_device(op, "grad", grad, mask, "mask");
   layout.max_segment_tokens = check_cu_seqlens_data(op, cu_seqlens, layout);
   return layout;
 }
 
-TokenLayout check_token_counts_inputs(const at::Tensor& mask, const std::optional<at::Tensor>& cu_seqlens) {
+TokenLayout check_token_counts_inputs(const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
   TokenLayout layout = check_mask_layout("token_counts", mask, cu_seqlens, 1, false);
   layout.max_segment_tokens = check_cu_seqlens_data("token_counts", cu_seqlens, layout);
   return layout;

@@ -3,8 +3,7 @@
 #pragma once
 
 #include "kernel_common.h"
-
-#include <ATen/core/Tensor.h>
+#include "torch_api.h"
 
 #include <cstdint>
 #include <optional>
@@ -16,52 +15,52 @@ namespace lossagg {
 // allow_metric_dim: segment_sum accepts a leading K dimension on values.
 TokenLayout check_token_layout(
     const char* op,
-    const at::Tensor& values,
-    const at::Tensor& mask,
-    const std::optional<at::Tensor>& cu_seqlens,
+    const Tensor& values,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens,
     bool allow_metric_dim);
 
 // Same as check_token_layout but for backward ops, which see the mask and the
 // incoming gradient instead of values.
 TokenLayout check_mask_layout(
     const char* op,
-    const at::Tensor& mask,
-    const std::optional<at::Tensor>& cu_seqlens,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens,
     int64_t num_metrics,
     bool has_metric_dim);
 
 // All checks of the forward ops (shapes, dtypes, devices, and the data checks).
 TokenLayout check_segment_sum_inputs(
-    const at::Tensor& values,
-    const at::Tensor& mask,
-    const std::optional<at::Tensor>& cu_seqlens);
+    const Tensor& values,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens);
 TokenLayout check_reduce_inputs(
-    const at::Tensor& values,
-    const at::Tensor& mask,
-    const std::optional<at::Tensor>& cu_seqlens,
-    const at::Tensor& sample_denoms);
+    const Tensor& values,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens,
+    const Tensor& sample_denoms);
 
 // All checks of the backward ops (shapes, dtypes, devices, and the data checks).
 TokenLayout check_reduce_backward_inputs(
-    const at::Tensor& grad,
-    const at::Tensor& mask,
-    const std::optional<at::Tensor>& cu_seqlens,
-    const at::Tensor& sample_denoms,
-    c10::ScalarType values_dtype);
+    const Tensor& grad,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens,
+    const Tensor& sample_denoms,
+    ScalarType values_dtype);
 TokenLayout check_segment_sum_backward_inputs(
-    const at::Tensor& grad,
-    const at::Tensor& mask,
-    const std::optional<at::Tensor>& cu_seqlens);
+    const Tensor& grad,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens);
 
-TokenLayout check_token_counts_inputs(const at::Tensor& mask, const std::optional<at::Tensor>& cu_seqlens);
+TokenLayout check_token_counts_inputs(const Tensor& mask, const std::optional<Tensor>& cu_seqlens);
 
-void check_sample_denoms(const char* op, const at::Tensor& sample_denoms, const TokenLayout& layout, const at::Tensor& like);
+void check_sample_denoms(const char* op, const Tensor& sample_denoms, const TokenLayout& layout, const Tensor& like);
 
 // Data checks: run always for CPU tensors, for CUDA tensors only when
 // device_checks_enabled() (they copy to the host and synchronise).
 // check_cu_seqlens_data returns the longest segment's token count (the row length when
 // padded), or -1 when the data was not read.
-int64_t check_cu_seqlens_data(const char* op, const std::optional<at::Tensor>& cu_seqlens, const TokenLayout& layout);
-void check_sample_denoms_data(const char* op, const at::Tensor& sample_denoms, c10::ScalarType values_dtype);
+int64_t check_cu_seqlens_data(const char* op, const std::optional<Tensor>& cu_seqlens, const TokenLayout& layout);
+void check_sample_denoms_data(const char* op, const Tensor& sample_denoms, ScalarType values_dtype);
 
 }  // namespace lossagg

@@ -4,9 +4,7 @@
 #pragma once
 
 #include "kernel_common.h"
-
-#include <c10/core/ScalarType.h>
-#include <c10/util/Exception.h>
+#include "torch_api.h"
 
 #include <type_traits>
 
@@ -17,31 +15,31 @@ struct type_tag {
   using type = T;
 };
 
-inline c10::ScalarType acc_scalar_type(c10::ScalarType values_dtype) {
-  return values_dtype == c10::kDouble ? c10::kDouble : c10::kFloat;
+inline ScalarType acc_scalar_type(ScalarType values_dtype) {
+  return values_dtype == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
 }
 
 // f(type_tag<S>) for a value dtype; `what` names the argument in the error.
 template <typename F>
-void dispatch_values(c10::ScalarType t, const char* what, F&& f) {
+void dispatch_values(ScalarType t, const char* what, F&& f) {
   switch (t) {
-    case c10::kFloat:
+    case ScalarType::Float:
       return f(type_tag<float>{});
-    case c10::kDouble:
+    case ScalarType::Double:
       return f(type_tag<double>{});
-    case c10::kHalf:
+    case ScalarType::Half:
       return f(type_tag<c10::Half>{});
-    case c10::kBFloat16:
+    case ScalarType::BFloat16:
       return f(type_tag<c10::BFloat16>{});
     default:
-      TORCH_CHECK_TYPE(false, "lossagg: ", what, " must have dtype float32, bfloat16, float16 or float64, got ", t);
+      ::lossagg::fail(ErrorKind::type_error, "lossagg: ", what, " must have dtype float32, bfloat16, float16 or float64, got ", t);
   }
 }
 
 // f(type_tag<S>, type_tag<M>) for a value dtype and a mask kind the op set-up produced
 // for it (a floating mask is in S's accumulation dtype).
 template <typename F>
-void dispatch_kernel_types(c10::ScalarType values_dtype, MaskKind mask, F&& f) {
+void dispatch_kernel_types(ScalarType values_dtype, MaskKind mask, F&& f) {
   dispatch_values(values_dtype, "values", [&]<typename S>(type_tag<S> s) {
     switch (mask) {
       case MaskKind::boolean:
@@ -52,7 +50,7 @@ void dispatch_kernel_types(c10::ScalarType values_dtype, MaskKind mask, F&& f) {
         return f(s, type_tag<int64_t>{});
       default:
         constexpr bool acc_is_double = std::is_same_v<acc_t_of<S>, double>;
-        TORCH_CHECK(
+        LOSSAGG_CHECK(
             (mask == MaskKind::float64) == acc_is_double,
             "lossagg: internal error: a floating mask must come in the accumulation dtype of the values");
         return f(s, type_tag<acc_t_of<S>>{});

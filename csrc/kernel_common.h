@@ -1,5 +1,5 @@
 // What the kernels of every backend share: the token layout of a call, segment
-// geometry, the kernel types, mask weights and the masked term. Free of ATen, so the
+// geometry, the kernel types, mask weights and the masked term. Header-only torch types only, so the
 // CUDA kernels also compile for the host emulation in tests/cuda_host/.
 //
 // Kernel types. The op set-up (op_setup.h) converts the rare dtypes on the way in, so a
@@ -10,8 +10,8 @@
 // conversion is exact or the single rounding the kernels did before (see op_setup.h).
 #pragma once
 
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
 
 #include <cstdint>
 #include <type_traits>

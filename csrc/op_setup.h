@@ -16,9 +16,7 @@
 
 #include "checks.h"
 #include "dispatch.h"
-
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
+#include "torch_api.h"
 
 #include <optional>
 #include <utility>
@@ -26,22 +24,32 @@
 
 namespace lossagg {
 
+// t itself when it is already contiguous (no dispatcher call), else a contiguous copy.
+inline Tensor as_contiguous(const Tensor& t) {
+  return t.is_contiguous() ? t : torch::stable::contiguous(t);
+}
+
+// t in dtype `to` (t itself when it already is).
+inline Tensor as_dtype(const Tensor& t, ScalarType to) {
+  return t.scalar_type() == to ? t : torch::stable::to(t, to);
+}
+
 // The mask as the kernels read it, and its kind. `acc` is the accumulation dtype of the
 // values; without one (token_counts) float32 and float64 masks are read as given.
-inline std::pair<at::Tensor, MaskKind> kernel_mask(const at::Tensor& mask, std::optional<c10::ScalarType> acc) {
+inline std::pair<Tensor, MaskKind> kernel_mask(const Tensor& mask, std::optional<ScalarType> acc) {
   switch (mask.scalar_type()) {
-    case c10::kBool:
-      return {mask.contiguous(), MaskKind::boolean};
-    case c10::kByte:
-      return {mask.contiguous(), MaskKind::uint8};
-    case c10::kChar:
-    case c10::kShort:
-    case c10::kInt:
-    case c10::kLong:
-      return {mask.contiguous().to(c10::kLong), MaskKind::int64};
+    case ScalarType::Bool:
+      return {as_contiguous(mask), MaskKind::boolean};
+    case ScalarType::Byte:
+      return {as_contiguous(mask), MaskKind::uint8};
+    case ScalarType::Char:
+    case ScalarType::Short:
+    case ScalarType::Int:
+    case ScalarType::Long:
+      return {as_dtype(as_contiguous(mask), ScalarType::Long), MaskKind::int64};
     default: {
-      const c10::ScalarType target = acc.value_or(mask.scalar_type() == c10::kDouble ? c10::kDouble : c10::kFloat);
-      return {mask.contiguous().to(target), target == c10::kDouble ? MaskKind::float64 : MaskKind::float32};
+      const ScalarType target = acc.value_or(mask.scalar_type() == ScalarType::Double ? ScalarType::Double : ScalarType::Float);
+      return {as_dtype(as_contiguous(mask), target), target == ScalarType::Double ? MaskKind::float64 : MaskKind::float32};
     }
   }
 }
@@ -49,100 +57,101 @@ inline std::pair<at::Tensor, MaskKind> kernel_mask(const at::Tensor& mask, std::
 // One checked call: contiguous tensors in kernel types, and their layout.
 struct TokenCall {
   TokenLayout layout;
-  at::Tensor values;  // undefined for backward ops and token_counts
-  at::Tensor mask;
+  std::optional<Tensor> values;  // absent for backward ops and token_counts
+  Tensor mask;
   MaskKind mask_kind;
-  at::Tensor offsets;  // cu_seqlens (int32 or int64); undefined when padded
+  std::optional<Tensor> offsets;  // cu_seqlens (int32 or int64); absent when padded
 
   template <typename M>
   const M* mask_data() const {
     return static_cast<const M*>(mask.const_data_ptr());
   }
 
+  const void* values_data() const {
+    return values.has_value() ? values->const_data_ptr() : nullptr;
+  }
+
   Segments segments() const {
-    if (!offsets.defined()) {
+    if (!offsets.has_value()) {
       return Segments{nullptr, false, layout.row_len};
     }
-    return Segments{offsets.const_data_ptr(), offsets.scalar_type() == c10::kLong, 0};
+    return Segments{offsets->const_data_ptr(), offsets->scalar_type() == ScalarType::Long, 0};
   }
 
   // f(type_tag<S>, type_tag<M>) for the kernel types of this call; S is the values dtype
   // (of the forward input, or of the gradient a backward op returns).
   template <typename F>
-  void dispatch(c10::ScalarType values_dtype, F&& f) const {
+  void dispatch(ScalarType values_dtype, F&& f) const {
     dispatch_kernel_types(values_dtype, mask_kind, std::forward<F>(f));
   }
 
   // Per-segment sums [B] or [K, B] in the accumulation dtype of `values_dtype`.
-  at::Tensor new_segment_sums(c10::ScalarType values_dtype) const {
+  Tensor new_segment_sums(ScalarType values_dtype) const {
     std::vector<int64_t> shape{layout.num_segments};
     if (layout.has_metric_dim) {
       shape.insert(shape.begin(), layout.num_metrics);
     }
-    return at::empty(shape, mask.options().dtype(acc_scalar_type(values_dtype)));
+    return torch::stable::new_empty(mask, shape, acc_scalar_type(values_dtype));
   }
 
   // Per-token gradients in the token layout of the mask (with the leading K if any).
-  at::Tensor new_token_grad(c10::ScalarType values_dtype) const {
-    std::vector<int64_t> shape(mask.sizes().begin(), mask.sizes().end());
+  Tensor new_token_grad(ScalarType values_dtype) const {
+    const auto sizes = mask.sizes();
+    std::vector<int64_t> shape(sizes.begin(), sizes.end());
     if (layout.has_metric_dim) {
       shape.insert(shape.begin(), layout.num_metrics);
     }
-    return at::empty(shape, mask.options().dtype(values_dtype));
+    return torch::stable::new_empty(mask, shape, values_dtype);
   }
 };
 
 inline TokenCall make_call(
     const TokenLayout& layout,
-    const at::Tensor& values,
-    const at::Tensor& mask,
-    const std::optional<at::Tensor>& cu_seqlens,
-    std::optional<c10::ScalarType> acc) {
+    const std::optional<Tensor>& values,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens,
+    std::optional<ScalarType> acc) {
   auto [kmask, kind] = kernel_mask(mask, acc);
   return TokenCall{
-      layout, values.defined() ? values.contiguous() : at::Tensor(), std::move(kmask), kind,
-      cu_seqlens.has_value() ? cu_seqlens->contiguous() : at::Tensor()};
+      layout, values.has_value() ? std::optional<Tensor>(as_contiguous(*values)) : std::nullopt, std::move(kmask), kind,
+      cu_seqlens.has_value() ? std::optional<Tensor>(as_contiguous(*cu_seqlens)) : std::nullopt};
 }
 
 // The denominators in the accumulation dtype, contiguous.
-inline at::Tensor kernel_denoms(const at::Tensor& sample_denoms, c10::ScalarType values_dtype) {
-  return sample_denoms.contiguous().to(acc_scalar_type(values_dtype));
+inline Tensor kernel_denoms(const Tensor& sample_denoms, ScalarType values_dtype) {
+  return as_dtype(as_contiguous(sample_denoms), acc_scalar_type(values_dtype));
 }
 
-inline TokenCall segment_sum_call(const at::Tensor& values, const at::Tensor& mask, const std::optional<at::Tensor>& cu_seqlens) {
+inline TokenCall segment_sum_call(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
   return make_call(check_segment_sum_inputs(values, mask, cu_seqlens), values, mask, cu_seqlens, acc_scalar_type(values.scalar_type()));
 }
 
-inline TokenCall reduce_call(
-    const at::Tensor& values,
-    const at::Tensor& mask,
-    const std::optional<at::Tensor>& cu_seqlens,
-    const at::Tensor& sample_denoms) {
+inline TokenCall reduce_call(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms) {
   return make_call(
       check_reduce_inputs(values, mask, cu_seqlens, sample_denoms), values, mask, cu_seqlens, acc_scalar_type(values.scalar_type()));
 }
 
 inline TokenCall segment_sum_backward_call(
-    const at::Tensor& grad,
-    const at::Tensor& mask,
-    const std::optional<at::Tensor>& cu_seqlens,
-    c10::ScalarType values_dtype) {
-  return make_call(check_segment_sum_backward_inputs(grad, mask, cu_seqlens), at::Tensor(), mask, cu_seqlens, acc_scalar_type(values_dtype));
+    const Tensor& grad,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens,
+    ScalarType values_dtype) {
+  return make_call(check_segment_sum_backward_inputs(grad, mask, cu_seqlens), std::nullopt, mask, cu_seqlens, acc_scalar_type(values_dtype));
 }
 
 inline TokenCall reduce_backward_call(
-    const at::Tensor& grad,
-    const at::Tensor& mask,
-    const std::optional<at::Tensor>& cu_seqlens,
-    const at::Tensor& sample_denoms,
-    c10::ScalarType values_dtype) {
+    const Tensor& grad,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens,
+    const Tensor& sample_denoms,
+    ScalarType values_dtype) {
   return make_call(
-      check_reduce_backward_inputs(grad, mask, cu_seqlens, sample_denoms, values_dtype), at::Tensor(), mask, cu_seqlens,
+      check_reduce_backward_inputs(grad, mask, cu_seqlens, sample_denoms, values_dtype), std::nullopt, mask, cu_seqlens,
       acc_scalar_type(values_dtype));
 }
 
-inline TokenCall token_counts_call(const at::Tensor& mask, const std::optional<at::Tensor>& cu_seqlens) {
-  return make_call(check_token_counts_inputs(mask, cu_seqlens), at::Tensor(), mask, cu_seqlens, std::nullopt);
+inline TokenCall token_counts_call(const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
+  return make_call(check_token_counts_inputs(mask, cu_seqlens), std::nullopt, mask, cu_seqlens, std::nullopt);
 }
 
 }  // namespace lossagg

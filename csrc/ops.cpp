@@ -1,9 +1,9 @@
 // Every lossagg op schema, in one place. Each backend registers its kernels in one file
-// (csrc/cpu/ops_cpu.cpp, csrc/cuda/ops_cuda.cu); autograd is registered in C++
-// (csrc/autograd.cpp); the fake kernels are in lossagg/ops.py.
-#include <torch/library.h>
+// (csrc/cpu/ops_cpu.cpp, csrc/cuda/ops_cuda.cu); autograd and the fake kernels are
+// registered in Python (lossagg/ops.py), over the backward ops defined here.
+#include "torch_api.h"
 
-TORCH_LIBRARY(lossagg, m) {
+STABLE_TORCH_LIBRARY(lossagg, m) {
   // Per-segment masked sums: [T] or [K, T] packed (with cu_seqlens), [B, T] or [K, B, T]
   // padded -> [B] or [K, B]; float32 (float64 for float64 values).
   m.def("segment_sum(Tensor values, Tensor mask, Tensor? cu_seqlens) -> Tensor");

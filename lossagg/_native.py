@@ -1,8 +1,10 @@
 """Loads the native library (liblossagg_ops.so); loading it registers ``torch.ops.lossagg.*``.
 
-Before loading, the torch of this process is compared with the one the library was built
-against (``_build_info.py``, written by setup.py): a library built for another torch would
-fail with an undefined symbol or worse, so a mismatch is one clear ImportError instead.
+The library uses the LibTorch stable ABI only, so one build loads into every torch from the
+release it targets on (``_build_info.TORCH_FLOOR``, 2.10), whatever torch built it. Before
+loading, this process's torch is checked against that floor and, for a build with CUDA
+kernels, against the CUDA major version it was compiled for (its kernels need that CUDA
+runtime): a mismatch is one clear ImportError naming a remedy, instead of a loader error.
 """
 
 from __future__ import annotations
@@ -14,18 +16,40 @@ import torch
 
 from lossagg.env import CPU_ISAS
 
-REBUILD = "pip install --no-build-isolation -e .  (in a clone; `make demo` runs it) or pip install --no-build-isolation --force-reinstall lossagg"
+REBUILD = "pip install --no-build-isolation .  (in a clone of lossagg; -e . for a development install, which `make demo` runs)"
 LIBRARY_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "liblossagg_ops.so")
 
 
-def _check_build(build_info) -> None:
+def _release(version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string such as ``2.15.0+cu132`` or ``2.16.0.dev20261201``."""
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        raise ImportError(f"lossagg cannot read the torch version {version!r} (expected major.minor...)") from None
+
+
+def _check_build(build_info, torch_version: str = torch.__version__, torch_cuda: str | None = torch.version.cuda) -> None:
     if build_info is None or not os.path.exists(LIBRARY_PATH):
         raise ImportError(f"lossagg's native library ({LIBRARY_PATH}) is not built. Build it with: {REBUILD}")
-    if build_info.TORCH_VERSION != torch.__version__:
+    floor = getattr(build_info, "TORCH_FLOOR", None)
+    if floor is None:  # a library from before the stable ABI: welded to the torch that built it
+        raise ImportError(f"lossagg's native library was built by an older lossagg for torch {build_info.TORCH_VERSION} only; rebuild it: {REBUILD}")
+    if _release(torch_version) < _release(floor):
         raise ImportError(
-            f"lossagg's native library was built against torch {build_info.TORCH_VERSION}, but this process runs "
-            f"torch {torch.__version__}; a C++ extension only loads with the torch it was compiled for. Rebuild with: {REBUILD}"
+            f"lossagg needs torch >= {floor}, but this process runs torch {torch_version}: pip install 'torch>={floor}' "
+            "(lossagg's library loads into every torch from that release on)"
         )
+    cuda_major = getattr(build_info, "CUDA_MAJOR", None)
+    if build_info.BUILT_WITH_CUDA and cuda_major is not None:
+        have = None if not torch_cuda else int(torch_cuda.split(".")[0])
+        if have != cuda_major:
+            running = f"a CUDA {torch_cuda} build of torch" if have is not None else "a CPU-only build of torch"
+            raise ImportError(
+                f"lossagg's native library holds CUDA kernels for CUDA {cuda_major}, but this process runs {running} ({torch_version}); "
+                f"install the lossagg wheel built for {'CUDA ' + str(have) if have is not None else 'the CPU'}, or rebuild it here: "
+                f"{REBUILD}" + ("" if have is not None else " with LOSSAGG_BUILD_CUDA=0")
+            )
 
 
 try:
@@ -43,6 +67,7 @@ for _name, _res, _args in (
     ("lossagg_cpu_best_isa", ctypes.c_char_p, []),
     ("lossagg_set_cpu_isa", ctypes.c_int, [ctypes.c_char_p]),
     ("lossagg_torch_version", ctypes.c_char_p, []),
+    ("lossagg_torch_floor", ctypes.c_char_p, []),
 ):
     getattr(_lib, _name).restype = _res
     getattr(_lib, _name).argtypes = _args
@@ -54,8 +79,13 @@ def built_with_cuda() -> bool:
 
 
 def built_against_torch() -> str:
-    """The torch version the native library was compiled against."""
+    """The torch whose headers compiled the native library."""
     return _lib.lossagg_torch_version().decode()
+
+
+def torch_floor() -> str:
+    """The oldest torch (``major.minor``) the native library loads into: its stable ABI target."""
+    return _lib.lossagg_torch_floor().decode()
 
 
 def set_device_checks(enabled: bool) -> None:

@@ -60,4 +60,7 @@ def token_counts(mask: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> 
     from lossagg import ops  # the fake and the non-CPU kernels
 
     ops.check_readable("token_counts", lambda: ops._mask_layout("token_counts", mask, cu_seqlens), mask=mask, cu_seqlens=cu_seqlens)
-    return torch.ops.lossagg.token_counts(mask, cu_seqlens)
+    try:
+        return torch.ops.lossagg.token_counts(mask, cu_seqlens)
+    except RuntimeError as exc:
+        raise ops.python_error(exc) from None

@@ -206,6 +206,7 @@ _REFUSED = {
     ),
 }
 
+
 class _RegistryView(Mapping):
     """A read-only live view of the registry that is safe to read while other threads register.
 

@@ -35,7 +35,10 @@ def segment_sum(values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tens
         mask=mask,
         cu_seqlens=cu_seqlens,
     )
-    return torch.ops.lossagg.segment_sum(values, mask, cu_seqlens)
+    try:
+        return torch.ops.lossagg.segment_sum(values, mask, cu_seqlens)
+    except RuntimeError as exc:
+        raise python_error(exc) from None
 
 
 def reduce(
@@ -71,7 +74,28 @@ def reduce(
         cu_seqlens=cu_seqlens,
         sample_denoms=sample_denoms,
     )
-    return torch.ops.lossagg.reduce(values, mask, cu_seqlens, sample_denoms)
+    try:
+        return torch.ops.lossagg.reduce(values, mask, cu_seqlens, sample_denoms)
+    except RuntimeError as exc:
+        raise python_error(exc) from None
+
+
+_KINDS = {"TypeError: ": TypeError, "ValueError: ": ValueError}
+
+
+def python_error(exc: RuntimeError) -> Exception:
+    """The Python exception for an error of the native ops.
+
+    The stable ABI hands every C++ exception to Python as RuntimeError; the native checks
+    start their messages with the Python exception they mean (csrc/torch_api.h), so the
+    wrappers raise that exception with the message itself, as before the port. Any other
+    RuntimeError is returned unchanged.
+    """
+    text = str(exc)
+    for prefix, kind in _KINDS.items():
+        if text.startswith(prefix):
+            return kind(text[len(prefix) :])
+    return exc
 
 
 def check_readable(op: str, validate=None, saved_for_backward: bool = False, **tensors) -> None:
@@ -104,12 +128,18 @@ def check_readable(op: str, validate=None, saved_for_backward: bool = False, **t
             )
         if t.is_contiguous() or t.device.type == "meta":  # a meta tensor has no data to copy
             continue
-        for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        for dim, (size, stride) in enumerate(zip(t.shape, t.stride(), strict=True)):
             if stride == 0 and size > 1:
                 if validate is not None:
                     validate()
                 size_bytes = t.numel() * t.element_size()
-                copy = f"{size_bytes / 2**30:.1f} GiB" if size_bytes >= 2**30 else f"{size_bytes / 2**20:.1f} MiB" if size_bytes >= 2**20 else f"{size_bytes} bytes"
+                copy = (
+                    f"{size_bytes / 2**30:.1f} GiB"
+                    if size_bytes >= 2**30
+                    else f"{size_bytes / 2**20:.1f} MiB"
+                    if size_bytes >= 2**20
+                    else f"{size_bytes} bytes"
+                )
                 _fail(
                     ValueError,
                     op,
@@ -262,6 +292,77 @@ def _token_counts_composite(mask, cu_seqlens):
 torch.library.impl("lossagg::token_counts", "CUDA")(_token_counts_composite)
 
 
-# Autograd of every op is registered in C++ (csrc/autograd.cpp) under the Autograd key,
-# so libtorch users get it too and a step pays no Python round trip; the backward ops
-# are differentiable in their incoming gradient (exact double backward).
+# ------------------------------------------------------------------------- autograd
+# Registered here over the backward ops (the native library holds kernels only: the
+# LibTorch stable ABI has no C++ autograd). Each forward op's backward is a registered op
+# with its own kernels and fake, and each backward op is linear in its incoming gradient,
+# so its own backward is the forward op again: reduce <-> reduce_backward and
+# segment_sum <-> segment_sum_backward make double backward exact. The ops are
+# differentiable in values (and the backward ops in grad) only; a gradient asked of the
+# mask or the denominators is refused, never silently left at None.
+
+
+def _not_differentiable(op: str, **tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.requires_grad:
+            _fail(ValueError, op, f"not differentiable in {name}, which requires grad; pass {name}.detach() (the gradient flows to values only)")
+
+
+def _setup_reduce(ctx, inputs, output):
+    values, mask, cu_seqlens, sample_denoms = inputs
+    _not_differentiable("reduce", mask=mask, sample_denoms=sample_denoms)
+    ctx.save_for_backward(mask, cu_seqlens, sample_denoms)
+    ctx.values_dtype = values.dtype
+
+
+def _reduce_grad(ctx, grad):
+    mask, cu_seqlens, sample_denoms = ctx.saved_tensors
+    g = torch.ops.lossagg.reduce_backward(grad, mask, cu_seqlens, sample_denoms, ctx.values_dtype) if ctx.needs_input_grad[0] else None
+    return g, None, None, None
+
+
+def _setup_segment_sum(ctx, inputs, output):
+    values, mask, cu_seqlens = inputs
+    _not_differentiable("segment_sum", mask=mask)
+    ctx.save_for_backward(mask, cu_seqlens)
+    ctx.values_dtype = values.dtype
+
+
+def _segment_sum_grad(ctx, grad):
+    mask, cu_seqlens = ctx.saved_tensors
+    g = torch.ops.lossagg.segment_sum_backward(grad.contiguous(), mask, cu_seqlens, ctx.values_dtype) if ctx.needs_input_grad[0] else None
+    return g, None, None
+
+
+def _setup_reduce_backward(ctx, inputs, output):
+    grad, mask, cu_seqlens, sample_denoms, _ = inputs
+    _not_differentiable("reduce_backward", mask=mask, sample_denoms=sample_denoms)
+    ctx.save_for_backward(mask, cu_seqlens, sample_denoms)
+    ctx.grad_dtype = grad.dtype
+
+
+def _reduce_backward_grad(ctx, upstream):
+    # reduce_backward(g) = g * m[t] / d[s(t)]: its derivative in g is reduce(upstream, m, d)
+    mask, cu_seqlens, sample_denoms = ctx.saved_tensors
+    g = torch.ops.lossagg.reduce(upstream, mask, cu_seqlens, sample_denoms).to(ctx.grad_dtype) if ctx.needs_input_grad[0] else None
+    return g, None, None, None, None
+
+
+def _setup_segment_sum_backward(ctx, inputs, output):
+    grad, mask, cu_seqlens, _ = inputs
+    _not_differentiable("segment_sum_backward", mask=mask)
+    ctx.save_for_backward(mask, cu_seqlens)
+    ctx.grad_dtype = grad.dtype
+
+
+def _segment_sum_backward_grad(ctx, upstream):
+    # segment_sum_backward broadcasts grad [K, B] to the tokens: its derivative is segment_sum(upstream)
+    mask, cu_seqlens = ctx.saved_tensors
+    g = torch.ops.lossagg.segment_sum(upstream.contiguous(), mask, cu_seqlens).to(ctx.grad_dtype) if ctx.needs_input_grad[0] else None
+    return g, None, None, None
+
+
+torch.library.register_autograd("lossagg::reduce", _reduce_grad, setup_context=_setup_reduce)
+torch.library.register_autograd("lossagg::segment_sum", _segment_sum_grad, setup_context=_setup_segment_sum)
+torch.library.register_autograd("lossagg::reduce_backward", _reduce_backward_grad, setup_context=_setup_reduce_backward)
+torch.library.register_autograd("lossagg::segment_sum_backward", _segment_sum_backward_grad, setup_context=_setup_segment_sum_backward)

@@ -89,9 +89,18 @@ def _nvrtc_library() -> str | None:
     return None
 
 
+#: The oldest torch the library loads into: the LibTorch stable ABI version it targets
+#: (CMakeLists.txt's LOSSAGG_TORCH_FLOOR; the wheel requires torch >= it).
+TORCH_FLOOR = "2.10"
+
+
 def cmake_args(torch, cuda: bool) -> list[str]:
     """The CMake configure arguments for this environment (generator, torch, CUDA)."""
-    args = [f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}", f"-DLOSSAGG_CUDA={'ON' if cuda else 'OFF'}"]
+    args = [
+        f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
+        f"-DLOSSAGG_CUDA={'ON' if cuda else 'OFF'}",
+        f"-DLOSSAGG_TORCH_FLOOR={TORCH_FLOOR}",
+    ]
     if shutil.which("ninja"):
         args += ["-G", "Ninja"]
     if not cuda:

@@ -271,9 +271,7 @@ def test_paths_that_are_not_regular_files_are_refused_without_blocking(tmp_path,
     with pytest.raises(ConfigError) as info:
         LossAggregationConfig.from_file(path)
     assert message in str(info.value) and path in str(info.value), str(info.value)
-    done = subprocess.run(
-        [sys.executable, "-m", "lossagg", "check", path], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120
-    )
+    done = subprocess.run([sys.executable, "-m", "lossagg", "check", path], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
     assert done.returncode == 1 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 

@@ -238,7 +238,11 @@ def test_cli_check_paths_that_are_not_files(tmp_path, capsys):
 
     os.symlink(tmp_path / "loop_b", tmp_path / "loop_a")
     os.symlink(tmp_path / "loop_a", tmp_path / "loop_b")
-    cases = {str(tmp_path): "is a directory", str(tmp_path / "loop_a"): "cannot read the file", "/dev/zero": "is a character device, not a regular file"}
+    cases = {
+        str(tmp_path): "is a directory",
+        str(tmp_path / "loop_a"): "cannot read the file",
+        "/dev/zero": "is a character device, not a regular file",
+    }
     for path, message in cases.items():
         assert main(["check", path]) == 1
         err = capsys.readouterr().err.strip()

@@ -27,7 +27,7 @@ FORWARD_BACKWARD = textwrap.dedent(
     # by hand: (1 + 2) / 2 + (4 + 5) / 4 = 3.75; dJ/dv = [1/2, 1/2, 0, 1/4, 1/4]
     assert j.item() == 3.75, j
     assert v.grad.tolist() == [0.5, 0.5, 0.0, 0.25, 0.25], v.grad
-    print("ok", lossagg._native.built_against_torch())
+    print("ok", lossagg._native.torch_floor())
     """
 )
 
@@ -45,7 +45,9 @@ def test_wheel_installs_and_runs_without_a_compiler(tmp_path):
     meta = run(
         [sys.executable, "-c", f"import zipfile; z = zipfile.ZipFile({wheel!r}); print(z.read('lossagg-0.1.0.dist-info/METADATA').decode())"]
     ).stdout
-    assert f"Requires-Dist: torch=={torch.__version__.split('+')[0]}" in meta
+    # one wheel for every torch from the floor on, every Python 3 (the library links no Python)
+    assert "Requires-Dist: torch>=2.10" in meta, meta
+    assert os.path.basename(wheel).startswith("lossagg-0.1.0-py3-none-linux_"), wheel
     # A fresh virtualenv that sees the packages of the interpreter running this test (torch,
     # pydantic, ...), whatever that interpreter is: a plain one, a virtualenv (with or without
     # --system-site-packages) or a conda env. `venv --system-site-packages` would show the
@@ -66,22 +68,62 @@ def test_wheel_installs_and_runs_without_a_compiler(tmp_path):
     run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheel], env=env)
     out = run([python, "-c", FORWARD_BACKWARD], cwd=str(tmp_path), env=env).stdout
     assert str(venv) in out.splitlines()[0], f"lossagg was not imported from the venv: {out}"
-    assert out.splitlines()[-1] == f"ok {torch.__version__.split('+')[0]}", out
+    assert out.splitlines()[-1] == "ok 2.10", out
 
 
-def test_import_under_another_torch_is_one_clear_error(tmp_path):
+def test_import_under_a_torch_below_the_floor_is_one_clear_error(tmp_path):
     import lossagg
 
     pkg = tmp_path / "lossagg"
     shutil.copytree(os.path.dirname(lossagg.__file__), pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    (pkg / "_build_info.py").write_text('TORCH_VERSION = "2.0.0+fake"\nBUILT_WITH_CUDA = False\n')
+    (pkg / "_build_info.py").write_text('TORCH_VERSION = "2.99.0"\nTORCH_FLOOR = "99.0"\nBUILT_WITH_CUDA = False\nCUDA_MAJOR = None\n')
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     done = subprocess.run([sys.executable, "-c", "import lossagg"], capture_output=True, text=True, cwd=str(tmp_path), env=env)
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("ImportError: lossagg's native library was built against torch 2.0.0+fake"), done.stderr
-    assert f"this process runs torch {torch.__version__}" in last and "--no-build-isolation" in last, last
+    assert last.startswith(f"ImportError: lossagg needs torch >= 99.0, but this process runs torch {torch.__version__}"), done.stderr
+    assert "pip install 'torch>=99.0'" in last, last
     assert "undefined symbol" not in done.stderr
+
+
+BUILD_CHECKS = [
+    # (what the library was built with, the torch of the process, the start of the error or None)
+    ("floor_met", dict(TORCH_FLOOR="2.10"), ("2.10.0+cu128", "12.8"), None),
+    ("newer_torch", dict(TORCH_FLOOR="2.10"), ("2.15.0+cu132", "13.2"), None),
+    ("cpu_local_tag", dict(TORCH_FLOOR="2.10"), ("2.14.1+cpu", None), None),
+    ("dev_build", dict(TORCH_FLOOR="2.10"), ("2.16.0.dev20261201", None), None),
+    ("below_floor", dict(TORCH_FLOOR="2.10"), ("2.9.1", "12.8"),
+     "lossagg needs torch >= 2.10, but this process runs torch 2.9.1: pip install 'torch>=2.10'"),
+    ("minor_compared_as_number", dict(TORCH_FLOOR="2.10"), ("2.9.0", None), "lossagg needs torch >= 2.10"),
+    ("cuda_same_major", dict(TORCH_FLOOR="2.10", BUILT_WITH_CUDA=True, CUDA_MAJOR=13), ("2.15.0+cu132", "13.2"), None),
+    ("cuda_other_major", dict(TORCH_FLOOR="2.10", BUILT_WITH_CUDA=True, CUDA_MAJOR=13), ("2.10.0+cu128", "12.8"),
+     "lossagg's native library holds CUDA kernels for CUDA 13, but this process runs a CUDA 12.8 build of torch"),
+    ("cuda_kernels_cpu_torch", dict(TORCH_FLOOR="2.10", BUILT_WITH_CUDA=True, CUDA_MAJOR=12), ("2.14.1+cpu", None),
+     "lossagg's native library holds CUDA kernels for CUDA 12, but this process runs a CPU-only build of torch"),
+    ("cpu_library_any_cuda", dict(TORCH_FLOOR="2.10", BUILT_WITH_CUDA=False, CUDA_MAJOR=None), ("2.12.1+cu128", "12.8"), None),
+    ("before_the_stable_abi", dict(), ("2.14.1", None), "lossagg's native library was built by an older lossagg for torch 2.14.1 only"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "built", "running", "error"), BUILD_CHECKS, ids=[c[0] for c in BUILD_CHECKS])
+def test_the_import_check_compares_the_floor_and_the_cuda_major(case, built, running, error):
+    """The torch floor and the CUDA major version decide, never the full version string (a
+    +cpu or +cu132 tag, or a newer release, loads); every refusal names a remedy."""
+    from types import SimpleNamespace
+
+    from lossagg import _native
+
+    info = SimpleNamespace(TORCH_VERSION="2.14.1", BUILT_WITH_CUDA=False, CUDA_MAJOR=None)
+    for key, value in built.items():
+        setattr(info, key, value)
+    if error is None:
+        _native._check_build(info, *running)
+        return
+    with pytest.raises(ImportError) as exc:
+        _native._check_build(info, *running)
+    message = str(exc.value)
+    assert message.startswith(error), message
+    assert "pip install" in message, message
 
 
 def test_missing_build_is_one_clear_error(tmp_path):

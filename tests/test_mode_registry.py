@@ -259,7 +259,12 @@ DENOMS_REFUSED = [
     ("zero", lambda m: m * 0, ValueError, "mode=bad_d: d[0] = 0.0, but every d[i] must be finite and > 0"),
     ("negative", lambda m: -m, ValueError, "mode=bad_d: d[0] = -3.0, but every d[i] must be finite and > 0"),
     ("inf", lambda m: m * float("inf"), ValueError, "mode=bad_d: d[0] = inf, but every d[i] must be finite and > 0"),
-    ("one_entry_bad", lambda m: torch.stack([m[0], -m[1]]), ValueError, "mode=bad_d: d[1] = -5.0, but every d[i] must be finite and > 0 (1 of 2 are not)"),
+    (
+        "one_entry_bad",
+        lambda m: torch.stack([m[0], -m[1]]),
+        ValueError,
+        "mode=bad_d: d[1] = -5.0, but every d[i] must be finite and > 0 (1 of 2 are not)",
+    ),
     ("not_a_tensor", lambda m: [1.0, 2.0], TypeError, "mode=bad_d: its denoms must return a tensor of d[i] (one per local sample), got list"),
 ]
 
@@ -304,7 +309,7 @@ def test_registering_one_name_from_many_threads_has_exactly_one_winner(eager_thr
         start = threading.Barrier(len(specs))
         outcome: dict[int, str] = {}
 
-        def contend(i):
+        def contend(i, start=start, specs=specs, outcome=outcome):
             start.wait()
             try:
                 register_mode(specs[i])

@@ -254,10 +254,13 @@ def test_token_counts_op_counts_nonzero_mask_entries(mask_dtype, layout):
 def test_token_counts_op_checks_its_offsets():
     mask = torch.ones(6, dtype=torch.bool)
     with pytest.raises(ValueError, match=r"lossagg.token_counts: cu_seqlens must be non-decreasing"):
-        torch.ops.lossagg.token_counts(mask, torch.tensor([0, 4, 3, 6]))
+        lossagg.token_counts(mask, torch.tensor([0, 4, 3, 6]))
     with pytest.raises(ValueError, match=r"cu_seqlens\[-1\] must equal the number of tokens T = 6"):
-        torch.ops.lossagg.token_counts(mask, torch.tensor([0, 4]))
+        lossagg.token_counts(mask, torch.tensor([0, 4]))
     with pytest.raises(TypeError, match="cu_seqlens must have dtype int32 or int64"):
-        torch.ops.lossagg.token_counts(mask, torch.tensor([0.0, 6.0]))
+        lossagg.token_counts(mask, torch.tensor([0.0, 6.0]))
+    # the op itself (no wrapper): RuntimeError, the message naming the Python exception first (docs/ops.md)
+    with pytest.raises(RuntimeError, match=r"^ValueError: lossagg.token_counts: cu_seqlens must be non-decreasing"):
+        torch.ops.lossagg.token_counts(mask, torch.tensor([0, 4, 3, 6]))
     fake = torch.empty(6, dtype=torch.bool, device="meta")
     assert torch.ops.lossagg.token_counts(fake, torch.empty(4, dtype=torch.int64, device="meta")).shape == (3,)

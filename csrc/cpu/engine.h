@@ -15,7 +15,7 @@
 #include "../kernel_common.h"
 #include "isa.h"
 
-#include <c10/core/ScalarType.h>
+#include <torch/headeronly/core/ScalarType.h>
 
 #include <cstdint>
 
@@ -25,7 +25,7 @@ namespace lossagg::cpu {
 // the backward ops), a mask of `mask_kind`, and the segments.
 struct KernelArgs {
   const void* values;
-  c10::ScalarType values_dtype;
+  torch::headeronly::ScalarType values_dtype;
   const void* mask;
   MaskKind mask_kind;
   TokenLayout layout;

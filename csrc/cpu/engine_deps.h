@@ -1,6 +1,6 @@
 // Every header the engine's loops (engine_loops.h) use, included by each engine unit
-// before it sets its target: the inline functions of these headers (c10, ATen's
-// parallel_for, the standard library) are then compiled as baseline code in every unit, so
+// before it sets its target: the inline functions of these headers (torch's header-only
+// types, the stable parallel_for, the standard library) are then compiled as baseline code in every unit, so
 // whichever copy the linker keeps runs on any x86-64 CPU.
 #pragma once
 
@@ -9,7 +9,7 @@
 #include "engine.h"
 #include "work.h"
 
-#include <ATen/Parallel.h>
+#include "../torch_api.h"
 
 #include <algorithm>
 #include <cstdint>

@@ -264,7 +264,7 @@ void segment_sums(const scalar_t* v, const mask_t* m, const TokenLayout& layout,
   if (num_segments * num_metrics < kSerialWork) {
     combine(0, num_segments);
   } else {
-    at::parallel_for(0, num_segments, 4096, combine);
+    torch::stable::parallel_for(0, num_segments, 4096, combine);
   }
 }
 

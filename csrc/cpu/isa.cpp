@@ -2,7 +2,7 @@
 
 #include "../lossagg.h"
 
-#include <c10/util/Exception.h>
+#include "../torch_api.h"
 
 #include <atomic>
 #include <cstdlib>
@@ -112,7 +112,7 @@ void set_cpu_isa(const std::string& name) {
         ok = true;
       }
     }
-    TORCH_CHECK_VALUE(ok, "lossagg.set_cpu_isa: isa must be one of auto, avx512, avx2, baseline, got '", name, "'");
+    LOSSAGG_CHECK_VALUE(ok, "lossagg.set_cpu_isa: isa must be one of auto, avx512, avx2, baseline, got '", name, "'");
   }
   cpu::cap().store(static_cast<int>(isa));
   cpu::set_explicitly().store(true, std::memory_order_relaxed);

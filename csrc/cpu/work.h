@@ -10,7 +10,7 @@
 
 #include "../kernel_common.h"
 
-#include <ATen/Parallel.h>
+#include "../torch_api.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -97,8 +97,9 @@ template <typename G>
 void for_each_task(const PiecePlan& plan, int64_t num_tokens, int64_t work_per_token, G&& g, int64_t serial_work = kSerialWork) {
   const int64_t num_pieces = plan.num_pieces();
   const int64_t work = num_tokens * std::max<int64_t>(work_per_token, 1) + num_pieces;
-  const int64_t threads = at::get_num_threads();
-  if (num_pieces <= 1 || threads <= 1 || work < serial_work || at::in_parallel_region()) {
+  // (inside another parallel region, torch's parallel_for runs the tasks inline)
+  const int64_t threads = static_cast<int64_t>(torch::stable::get_num_threads());
+  if (num_pieces <= 1 || threads <= 1 || work < serial_work) {
     g(int64_t(0), num_pieces);
     return;
   }
@@ -119,7 +120,7 @@ void for_each_task(const PiecePlan& plan, int64_t num_tokens, int64_t work_per_t
     }
     bounds[c] = lo;
   }
-  at::parallel_for(0, tasks, 1, [&](int64_t c0, int64_t c1) {
+  torch::stable::parallel_for(0, tasks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       g(bounds[c], bounds[c + 1]);
     }

@@ -95,9 +95,7 @@ def _verl_sum(loss_mask: torch.Tensor, what: str, **kwargs) -> torch.Tensor:
     overflows would make verl divide by inf; refused instead."""
     total = loss_mask.sum(**kwargs)
     if total.is_floating_point() and not bool(torch.isfinite(total).all()):
-        raise ValueError(
-            f"loss_mask's {what} overflows its dtype {loss_mask.dtype} (verl sums the mask in its own dtype): pass a float32 loss_mask"
-        )
+        raise ValueError(f"loss_mask's {what} overflows its dtype {loss_mask.dtype} (verl sums the mask in its own dtype): pass a float32 loss_mask")
     return total
 
 

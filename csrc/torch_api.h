@@ -1,0 +1,115 @@
+// The part of torch the native library uses: the LibTorch stable ABI only (C shims and
+// header-only types), so that one build runs on every torch from TORCH_TARGET_VERSION on
+// (CMakeLists.txt sets it to the oldest supported release; with it, any header outside
+// the stable set is an #error). Besides torch's headers this file holds what the stable
+// API leaves to its users: printing shapes, dtypes and devices in messages, and the error
+// macros.
+//
+// Errors: a kernel throws std::runtime_error, which reaches Python as RuntimeError. The
+// message starts with the Python exception the lossagg wrappers raise for it
+// ("TypeError: lossagg.reduce: values must ..."), so lossagg/ops.py turns it into that
+// exception with the same text and libtorch callers read the kind in the message.
+#pragma once
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
+
+#include <cstdint>
+#include <optional>
+#include <ostream>
+#include <sstream>
+#include <stdexcept>
+#include <vector>
+
+namespace lossagg {
+
+using Tensor = torch::stable::Tensor;
+using ScalarType = torch::headeronly::ScalarType;
+using Device = torch::stable::Device;
+using DeviceType = torch::headeronly::DeviceType;
+
+inline bool is_floating(ScalarType t) {
+  return t == ScalarType::Float || t == ScalarType::Double || t == ScalarType::Half || t == ScalarType::BFloat16;
+}
+
+// A tensor's shape as messages print it: [2, 5].
+struct Shape {
+  torch::headeronly::IntHeaderOnlyArrayRef sizes;
+};
+
+inline Shape shape_of(const Tensor& t) {
+  return Shape{t.sizes()};
+}
+
+inline std::ostream& operator<<(std::ostream& os, const Shape& s) {
+  os << '[';
+  for (size_t i = 0; i < s.sizes.size(); ++i) {
+    os << (i ? ", " : "") << s.sizes[i];
+  }
+  return os << ']';
+}
+
+// A device as torch prints it: cpu, cuda:0, meta.
+struct DeviceName {
+  Device device;
+};
+
+inline std::ostream& operator<<(std::ostream& os, const DeviceName& d) {
+  switch (d.device.type()) {
+    case DeviceType::CPU:
+      os << "cpu";
+      break;
+    case DeviceType::CUDA:
+      os << "cuda";
+      break;
+    case DeviceType::Meta:
+      os << "meta";
+      break;
+    default:
+      os << "device type " << static_cast<int>(d.device.type());
+  }
+  if (d.device.has_index()) {
+    os << ':' << static_cast<int>(d.device.index());
+  }
+  return os;
+}
+
+inline DeviceName device_name(const Tensor& t) {
+  return DeviceName{t.device()};
+}
+
+enum class ErrorKind { type_error, value_error, runtime_error };
+
+template <typename... Args>
+[[noreturn]] void fail(ErrorKind kind, const Args&... args) {
+  std::ostringstream os;
+  os << (kind == ErrorKind::type_error ? "TypeError: " : kind == ErrorKind::value_error ? "ValueError: " : "");
+  (os << ... << args);
+  throw std::runtime_error(os.str());
+}
+
+}  // namespace lossagg
+
+// Input checks whose messages name the argument, what was expected and what was given.
+#define LOSSAGG_CHECK_TYPE(cond, ...)                                 \
+  do {                                                                \
+    if (!(cond)) {                                                    \
+      ::lossagg::fail(::lossagg::ErrorKind::type_error, __VA_ARGS__); \
+    }                                                                 \
+  } while (0)
+#define LOSSAGG_CHECK_VALUE(cond, ...)                                 \
+  do {                                                                 \
+    if (!(cond)) {                                                     \
+      ::lossagg::fail(::lossagg::ErrorKind::value_error, __VA_ARGS__); \
+    }                                                                  \
+  } while (0)
+#define LOSSAGG_CHECK(cond, ...)                                         \
+  do {                                                                   \
+    if (!(cond)) {                                                       \
+      ::lossagg::fail(::lossagg::ErrorKind::runtime_error, __VA_ARGS__); \
+    }                                                                    \
+  } while (0)
