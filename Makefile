@@ -1,13 +1,19 @@
 # The commands people type. `make demo` and `make test` do all the set-up themselves.
 PY ?= python3
 
-.PHONY: demo test setup bench lint ctest cuda-report wheel clean
+.PHONY: demo test test-torch-matrix setup bench lint ctest cuda-report wheel clean
 
 demo: setup
 	$(PY) -m lossagg demo
 
 test:
 	bash scripts/test.sh
+
+# One wheel, built once here, installed with its dependencies into fresh venvs with torch 2.10.0
+# (the floor) and 2.15.0 (LOSSAGG_MATRIX_TORCH), where the ops, autograd, compile and config
+# tests run against it (scripts/test_torch_matrix.sh). Needs torch and the build tools here.
+test-torch-matrix:
+	bash scripts/test_torch_matrix.sh
 
 setup:
 	bash scripts/setup.sh
