@@ -32,7 +32,8 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
-    return f"lossagg: {os.path.dirname(lossagg.__file__)}, torch {torch.__version__}, built_with_cuda={lossagg.built_with_cuda()}, cuda available={torch.cuda.is_available()}"
+    where = os.path.dirname(lossagg.__file__)
+    return f"lossagg: {where}, torch {torch.__version__}, built_with_cuda={lossagg.built_with_cuda()}, cuda available={torch.cuda.is_available()}"
 
 
 @pytest.fixture(params=DEVICES)
