@@ -91,7 +91,7 @@ struct TokenCall {
     if (layout.has_metric_dim) {
       shape.insert(shape.begin(), layout.num_metrics);
     }
-    return torch::stable::new_empty(mask, shape, acc_scalar_type(values_dtype));
+    return new_tensor(mask, shape, acc_scalar_type(values_dtype));
   }
 
   // Per-token gradients in the token layout of the mask (with the leading K if any).
@@ -101,7 +101,7 @@ struct TokenCall {
     if (layout.has_metric_dim) {
       shape.insert(shape.begin(), layout.num_metrics);
     }
-    return torch::stable::new_empty(mask, shape, values_dtype);
+    return new_tensor(mask, shape, values_dtype);
   }
 };
 

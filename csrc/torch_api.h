@@ -11,6 +11,7 @@
 // exception with the same text and libtorch callers read the kind in the message.
 #pragma once
 
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
@@ -18,6 +19,7 @@
 #include <torch/headeronly/util/BFloat16.h>
 #include <torch/headeronly/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <ostream>
@@ -83,6 +85,45 @@ inline DeviceName device_name(const Tensor& t) {
 }
 
 enum class ErrorKind { type_error, value_error, runtime_error };
+
+template <typename... Args>
+[[noreturn]] void fail(ErrorKind kind, const Args&... args);
+
+// The C shim's code of a dtype the ops allocate.
+inline int32_t shim_dtype(ScalarType t) {
+  switch (t) {
+    case ScalarType::Float:
+      return aoti_torch_dtype_float32();
+    case ScalarType::Double:
+      return aoti_torch_dtype_float64();
+    case ScalarType::Half:
+      return aoti_torch_dtype_float16();
+    case ScalarType::BFloat16:
+      return aoti_torch_dtype_bfloat16();
+    case ScalarType::Long:
+      return aoti_torch_dtype_int64();
+    case ScalarType::Byte:
+      return aoti_torch_dtype_uint8();
+    default:
+      fail(ErrorKind::runtime_error, "lossagg: internal error: no output of dtype ", t);
+  }
+}
+
+// A new contiguous tensor of `shape` and `dtype` on the device of `like`. Through the C
+// shim's empty_strided: one call, where torch::stable::new_empty is a boxed dispatcher call
+// (a fixed cost every op pays, so it counts for small calls).
+inline Tensor new_tensor(const Tensor& like, const std::vector<int64_t>& shape, ScalarType dtype) {
+  std::vector<int64_t> strides(shape.size(), 1);
+  for (size_t i = shape.size(); i-- > 1;) {
+    strides[i - 1] = strides[i] * std::max<int64_t>(shape[i], 1);
+  }
+  int32_t device_type = 0;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(like.get(), &device_type));
+  AtenTensorHandle out = nullptr;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(
+      static_cast<int64_t>(shape.size()), shape.data(), strides.data(), shim_dtype(dtype), device_type, like.get_device_index(), &out));
+  return Tensor(out);
+}
 
 template <typename... Args>
 [[noreturn]] void fail(ErrorKind kind, const Args&... args) {

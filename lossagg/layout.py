@@ -59,7 +59,7 @@ def token_counts(mask: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> 
         cu_seqlens = cu_seqlens.to(mask.device)  # host offsets for a device mask are accepted
     from lossagg import ops  # the fake and the non-CPU kernels
 
-    ops.check_readable("token_counts", lambda: ops._mask_layout("token_counts", mask, cu_seqlens), mask=mask, cu_seqlens=cu_seqlens)
+    ops.check_readable("token_counts", ("mask", "cu_seqlens"), (mask, cu_seqlens), (ops._mask_layout, ("token_counts", mask, cu_seqlens)))
     try:
         return torch.ops.lossagg.token_counts(mask, cu_seqlens)
     except RuntimeError as exc:

@@ -20,6 +20,14 @@ from lossagg import _native  # noqa: F401  (registers torch.ops.lossagg)
 
 __all__ = ["segment_sum", "reduce"]
 
+_REDUCE = torch.ops.lossagg.reduce.default
+_REDUCE_BACKWARD = torch.ops.lossagg.reduce_backward.default
+_SEGMENT_SUM = torch.ops.lossagg.segment_sum.default
+_SEGMENT_SUM_BACKWARD = torch.ops.lossagg.segment_sum_backward.default
+# the dispatcher below the autograd key: the kernels themselves, for calls whose autograd
+# the wrappers handle (or that need none)
+_BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
+
 
 def segment_sum(values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Per-segment masked sums: ``out[k, i] = sum_{t in segment i} m[t] * values[k, t]``.
@@ -27,16 +35,20 @@ def segment_sum(values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tens
     Returns ``[B]`` (or ``[K, B]`` for ``[K, T]`` / ``[K, B, T]`` values), float32
     (float64 for float64 values). Differentiable in ``values``.
     """
+    grad_mode = torch.is_grad_enabled()
+    needs_grad = grad_mode and isinstance(values, torch.Tensor) and values.requires_grad
     check_readable(
-        "segment_sum",
-        lambda: _token_layout("segment_sum", values, mask, cu_seqlens, allow_metric_dim=True),
-        isinstance(values, torch.Tensor) and values.requires_grad and torch.is_grad_enabled(),
-        values=values,
-        mask=mask,
-        cu_seqlens=cu_seqlens,
+        "segment_sum", _SEGMENT_SUM_ARGS, (values, mask, cu_seqlens), (_token_layout, ("segment_sum", values, mask, cu_seqlens, True)), needs_grad
     )
     try:
-        return torch.ops.lossagg.segment_sum(values, mask, cu_seqlens)
+        if torch.compiler.is_compiling():
+            return torch.ops.lossagg.segment_sum(values, mask, cu_seqlens)
+        if grad_mode and getattr(mask, "requires_grad", False):
+            _not_differentiable("segment_sum", mask=mask)
+        if needs_grad:
+            return _SegmentSum.apply(values, mask, cu_seqlens)
+        with _BELOW_AUTOGRAD():
+            return _SEGMENT_SUM(values, mask, cu_seqlens)
     except RuntimeError as exc:
         raise python_error(exc) from None
 
@@ -65,17 +77,20 @@ def reduce(
         )
     if sample_denoms is None:
         raise TypeError("lossagg.reduce: missing the keyword argument sample_denoms (the [B] per-sample denominators d[i])")
+    grad_mode = torch.is_grad_enabled()
+    needs_grad = grad_mode and isinstance(values, torch.Tensor) and values.requires_grad
     check_readable(
-        "reduce",
-        lambda: _reduce_fake(values, mask, cu_seqlens, sample_denoms),
-        isinstance(values, torch.Tensor) and values.requires_grad and torch.is_grad_enabled(),
-        values=values,
-        mask=mask,
-        cu_seqlens=cu_seqlens,
-        sample_denoms=sample_denoms,
+        "reduce", _REDUCE_ARGS, (values, mask, cu_seqlens, sample_denoms), (_reduce_fake, (values, mask, cu_seqlens, sample_denoms)), needs_grad
     )
     try:
-        return torch.ops.lossagg.reduce(values, mask, cu_seqlens, sample_denoms)
+        if torch.compiler.is_compiling():
+            return torch.ops.lossagg.reduce(values, mask, cu_seqlens, sample_denoms)
+        if grad_mode and (getattr(mask, "requires_grad", False) or getattr(sample_denoms, "requires_grad", False)):
+            _not_differentiable("reduce", mask=mask, sample_denoms=sample_denoms)
+        if needs_grad:
+            return _Reduce.apply(values, mask, cu_seqlens, sample_denoms)
+        with _BELOW_AUTOGRAD():
+            return _REDUCE(values, mask, cu_seqlens, sample_denoms)
     except RuntimeError as exc:
         raise python_error(exc) from None
 
@@ -98,21 +113,29 @@ def python_error(exc: RuntimeError) -> Exception:
     return exc
 
 
-def check_readable(op: str, validate=None, saved_for_backward: bool = False, **tensors) -> None:
+def check_readable(op: str, names: tuple[str, ...], tensors: tuple, validate=None, saved_for_backward: bool = False) -> None:
     """Each tensor argument is one the native kernels read where it lies: dense (strided), and
     not an expanded view. An expanded view (a stride of 0 over more than one element) would
-    be copied in full before the kernels run: ``torch.ones(()).expand(2**31)`` is 4 bytes of
-    data and an 8 GiB copy. Refused by name, so the user decides (``.contiguous()`` makes the
-    copy explicit); ``validate()``, the op's own shape and dtype checks, runs first so that
-    their messages win. None is skipped (the optional ``cu_seqlens``). With
+    be copied in full before the kernels run: ``torch.ops.lossagg.reduce`` of
+    ``torch.ones(()).expand(2**31)`` is 4 bytes of data and an 8 GiB copy. Refused by name,
+    so the user decides (``.contiguous()`` makes the copy explicit); ``validate``
+    (``(function, args)``: the op's own shape and dtype checks) runs first so that their
+    messages win. None is skipped (the optional ``cu_seqlens``). With
     ``saved_for_backward`` (values require grad), a tensor made under
     ``torch.inference_mode()`` is refused by name: autograd cannot save it for the backward.
-    Costs a few attribute reads per tensor on the usual (contiguous) path. Skipped while
-    torch.compile traces (the fake kernels check what a trace can see).
+    Costs a few attribute reads per tensor on the usual (contiguous) path, which every call
+    pays. Skipped while torch.compile traces (the fake kernels check what a trace can see).
     """
     if torch.compiler.is_compiling():
         return
-    for name, t in tensors.items():
+    for t in tensors:
+        if t is not None and not (
+            isinstance(t, torch.Tensor) and t.layout is _STRIDED and t.is_contiguous() and not (saved_for_backward and t.is_inference())
+        ):
+            break
+    else:
+        return
+    for name, t in zip(names, tensors, strict=True):
         if t is None:
             continue
         if not isinstance(t, torch.Tensor):
@@ -131,7 +154,7 @@ def check_readable(op: str, validate=None, saved_for_backward: bool = False, **t
         for dim, (size, stride) in enumerate(zip(t.shape, t.stride(), strict=True)):
             if stride == 0 and size > 1:
                 if validate is not None:
-                    validate()
+                    validate[0](*validate[1])
                 size_bytes = t.numel() * t.element_size()
                 copy = (
                     f"{size_bytes / 2**30:.1f} GiB"
@@ -146,6 +169,11 @@ def check_readable(op: str, validate=None, saved_for_backward: bool = False, **t
                     f"{name} is an expanded view (stride 0 along dim {dim} of size {size}): the kernels read every element from memory, "
                     f"so it would first be copied in full ({t.numel()} elements, {copy}); pass {name}.contiguous() if that copy is meant",
                 )
+
+
+_STRIDED = torch.strided
+_REDUCE_ARGS = ("values", "mask", "cu_seqlens", "sample_denoms")
+_SEGMENT_SUM_ARGS = ("values", "mask", "cu_seqlens")
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -317,8 +345,12 @@ def _setup_reduce(ctx, inputs, output):
 
 def _reduce_grad(ctx, grad):
     mask, cu_seqlens, sample_denoms = ctx.saved_tensors
-    g = torch.ops.lossagg.reduce_backward(grad, mask, cu_seqlens, sample_denoms, ctx.values_dtype) if ctx.needs_input_grad[0] else None
-    return g, None, None, None
+    if not ctx.needs_input_grad[0]:
+        return None, None, None, None
+    if grad.requires_grad:  # create_graph: the backward op's own autograd records it
+        return torch.ops.lossagg.reduce_backward(grad, mask, cu_seqlens, sample_denoms, ctx.values_dtype), None, None, None
+    with _BELOW_AUTOGRAD():
+        return _REDUCE_BACKWARD(grad, mask, cu_seqlens, sample_denoms, ctx.values_dtype), None, None, None
 
 
 def _setup_segment_sum(ctx, inputs, output):
@@ -330,8 +362,12 @@ def _setup_segment_sum(ctx, inputs, output):
 
 def _segment_sum_grad(ctx, grad):
     mask, cu_seqlens = ctx.saved_tensors
-    g = torch.ops.lossagg.segment_sum_backward(grad.contiguous(), mask, cu_seqlens, ctx.values_dtype) if ctx.needs_input_grad[0] else None
-    return g, None, None
+    if not ctx.needs_input_grad[0]:
+        return None, None, None
+    if grad.requires_grad:
+        return torch.ops.lossagg.segment_sum_backward(grad.contiguous(), mask, cu_seqlens, ctx.values_dtype), None, None
+    with _BELOW_AUTOGRAD():
+        return _SEGMENT_SUM_BACKWARD(grad.contiguous(), mask, cu_seqlens, ctx.values_dtype), None, None
 
 
 def _setup_reduce_backward(ctx, inputs, output):
@@ -360,6 +396,36 @@ def _segment_sum_backward_grad(ctx, upstream):
     mask, cu_seqlens = ctx.saved_tensors
     g = torch.ops.lossagg.segment_sum(upstream.contiguous(), mask, cu_seqlens).to(ctx.grad_dtype) if ctx.needs_input_grad[0] else None
     return g, None, None, None
+
+
+class _Reduce(torch.autograd.Function):
+    """reduce with its backward, as the wrapper :func:`reduce` calls it: the op runs below
+    the autograd key (its registered autograd, for direct callers of torch.ops.lossagg.reduce
+    and for double backward, would add a second Python layer to every call)."""
+
+    @staticmethod
+    def forward(ctx, values, mask, cu_seqlens, sample_denoms):
+        with _BELOW_AUTOGRAD():
+            out = _REDUCE(values, mask, cu_seqlens, sample_denoms)
+        ctx.save_for_backward(mask, cu_seqlens, sample_denoms)
+        ctx.values_dtype = values.dtype
+        return out
+
+    backward = staticmethod(_reduce_grad)
+
+
+class _SegmentSum(torch.autograd.Function):
+    """segment_sum with its backward, as the wrapper :func:`segment_sum` calls it (see _Reduce)."""
+
+    @staticmethod
+    def forward(ctx, values, mask, cu_seqlens):
+        with _BELOW_AUTOGRAD():
+            out = _SEGMENT_SUM(values, mask, cu_seqlens)
+        ctx.save_for_backward(mask, cu_seqlens)
+        ctx.values_dtype = values.dtype
+        return out
+
+    backward = staticmethod(_segment_sum_grad)
 
 
 torch.library.register_autograd("lossagg::reduce", _reduce_grad, setup_context=_setup_reduce)

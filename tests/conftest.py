@@ -33,7 +33,8 @@ def pytest_configure(config):
 
 def pytest_report_header(config):
     where = os.path.dirname(lossagg.__file__)
-    return f"lossagg: {where}, torch {torch.__version__}, built_with_cuda={lossagg.built_with_cuda()}, cuda available={torch.cuda.is_available()}"
+    cuda = f"built_with_cuda={lossagg.built_with_cuda()}, cuda available={torch.cuda.is_available()}"
+    return f"lossagg: {where}, torch {torch.__version__}, {cuda}"
 
 
 @pytest.fixture(params=DEVICES)

@@ -61,9 +61,9 @@ Tensor reduce(
   const ScalarType acc_dtype = acc_scalar_type(values.scalar_type());
   const Tensor denoms = kernel_denoms(sample_denoms, values.scalar_type());
   const int64_t b = call.layout.num_segments;
-  Tensor sums = torch::stable::new_empty(values, {b}, acc_dtype);
+  Tensor sums = new_tensor(values, {b}, acc_dtype);
   engine().segment_sums(kernel_args(call, values.scalar_type()), sums.mutable_data_ptr());
-  Tensor out = torch::stable::new_empty(values, {}, acc_dtype);
+  Tensor out = new_tensor(values, {}, acc_dtype);
   dispatch_values(acc_dtype, "values", [&]<typename A>(type_tag<A>) {
     *out.mutable_data_ptr<A>() = weighted_total(sums.const_data_ptr<A>(), denoms.const_data_ptr<A>(), b);
   });
@@ -95,7 +95,7 @@ Tensor reduce_backward(
   const ScalarType acc_dtype = acc_scalar_type(values_dtype);
   const Tensor denoms = kernel_denoms(sample_denoms, values_dtype);
   // one coefficient per sample, g / d[s] in the accumulation dtype
-  Tensor coef = torch::stable::new_empty(denoms, {call.layout.num_segments});
+  Tensor coef = new_tensor(denoms, {call.layout.num_segments}, denoms.scalar_type());
   const Tensor grad_acc = as_dtype(grad, acc_dtype);
   dispatch_values(acc_dtype, "values", [&]<typename A>(type_tag<A>) {
     const A g = *grad_acc.const_data_ptr<A>();
@@ -111,7 +111,7 @@ Tensor reduce_backward(
 
 Tensor token_counts(const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
   const TokenCall call = token_counts_call(mask, cu_seqlens);
-  Tensor out = torch::stable::new_empty(mask, {call.layout.num_segments}, ScalarType::Long);
+  Tensor out = new_tensor(mask, {call.layout.num_segments}, ScalarType::Long);
   engine().count_kept(kernel_args(call, ScalarType::Float), out.mutable_data_ptr<int64_t>());
   return out;
 }

@@ -31,7 +31,7 @@ class CudaDevice {
   }
 
   void* workspace(int64_t bytes) {
-    buffers_.push_back(torch::stable::new_empty(like_, {std::max<int64_t>(bytes, 1)}, ScalarType::Byte));
+    buffers_.push_back(new_tensor(like_, {std::max<int64_t>(bytes, 1)}, ScalarType::Byte));
     return buffers_.back().mutable_data_ptr();
   }
 

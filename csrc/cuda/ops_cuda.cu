@@ -32,7 +32,7 @@ Tensor reduce(
     const Tensor& sample_denoms) {
   const TokenCall call = reduce_call(values, mask, cu_seqlens, sample_denoms);
   const Tensor d = kernel_denoms(sample_denoms, values.scalar_type());
-  Tensor out = torch::stable::new_empty(values, {}, acc_scalar_type(values.scalar_type()));
+  Tensor out = new_tensor(values, {}, acc_scalar_type(values.scalar_type()));
   CudaDevice dev(values);
   call.dispatch(values.scalar_type(), [&]<typename S, typename M>(type_tag<S>, type_tag<M>) {
     using acc_t = acc_t_of<S>;
