@@ -10,8 +10,8 @@ PY=${PYTHON:-python3}
 . scripts/steps.sh
 
 if ! "$PY" -c "import torch" 2>/dev/null; then
-  # torch 2.14.1 (CUDA 13.0 build) is what lossagg is developed and tested against;
-  # any torch >= 2.4 works. Override with LOSSAGG_TORCH_SPEC.
+  # torch 2.14.1 (CUDA 13.0 build) is what lossagg is developed against; the library
+  # loads into any torch >= 2.10 (make test-torch-matrix). Override with LOSSAGG_TORCH_SPEC.
   spec=${LOSSAGG_TORCH_SPEC:-torch==2.14.1}
   run_step "setup: installed $spec" setup-torch pip_install "$spec"
 fi
