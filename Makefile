@@ -35,11 +35,10 @@ wheel: setup
 	rm -rf dist && $(PY) -m pip wheel --no-build-isolation --no-deps -q -w dist .
 	@ls -l dist/*.whl
 
+# ruff (check + format) and clang-format at pinned versions (scripts/lint.sh installs them);
+# .ci/run and .pre-commit-config.yaml run the same
 lint:
-	$(PY) -m ruff --version >/dev/null 2>&1 || $(PY) -m pip install -q "ruff>=0.5"
-	$(PY) -m ruff check lossagg tests benchmarks examples docs
-	$(PY) -m ruff format --check lossagg tests benchmarks examples docs
-	if command -v clang-format >/dev/null; then clang-format --dry-run --Werror csrc/*.h csrc/*.cpp csrc/cpu/* csrc/cuda/*; else echo "clang-format not installed: C++ not checked"; fi
+	bash scripts/lint.sh
 
 clean:
 	rm -rf build dist lossagg/liblossagg_ops.so lossagg/_build_info.py *.egg-info

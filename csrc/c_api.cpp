@@ -2,6 +2,7 @@
 // switches. Python reaches them with ctypes (lossagg/_native.py), so the library needs no
 // Python headers and is the same file for Python, ctest and libtorch users. Nothing here
 // throws: a C caller cannot catch a C++ exception.
+#include "dtypes.h"
 #include "lossagg.h"
 
 #include <torch/headeronly/version.h>
@@ -11,17 +12,11 @@
 
 #define LOSSAGG_EXPORT extern "C" __attribute__((visibility("default")))
 
-LOSSAGG_EXPORT int lossagg_built_with_cuda() {
-  return lossagg::built_with_cuda() ? 1 : 0;
-}
+LOSSAGG_EXPORT int lossagg_built_with_cuda() { return lossagg::built_with_cuda() ? 1 : 0; }
 
-LOSSAGG_EXPORT void lossagg_set_device_checks(int enabled) {
-  lossagg::set_device_checks(enabled != 0);
-}
+LOSSAGG_EXPORT void lossagg_set_device_checks(int enabled) { lossagg::set_device_checks(enabled != 0); }
 
-LOSSAGG_EXPORT int lossagg_device_checks_enabled() {
-  return lossagg::device_checks_enabled() ? 1 : 0;
-}
+LOSSAGG_EXPORT int lossagg_device_checks_enabled() { return lossagg::device_checks_enabled() ? 1 : 0; }
 
 // Static strings: the ISA names are literals.
 LOSSAGG_EXPORT const char* lossagg_cpu_isa() {
@@ -46,16 +41,24 @@ LOSSAGG_EXPORT int lossagg_set_cpu_isa(const char* name) {
   }
 }
 
-// The torch whose headers the library was compiled with.
-LOSSAGG_EXPORT const char* lossagg_torch_version() {
-  return TORCH_VERSION;
+// The dtypes the ops accept, as Python names them, comma-separated (csrc/dtypes.h).
+LOSSAGG_EXPORT const char* lossagg_value_dtypes() {
+  static const std::string names = lossagg::dtype_names(lossagg::kValueDtypes);
+  return names.c_str();
 }
+
+LOSSAGG_EXPORT const char* lossagg_mask_dtypes() {
+  static const std::string names = lossagg::dtype_names(lossagg::kMaskDtypes);
+  return names.c_str();
+}
+
+// The torch whose headers the library was compiled with.
+LOSSAGG_EXPORT const char* lossagg_torch_version() { return TORCH_VERSION; }
 
 // The oldest torch the library runs on: the stable ABI version it targets ("2.10").
 LOSSAGG_EXPORT const char* lossagg_torch_floor() {
 #ifdef TORCH_TARGET_VERSION
-  static const std::string floor =
-      std::to_string((TORCH_TARGET_VERSION >> 56) & 0xff) + "." + std::to_string((TORCH_TARGET_VERSION >> 48) & 0xff);
+  static const std::string floor = std::to_string((TORCH_TARGET_VERSION >> 56) & 0xff) + "." + std::to_string((TORCH_TARGET_VERSION >> 48) & 0xff);
 #else
   static const std::string floor = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);
 #endif

@@ -1,7 +1,8 @@
 #include "checks.h"
 
-#include "lossagg.h"
+#include "dtypes.h"
 
+#include "lossagg.h"
 
 #include <algorithm>
 #include <atomic>
@@ -25,45 +26,29 @@ std::atomic<bool>& device_checks_flag() {
   return flag;
 }
 
-bool is_mask_dtype(ScalarType t) {
-  return t == ScalarType::Bool || t == ScalarType::Byte || t == ScalarType::Char || t == ScalarType::Short || t == ScalarType::Int || t == ScalarType::Long ||
-      t == ScalarType::Float || t == ScalarType::Double || t == ScalarType::Half || t == ScalarType::BFloat16;
-}
-
-bool is_values_dtype(ScalarType t) {
-  return t == ScalarType::Float || t == ScalarType::Double || t == ScalarType::Half || t == ScalarType::BFloat16;
-}
-
-bool wants_data_checks(const Tensor& t) {
-  return t.is_cpu() || device_checks_enabled();
-}
+bool wants_data_checks(const Tensor& t) { return t.is_cpu() || device_checks_enabled(); }
 
 void check_same_device(const char* op, const char* name, const Tensor& t, const Tensor& like, const char* like_name) {
   LOSSAGG_CHECK_VALUE(
-      t.device() == like.device(),
-      "lossagg.", op, ": ", name, " must be on the same device as ", like_name, " (", device_name(like), "), got ",
+      t.device() == like.device(), "lossagg.", op, ": ", name, " must be on the same device as ", like_name, " (", device_name(like), "), got ",
       device_name(t));
 }
 
 void check_cu_seqlens_meta(const char* op, const Tensor& cu, const Tensor& like) {
   LOSSAGG_CHECK_TYPE(
-      cu.scalar_type() == ScalarType::Int || cu.scalar_type() == ScalarType::Long,
-      "lossagg.", op, ": cu_seqlens must have dtype int32 or int64, got ", cu.scalar_type());
+      cu.scalar_type() == ScalarType::Int || cu.scalar_type() == ScalarType::Long, "lossagg.", op,
+      ": cu_seqlens must have dtype int32 or int64, got ", cu.scalar_type());
   LOSSAGG_CHECK_VALUE(
-      cu.dim() == 1 && cu.size(0) >= 1,
-      "lossagg.", op, ": cu_seqlens must be a 1-D [B+1] tensor with at least one element, got shape ", shape_of(cu));
+      cu.dim() == 1 && cu.size(0) >= 1, "lossagg.", op, ": cu_seqlens must be a 1-D [B+1] tensor with at least one element, got shape ",
+      shape_of(cu));
   check_same_device(op, "cu_seqlens", cu, like, "the token tensors");
 }
 
 }  // namespace
 
-void set_device_checks(bool enabled) {
-  device_checks_flag().store(enabled);
-}
+void set_device_checks(bool enabled) { device_checks_flag().store(enabled); }
 
-bool device_checks_enabled() {
-  return device_checks_flag().load();
-}
+bool device_checks_enabled() { return device_checks_flag().load(); }
 
 bool built_with_cuda() {
 #ifdef LOSSAGG_WITH_CUDA
@@ -74,17 +59,10 @@ bool built_with_cuda() {
 }
 
 TokenLayout check_token_layout(
-    const char* op,
-    const Tensor& values,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens,
-    bool allow_metric_dim) {
+    const char* op, const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, bool allow_metric_dim) {
   LOSSAGG_CHECK_TYPE(
-      is_values_dtype(values.scalar_type()),
-      "lossagg.", op, ": values must have dtype float32, bfloat16, float16 or float64, got ", values.scalar_type());
-  LOSSAGG_CHECK_TYPE(
-      is_mask_dtype(mask.scalar_type()),
-      "lossagg.", op, ": mask must have dtype bool, an integer dtype (uint8, int8/16/32/64) or a floating dtype, got ", mask.scalar_type());
+      is_value_dtype(values.scalar_type()), "lossagg.", op, ": values must have dtype ", value_dtypes_text(), ", got ", values.scalar_type());
+  LOSSAGG_CHECK_TYPE(is_mask_dtype(mask.scalar_type()), "lossagg.", op, ": mask must have dtype ", kMaskDtypesText, ", got ", mask.scalar_type());
   check_same_device(op, "mask", mask, values, "values");
 
   TokenLayout layout{};
@@ -96,20 +74,17 @@ TokenLayout check_token_layout(
   if (allow_metric_dim) {
     LOSSAGG_CHECK_VALUE(
         ok_dim, "lossagg.", op, ": values must be ", token_shape, " or ", metric_shape,
-        layout.packed ? " when cu_seqlens is given (packed layout)" : " when cu_seqlens is None (padded layout)",
-        ", got shape ", shape_of(values));
+        layout.packed ? " when cu_seqlens is given (packed layout)" : " when cu_seqlens is None (padded layout)", ", got shape ", shape_of(values));
   } else {
     LOSSAGG_CHECK_VALUE(
         ok_dim, "lossagg.", op, ": values must be ", token_shape,
-        layout.packed ? " when cu_seqlens is given (packed layout)" : " when cu_seqlens is None (padded layout)",
-        ", got shape ", shape_of(values));
+        layout.packed ? " when cu_seqlens is given (packed layout)" : " when cu_seqlens is None (padded layout)", ", got shape ", shape_of(values));
   }
   layout.has_metric_dim = values.dim() == token_dims + 1;
   layout.num_metrics = layout.has_metric_dim ? values.size(0) : 1;
   auto token_sizes = values.sizes().slice(layout.has_metric_dim ? 1 : 0);
   LOSSAGG_CHECK_VALUE(
-      mask.sizes() == token_sizes, "lossagg.", op, ": mask must have the token shape of values ", Shape{token_sizes},
-      ", got shape ", shape_of(mask));
+      mask.sizes() == token_sizes, "lossagg.", op, ": mask must have the token shape of values ", Shape{token_sizes}, ", got shape ", shape_of(mask));
 
   if (layout.packed) {
     check_cu_seqlens_meta(op, *cu_seqlens, values);
@@ -124,30 +99,19 @@ TokenLayout check_token_layout(
   return layout;
 }
 
-TokenLayout check_mask_layout(
-    const char* op,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens,
-    int64_t num_metrics,
-    bool has_metric_dim) {
-  LOSSAGG_CHECK_TYPE(
-      is_mask_dtype(mask.scalar_type()),
-      "lossagg.", op, ": mask must have dtype bool, an integer dtype (uint8, int8/16/32/64) or a floating dtype, got ", mask.scalar_type());
+TokenLayout check_mask_layout(const char* op, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, int64_t num_metrics, bool has_metric_dim) {
+  LOSSAGG_CHECK_TYPE(is_mask_dtype(mask.scalar_type()), "lossagg.", op, ": mask must have dtype ", kMaskDtypesText, ", got ", mask.scalar_type());
   TokenLayout layout{};
   layout.packed = cu_seqlens.has_value();
   layout.has_metric_dim = has_metric_dim;
   layout.num_metrics = num_metrics;
   if (layout.packed) {
-    LOSSAGG_CHECK_VALUE(
-        mask.dim() == 1, "lossagg.", op, ": mask must be [T] when cu_seqlens is given (packed layout), got shape ",
-        shape_of(mask));
+    LOSSAGG_CHECK_VALUE(mask.dim() == 1, "lossagg.", op, ": mask must be [T] when cu_seqlens is given (packed layout), got shape ", shape_of(mask));
     check_cu_seqlens_meta(op, *cu_seqlens, mask);
     layout.num_segments = cu_seqlens->size(0) - 1;
     layout.num_tokens = mask.size(0);
   } else {
-    LOSSAGG_CHECK_VALUE(
-        mask.dim() == 2, "lossagg.", op, ": mask must be [B, T] when cu_seqlens is None (padded layout), got shape ",
-        shape_of(mask));
+    LOSSAGG_CHECK_VALUE(mask.dim() == 2, "lossagg.", op, ": mask must be [B, T] when cu_seqlens is None (padded layout), got shape ", shape_of(mask));
     layout.num_segments = mask.size(0);
     layout.row_len = mask.size(1);
     layout.num_tokens = mask.size(0) * mask.size(1);
@@ -157,12 +121,11 @@ TokenLayout check_mask_layout(
 
 void check_sample_denoms(const char* op, const Tensor& sample_denoms, const TokenLayout& layout, const Tensor& like) {
   LOSSAGG_CHECK_TYPE(
-      is_floating(sample_denoms.scalar_type()),
-      "lossagg.", op, ": sample_denoms must have a floating dtype, got ", sample_denoms.scalar_type());
+      is_value_dtype(sample_denoms.scalar_type()), "lossagg.", op, ": sample_denoms must have a floating dtype, got ", sample_denoms.scalar_type());
   LOSSAGG_CHECK_VALUE(
-      sample_denoms.dim() == 1 && sample_denoms.size(0) == layout.num_segments,
-      "lossagg.", op, ": sample_denoms must be a 1-D tensor of length B = ", layout.num_segments,
-      " (one denominator per sample), got shape ", shape_of(sample_denoms));
+      sample_denoms.dim() == 1 && sample_denoms.size(0) == layout.num_segments, "lossagg.", op,
+      ": sample_denoms must be a 1-D tensor of length B = ", layout.num_segments, " (one denominator per sample), got shape ",
+      shape_of(sample_denoms));
   check_same_device(op, "sample_denoms", sample_denoms, like, "the token tensors");
 }
 
@@ -193,13 +156,11 @@ int64_t check_offsets(const char* op, const O* p, int64_t n, int64_t stride, int
       const int64_t hi = static_cast<int64_t>(p[i * stride]);
       const int64_t lo = static_cast<int64_t>(p[(i - 1) * stride]);
       LOSSAGG_CHECK_VALUE(
-          hi >= lo, "lossagg.", op, ": cu_seqlens must be non-decreasing, got cu_seqlens[", i, "] = ", hi, " < cu_seqlens[", i - 1,
-          "] = ", lo);
+          hi >= lo, "lossagg.", op, ": cu_seqlens must be non-decreasing, got cu_seqlens[", i, "] = ", hi, " < cu_seqlens[", i - 1, "] = ", lo);
     }
   }
   const int64_t last = static_cast<int64_t>(p[(n - 1) * stride]);
-  LOSSAGG_CHECK_VALUE(
-      last == num_tokens, "lossagg.", op, ": cu_seqlens[-1] must equal the number of tokens T = ", num_tokens, ", got ", last);
+  LOSSAGG_CHECK_VALUE(last == num_tokens, "lossagg.", op, ": cu_seqlens[-1] must equal the number of tokens T = ", num_tokens, ", got ", last);
   return longest;
 }
 
@@ -241,8 +202,7 @@ void check_sample_denoms_data(const char* op, const Tensor& sample_denoms, Scala
   const int64_t stride = d.stride(0);
   auto fail = [&](int64_t i, double given, double converted) {
     LOSSAGG_CHECK_VALUE(
-        std::isfinite(given) && given > 0.0, "lossagg.", op, ": sample_denoms must be finite and > 0, got sample_denoms[", i, "] = ",
-        given);
+        std::isfinite(given) && given > 0.0, "lossagg.", op, ": sample_denoms must be finite and > 0, got sample_denoms[", i, "] = ", given);
     LOSSAGG_CHECK_VALUE(
         false, "lossagg.", op, ": sample_denoms[", i, "] = ", given, " is ", converted, " in ", in_double ? "Double" : "Float",
         ", the dtype the division happens in for ", values_dtype,
@@ -290,20 +250,13 @@ void check_sample_denoms_data(const char* op, const Tensor& sample_denoms, Scala
   }
 }
 
-TokenLayout check_segment_sum_inputs(
-    const Tensor& values,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens) {
+TokenLayout check_segment_sum_inputs(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
   TokenLayout layout = check_token_layout("segment_sum", values, mask, cu_seqlens, /*allow_metric_dim=*/true);
   layout.max_segment_tokens = check_cu_seqlens_data("segment_sum", cu_seqlens, layout);
   return layout;
 }
 
-TokenLayout check_reduce_inputs(
-    const Tensor& values,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens,
-    const Tensor& sample_denoms) {
+TokenLayout check_reduce_inputs(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms) {
   TokenLayout layout = check_token_layout("reduce", values, mask, cu_seqlens, /*allow_metric_dim=*/false);
   check_sample_denoms("reduce", sample_denoms, layout, values);
   layout.max_segment_tokens = check_cu_seqlens_data("reduce", cu_seqlens, layout);
@@ -312,17 +265,10 @@ TokenLayout check_reduce_inputs(
 }
 
 TokenLayout check_reduce_backward_inputs(
-    const Tensor& grad,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens,
-    const Tensor& sample_denoms,
-    ScalarType values_dtype) {
+    const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms, ScalarType values_dtype) {
   const char* op = "reduce_backward";
-  LOSSAGG_CHECK_VALUE(
-      grad.dim() == 0, "lossagg.", op, ": grad must be a 0-dim tensor, got shape ", shape_of(grad));
-  LOSSAGG_CHECK_TYPE(
-      is_floating(grad.scalar_type()), "lossagg.", op, ": grad must have a floating dtype, got ",
-      grad.scalar_type());
+  LOSSAGG_CHECK_VALUE(grad.dim() == 0, "lossagg.", op, ": grad must be a 0-dim tensor, got shape ", shape_of(grad));
+  LOSSAGG_CHECK_TYPE(is_value_dtype(grad.scalar_type()), "lossagg.", op, ": grad must have a floating dtype, got ", grad.scalar_type());
   TokenLayout layout = check_mask_layout(op, mask, cu_seqlens, 1, false);
   check_sample_denoms(op, sample_denoms, layout, mask);
   check_same_device(op, "grad", grad, mask, "mask");
@@ -331,16 +277,10 @@ TokenLayout check_reduce_backward_inputs(
   return layout;
 }
 
-TokenLayout check_segment_sum_backward_inputs(
-    const Tensor& grad,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens) {
+TokenLayout check_segment_sum_backward_inputs(const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
   const char* op = "segment_sum_backward";
-  LOSSAGG_CHECK_VALUE(
-      grad.dim() == 1 || grad.dim() == 2, "lossagg.", op, ": grad must be [B] or [K, B], got shape ", shape_of(grad));
-  LOSSAGG_CHECK_TYPE(
-      is_floating(grad.scalar_type()), "lossagg.", op, ": grad must have a floating dtype, got ",
-      grad.scalar_type());
+  LOSSAGG_CHECK_VALUE(grad.dim() == 1 || grad.dim() == 2, "lossagg.", op, ": grad must be [B] or [K, B], got shape ", shape_of(grad));
+  LOSSAGG_CHECK_TYPE(is_value_dtype(grad.scalar_type()), "lossagg.", op, ": grad must have a floating dtype, got ", grad.scalar_type());
   const bool has_metric_dim = grad.dim() == 2;
   TokenLayout layout = check_mask_layout(op, mask, cu_seqlens, has_metric_dim ? grad.size(0) : 1, has_metric_dim);
   LOSSAGG_CHECK_VALUE(

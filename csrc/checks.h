@@ -14,43 +14,20 @@ namespace lossagg {
 // Checks values/mask/cu_seqlens shapes, dtypes and devices (no data access).
 // allow_metric_dim: segment_sum accepts a leading K dimension on values.
 TokenLayout check_token_layout(
-    const char* op,
-    const Tensor& values,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens,
-    bool allow_metric_dim);
+    const char* op, const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, bool allow_metric_dim);
 
 // Same as check_token_layout but for backward ops, which see the mask and the
 // incoming gradient instead of values.
-TokenLayout check_mask_layout(
-    const char* op,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens,
-    int64_t num_metrics,
-    bool has_metric_dim);
+TokenLayout check_mask_layout(const char* op, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, int64_t num_metrics, bool has_metric_dim);
 
 // All checks of the forward ops (shapes, dtypes, devices, and the data checks).
-TokenLayout check_segment_sum_inputs(
-    const Tensor& values,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens);
-TokenLayout check_reduce_inputs(
-    const Tensor& values,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens,
-    const Tensor& sample_denoms);
+TokenLayout check_segment_sum_inputs(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens);
+TokenLayout check_reduce_inputs(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms);
 
 // All checks of the backward ops (shapes, dtypes, devices, and the data checks).
 TokenLayout check_reduce_backward_inputs(
-    const Tensor& grad,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens,
-    const Tensor& sample_denoms,
-    ScalarType values_dtype);
-TokenLayout check_segment_sum_backward_inputs(
-    const Tensor& grad,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens);
+    const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms, ScalarType values_dtype);
+TokenLayout check_segment_sum_backward_inputs(const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens);
 
 TokenLayout check_token_counts_inputs(const Tensor& mask, const std::optional<Tensor>& cu_seqlens);
 

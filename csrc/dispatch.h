@@ -3,6 +3,7 @@
 // other type reaches a kernel template: 16 (values, mask) pairs in all.
 #pragma once
 
+#include "dtypes.h"
 #include "kernel_common.h"
 #include "torch_api.h"
 
@@ -15,9 +16,7 @@ struct type_tag {
   using type = T;
 };
 
-inline ScalarType acc_scalar_type(ScalarType values_dtype) {
-  return values_dtype == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
-}
+inline ScalarType acc_scalar_type(ScalarType values_dtype) { return values_dtype == ScalarType::Double ? ScalarType::Double : ScalarType::Float; }
 
 // f(type_tag<S>) for a value dtype; `what` names the argument in the error.
 template <typename F>
@@ -32,7 +31,7 @@ void dispatch_values(ScalarType t, const char* what, F&& f) {
     case ScalarType::BFloat16:
       return f(type_tag<c10::BFloat16>{});
     default:
-      ::lossagg::fail(ErrorKind::type_error, "lossagg: ", what, " must have dtype float32, bfloat16, float16 or float64, got ", t);
+      ::lossagg::fail(ErrorKind::type_error, "lossagg: ", what, " must have dtype ", value_dtypes_text(), ", got ", t);
   }
 }
 

@@ -51,12 +51,8 @@ struct Segments {
   LOSSAGG_HD int64_t offset(int64_t i) const {
     return cu_int64 ? static_cast<const int64_t*>(cu)[i] : static_cast<int64_t>(static_cast<const int32_t*>(cu)[i]);
   }
-  LOSSAGG_HD int64_t begin(int64_t s) const {
-    return cu ? offset(s) : s * row_len;
-  }
-  LOSSAGG_HD int64_t end(int64_t s) const {
-    return cu ? offset(s + 1) : (s + 1) * row_len;
-  }
+  LOSSAGG_HD int64_t begin(int64_t s) const { return cu ? offset(s) : s * row_len; }
+  LOSSAGG_HD int64_t end(int64_t s) const { return cu ? offset(s + 1) : (s + 1) * row_len; }
 };
 
 // A bool mask element, read as its byte. Any non-zero byte is true (a bool tensor viewed

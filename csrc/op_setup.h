@@ -25,14 +25,10 @@
 namespace lossagg {
 
 // t itself when it is already contiguous (no dispatcher call), else a contiguous copy.
-inline Tensor as_contiguous(const Tensor& t) {
-  return t.is_contiguous() ? t : torch::stable::contiguous(t);
-}
+inline Tensor as_contiguous(const Tensor& t) { return t.is_contiguous() ? t : torch::stable::contiguous(t); }
 
 // t in dtype `to` (t itself when it already is).
-inline Tensor as_dtype(const Tensor& t, ScalarType to) {
-  return t.scalar_type() == to ? t : torch::stable::to(t, to);
-}
+inline Tensor as_dtype(const Tensor& t, ScalarType to) { return t.scalar_type() == to ? t : torch::stable::to(t, to); }
 
 // The mask as the kernels read it, and its kind. `acc` is the accumulation dtype of the
 // values; without one (token_counts) float32 and float64 masks are read as given.
@@ -67,9 +63,7 @@ struct TokenCall {
     return static_cast<const M*>(mask.const_data_ptr());
   }
 
-  const void* values_data() const {
-    return values.has_value() ? values->const_data_ptr() : nullptr;
-  }
+  const void* values_data() const { return values.has_value() ? values->const_data_ptr() : nullptr; }
 
   Segments segments() const {
     if (!offsets.has_value()) {
@@ -127,24 +121,15 @@ inline TokenCall segment_sum_call(const Tensor& values, const Tensor& mask, cons
 }
 
 inline TokenCall reduce_call(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms) {
-  return make_call(
-      check_reduce_inputs(values, mask, cu_seqlens, sample_denoms), values, mask, cu_seqlens, acc_scalar_type(values.scalar_type()));
+  return make_call(check_reduce_inputs(values, mask, cu_seqlens, sample_denoms), values, mask, cu_seqlens, acc_scalar_type(values.scalar_type()));
 }
 
-inline TokenCall segment_sum_backward_call(
-    const Tensor& grad,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens,
-    ScalarType values_dtype) {
+inline TokenCall segment_sum_backward_call(const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, ScalarType values_dtype) {
   return make_call(check_segment_sum_backward_inputs(grad, mask, cu_seqlens), std::nullopt, mask, cu_seqlens, acc_scalar_type(values_dtype));
 }
 
 inline TokenCall reduce_backward_call(
-    const Tensor& grad,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens,
-    const Tensor& sample_denoms,
-    ScalarType values_dtype) {
+    const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms, ScalarType values_dtype) {
   return make_call(
       check_reduce_backward_inputs(grad, mask, cu_seqlens, sample_denoms, values_dtype), std::nullopt, mask, cu_seqlens,
       acc_scalar_type(values_dtype));

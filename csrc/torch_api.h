@@ -34,18 +34,12 @@ using ScalarType = torch::headeronly::ScalarType;
 using Device = torch::stable::Device;
 using DeviceType = torch::headeronly::DeviceType;
 
-inline bool is_floating(ScalarType t) {
-  return t == ScalarType::Float || t == ScalarType::Double || t == ScalarType::Half || t == ScalarType::BFloat16;
-}
-
 // A tensor's shape as messages print it: [2, 5].
 struct Shape {
   torch::headeronly::IntHeaderOnlyArrayRef sizes;
 };
 
-inline Shape shape_of(const Tensor& t) {
-  return Shape{t.sizes()};
-}
+inline Shape shape_of(const Tensor& t) { return Shape{t.sizes()}; }
 
 inline std::ostream& operator<<(std::ostream& os, const Shape& s) {
   os << '[';
@@ -80,9 +74,7 @@ inline std::ostream& operator<<(std::ostream& os, const DeviceName& d) {
   return os;
 }
 
-inline DeviceName device_name(const Tensor& t) {
-  return DeviceName{t.device()};
-}
+inline DeviceName device_name(const Tensor& t) { return DeviceName{t.device()}; }
 
 enum class ErrorKind { type_error, value_error, runtime_error };
 

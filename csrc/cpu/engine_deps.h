@@ -19,8 +19,6 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(LOSSAGG_X86_TARGETS)  // isa.h, through engine.h
 #include <immintrin.h>
-// GCC on x86-64: the AVX2 and AVX-512 units are built (engine_avx2.cpp, engine_avx512.cpp).
-#define LOSSAGG_X86_TARGETS 1
 #endif

@@ -152,7 +152,7 @@ inline float window_sum<float>(const float* buf, int64_t len) {
   } else {
     a = _mm_add_ps(_mm_add_ps(part(0), part(8)), _mm_add_ps(part(4), part(12)));
   }
-  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));     // b0 = a0 + a2, b1 = a1 + a3
+  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));      // b0 = a0 + a2, b1 = a1 + a3
   const __m128 c = _mm_add_ss(b, _mm_shuffle_ps(b, b, 1));  // b0 + b1
   return 0.0f + _mm_cvtss_f32(c);
 }

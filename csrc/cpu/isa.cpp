@@ -13,7 +13,7 @@ namespace lossagg::cpu {
 namespace {
 
 Isa detect() {
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(LOSSAGG_X86_TARGETS)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("popcnt")) {
@@ -64,7 +64,7 @@ const std::string& isa_env_problem() {
       return std::string();
     }
     return "LOSSAGG_CPU_ISA must be one of auto, avx512, avx2, baseline, got '" + std::string(env) +
-        "' (fix or unset it; lossagg.set_cpu_isa() overrides it)";
+           "' (fix or unset it; lossagg.set_cpu_isa() overrides it)";
   }();
   return set_explicitly().load(std::memory_order_relaxed) ? empty : problem;
 }
@@ -94,13 +94,9 @@ const char* isa_name(Isa isa) {
 
 namespace lossagg {
 
-std::string cpu_isa() {
-  return cpu::isa_name(cpu::active_isa());
-}
+std::string cpu_isa() { return cpu::isa_name(cpu::active_isa()); }
 
-std::string cpu_best_isa() {
-  return cpu::isa_name(cpu::best_isa());
-}
+std::string cpu_best_isa() { return cpu::isa_name(cpu::best_isa()); }
 
 void set_cpu_isa(const std::string& name) {
   cpu::Isa isa = cpu::Isa::avx512;

@@ -6,6 +6,15 @@
 
 #include <string>
 
+// The AVX2 and AVX-512 units (engine_avx2.cpp, engine_avx512.cpp) set their target with
+// `#pragma GCC target` after their headers, which only GCC implements (clang ignores the
+// pragma). So they are built by GCC on x86-64; any other build (clang, another
+// architecture) has the baseline unit only, and CMakeLists.txt says so when it configures.
+// The one place this condition is written.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define LOSSAGG_X86_TARGETS 1
+#endif
+
 namespace lossagg::cpu {
 
 enum class Isa : int { baseline = 0, avx2 = 1, avx512 = 2 };

@@ -52,11 +52,7 @@ Tensor segment_sum(const Tensor& values, const Tensor& mask, const std::optional
 
 // sum_i segment_sum[i] / sample_denoms[i], samples added in a fixed order (weighted_total):
 // deterministic whatever the thread count or instruction set.
-Tensor reduce(
-    const Tensor& values,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens,
-    const Tensor& sample_denoms) {
+Tensor reduce(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms) {
   const TokenCall call = reduce_call(values, mask, cu_seqlens, sample_denoms);
   const ScalarType acc_dtype = acc_scalar_type(values.scalar_type());
   const Tensor denoms = kernel_denoms(sample_denoms, values.scalar_type());
@@ -71,11 +67,7 @@ Tensor reduce(
 }
 
 // Each segment's gradient broadcast to its tokens, weighted by the mask.
-Tensor segment_sum_backward(
-    const Tensor& grad,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens,
-    ScalarType values_dtype) {
+Tensor segment_sum_backward(const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, ScalarType values_dtype) {
   const TokenCall call = segment_sum_backward_call(grad, mask, cu_seqlens, values_dtype);
   Tensor out = call.new_token_grad(values_dtype);
   const Tensor g = as_contiguous(as_dtype(grad, acc_scalar_type(values_dtype)));
@@ -85,11 +77,7 @@ Tensor segment_sum_backward(
 
 // d reduce / d values[t] = grad * mask[t] / sample_denoms[s(t)].
 Tensor reduce_backward(
-    const Tensor& grad,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens,
-    const Tensor& sample_denoms,
-    ScalarType values_dtype) {
+    const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms, ScalarType values_dtype) {
   const TokenCall call = reduce_backward_call(grad, mask, cu_seqlens, sample_denoms, values_dtype);
   Tensor out = call.new_token_grad(values_dtype);
   const ScalarType acc_dtype = acc_scalar_type(values_dtype);

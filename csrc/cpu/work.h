@@ -46,19 +46,11 @@ class PiecePlan {
     }
   }
 
-  bool pieces_are_segments() const {
-    return offsets_.empty();
-  }
-  int64_t num_pieces() const {
-    return offsets_.empty() ? num_segments_ : offsets_.back();
-  }
-  int64_t first_piece(int64_t s) const {
-    return offsets_.empty() ? s : offsets_[s];
-  }
+  bool pieces_are_segments() const { return offsets_.empty(); }
+  int64_t num_pieces() const { return offsets_.empty() ? num_segments_ : offsets_.back(); }
+  int64_t first_piece(int64_t s) const { return offsets_.empty() ? s : offsets_[s]; }
   // The segment holding piece p.
-  int64_t segment_of(int64_t p) const {
-    return offsets_.empty() ? p : std::upper_bound(offsets_.begin(), offsets_.end(), p) - offsets_.begin() - 1;
-  }
+  int64_t segment_of(int64_t p) const { return offsets_.empty() ? p : std::upper_bound(offsets_.begin(), offsets_.end(), p) - offsets_.begin() - 1; }
   // The token where piece p starts.
   int64_t start(int64_t p) const {
     const int64_t s = segment_of(p);

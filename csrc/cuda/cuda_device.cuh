@@ -35,9 +35,7 @@ class CudaDevice {
     return buffers_.back().mutable_data_ptr();
   }
 
-  void zero(void* p, size_t bytes) {
-    check_cuda(cudaMemsetAsync(p, 0, bytes, stream_), "cudaMemsetAsync");
-  }
+  void zero(void* p, size_t bytes) { check_cuda(cudaMemsetAsync(p, 0, bytes, stream_), "cudaMemsetAsync"); }
 
   template <typename... KernelArgs, typename... Args>
   void launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, Args... args) {

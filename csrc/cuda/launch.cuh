@@ -16,17 +16,14 @@
 namespace lossagg::cuda {
 
 // Metrics beyond CUDA's gridDim.y limit are looped over inside the kernels.
-inline unsigned metric_grid(int64_t num_metrics) {
-  return static_cast<unsigned>(std::clamp<int64_t>(num_metrics, 1, kMaxGridY));
-}
+inline unsigned metric_grid(int64_t num_metrics) { return static_cast<unsigned>(std::clamp<int64_t>(num_metrics, 1, kMaxGridY)); }
 
 inline dim3 tile_grid(int64_t tiles, int64_t num_metrics) {
   return dim3(static_cast<unsigned>((tiles + kWarpsPerBlock - 1) / kWarpsPerBlock), metric_grid(num_metrics));
 }
 
 inline dim3 fixup_grid(int64_t num_segments, int64_t num_metrics) {
-  return dim3(
-      static_cast<unsigned>(std::max<int64_t>(1, (num_segments + kSegmentsPerBlock - 1) / kSegmentsPerBlock)), metric_grid(num_metrics));
+  return dim3(static_cast<unsigned>(std::max<int64_t>(1, (num_segments + kSegmentsPerBlock - 1) / kSegmentsPerBlock)), metric_grid(num_metrics));
 }
 
 // Segment sums of values ([K, ntok] flattened) into out ([K, B], acc_t). With
@@ -61,38 +58,31 @@ void segment_sum_passes(
   dev.zero(bad_table, 2 * sizeof(unsigned int));
   if (tiles > 0) {
     dev.launch(
-        segment_sum_tiles_kernel<acc_t, scalar_t, mask_t>, tile_grid(tiles, K), dim3(kThreads), values, mask, seg, B,
-        layout.num_tokens, K, tiles, out, first_partial, last_partial, bad_table);
+        segment_sum_tiles_kernel<acc_t, scalar_t, mask_t>, tile_grid(tiles, K), dim3(kThreads), values, mask, seg, B, layout.num_tokens, K, tiles,
+        out, first_partial, last_partial, bad_table);
   }
   if (reduce) {
     dev.launch(
-        segment_sum_fixup_kernel<true, acc_t>, fgrid, dim3(kThreads), seg, B, layout.num_tokens, K, tiles, out,
-        first_partial, last_partial, bad_table, denoms, block_sums, counter, result);
+        segment_sum_fixup_kernel<true, acc_t>, fgrid, dim3(kThreads), seg, B, layout.num_tokens, K, tiles, out, first_partial, last_partial,
+        bad_table, denoms, block_sums, counter, result);
   } else if (B > 0) {
     dev.launch(
-        segment_sum_fixup_kernel<false, acc_t>, fgrid, dim3(kThreads), seg, B, layout.num_tokens, K, tiles, out,
-        first_partial, last_partial, bad_table, static_cast<const acc_t*>(nullptr), static_cast<acc_t*>(nullptr),
-        static_cast<unsigned int*>(nullptr), static_cast<acc_t*>(nullptr));
+        segment_sum_fixup_kernel<false, acc_t>, fgrid, dim3(kThreads), seg, B, layout.num_tokens, K, tiles, out, first_partial, last_partial,
+        bad_table, static_cast<const acc_t*>(nullptr), static_cast<acc_t*>(nullptr), static_cast<unsigned int*>(nullptr),
+        static_cast<acc_t*>(nullptr));
   }
 }
 
 // segment_sum: out [K, B].
 template <typename acc_t, typename Device, typename scalar_t, typename mask_t>
-void launch_segment_sum(
-    Device& dev, const TokenLayout& layout, const Segments& seg, const scalar_t* values, const mask_t* mask, acc_t* out) {
+void launch_segment_sum(Device& dev, const TokenLayout& layout, const Segments& seg, const scalar_t* values, const mask_t* mask, acc_t* out) {
   segment_sum_passes<acc_t>(dev, layout, seg, values, mask, out, static_cast<const acc_t*>(nullptr), static_cast<acc_t*>(nullptr));
 }
 
 // reduce: *result = sum_s segment_sum[s] / denoms[s]; the per-sample sums live in the workspace.
 template <typename acc_t, typename Device, typename scalar_t, typename mask_t>
 void launch_reduce(
-    Device& dev,
-    const TokenLayout& layout,
-    const Segments& seg,
-    const scalar_t* values,
-    const mask_t* mask,
-    const acc_t* denoms,
-    acc_t* result) {
+    Device& dev, const TokenLayout& layout, const Segments& seg, const scalar_t* values, const mask_t* mask, const acc_t* denoms, acc_t* result) {
   acc_t* sums = static_cast<acc_t*>(dev.workspace(std::max<int64_t>(layout.num_segments, 1) * static_cast<int64_t>(sizeof(acc_t))));
   segment_sum_passes<acc_t>(dev, layout, seg, values, mask, sums, denoms, result);
 }
@@ -105,8 +95,8 @@ void launch_expand(Device& dev, const TokenLayout& layout, const Segments& seg, 
     return;
   }
   dev.launch(
-      expand_tiles_kernel<scalar_t, acc_t, mask_t, Coef>, tile_grid(tiles, layout.num_metrics), dim3(kThreads), out, mask, seg,
-      layout.num_segments, layout.num_tokens, layout.num_metrics, tiles, coef);
+      expand_tiles_kernel<scalar_t, acc_t, mask_t, Coef>, tile_grid(tiles, layout.num_metrics), dim3(kThreads), out, mask, seg, layout.num_segments,
+      layout.num_tokens, layout.num_metrics, tiles, coef);
 }
 
 }  // namespace lossagg::cuda

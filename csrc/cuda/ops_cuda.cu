@@ -25,11 +25,7 @@ Tensor segment_sum(const Tensor& values, const Tensor& mask, const std::optional
 }
 
 // Two launches: the tile pass, and the fix-up with the final fixed-order combine.
-Tensor reduce(
-    const Tensor& values,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens,
-    const Tensor& sample_denoms) {
+Tensor reduce(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms) {
   const TokenCall call = reduce_call(values, mask, cu_seqlens, sample_denoms);
   const Tensor d = kernel_denoms(sample_denoms, values.scalar_type());
   Tensor out = new_tensor(values, {}, acc_scalar_type(values.scalar_type()));
@@ -43,11 +39,7 @@ Tensor reduce(
   return out;
 }
 
-Tensor segment_sum_backward(
-    const Tensor& grad,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens,
-    ScalarType values_dtype) {
+Tensor segment_sum_backward(const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, ScalarType values_dtype) {
   const TokenCall call = segment_sum_backward_call(grad, mask, cu_seqlens, values_dtype);
   Tensor out = call.new_token_grad(values_dtype);
   const Tensor g = as_contiguous(as_dtype(grad, acc_scalar_type(values_dtype)));
@@ -63,11 +55,7 @@ Tensor segment_sum_backward(
 
 // One launch; the incoming gradient is read on the device.
 Tensor reduce_backward(
-    const Tensor& grad,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens,
-    const Tensor& sample_denoms,
-    ScalarType values_dtype) {
+    const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms, ScalarType values_dtype) {
   const TokenCall call = reduce_backward_call(grad, mask, cu_seqlens, sample_denoms, values_dtype);
   const Tensor d = kernel_denoms(sample_denoms, values_dtype);
   Tensor out = call.new_token_grad(values_dtype);

@@ -39,9 +39,7 @@ constexpr int kSegmentsPerBlock = kSegmentsPerWarp * kWarpsPerBlock;
 #endif
 constexpr int64_t kMaxGridY = LOSSAGG_MAX_GRID_Y;
 
-inline int64_t num_tiles(int64_t num_tokens) {
-  return (num_tokens + kTileTokens - 1) / kTileTokens;
-}
+inline int64_t num_tiles(int64_t num_tokens) { return (num_tokens + kTileTokens - 1) / kTileTokens; }
 
 template <typename T>
 __device__ __forceinline__ T warp_sum(T x) {
@@ -119,9 +117,7 @@ __device__ __forceinline__ acc_t quiet_nan() {
 }
 
 // True in every lane when some lane's flag is set (an order-free integer butterfly).
-__device__ __forceinline__ bool warp_any(bool flag) {
-  return warp_sum(static_cast<unsigned int>(flag)) != 0u;
-}
+__device__ __forceinline__ bool warp_any(bool flag) { return warp_sum(static_cast<unsigned int>(flag)) != 0u; }
 
 // Whether this warp's share of cu_seqlens breaks the table's rules (cu[0] == 0,
 // non-decreasing, cu[B] == T): warp `chunk` of `chunks` checks pairs chunk*32+lane,
@@ -193,8 +189,8 @@ __device__ __forceinline__ bool for_each_segment_in_tile(
 // This lane's share of the masked sum of tokens [a, b). `vec_ok`: values and mask share
 // the same phase, so indices with (i + phase) % VEC == 0 are aligned for both.
 template <typename acc_t, typename scalar_t, typename mask_t>
-__device__ __forceinline__ acc_t lane_masked_sum(
-    const scalar_t* __restrict__ v, const mask_t* __restrict__ m, int64_t a, int64_t b, int lane, int phase) {
+__device__ __forceinline__ acc_t
+lane_masked_sum(const scalar_t* __restrict__ v, const mask_t* __restrict__ m, int64_t a, int64_t b, int lane, int phase) {
   constexpr int VEC = vec_width<scalar_t>();
   acc_t acc = acc_t(0);
   const VecBody body = vec_body<VEC>(a, b, phase);
@@ -250,22 +246,21 @@ __global__ void segment_sum_tiles_kernel(
     const scalar_t* v = values + k * num_tokens;
     const int pv = vec_phase<VEC>(v);
     const int phase = (pv >= 0 && pv == vec_phase<VEC>(mask)) ? pv : -1;
-    const bool ok = for_each_segment_in_tile(
-        seg, num_segments, num_tokens, lo, hi, [&](int64_t s, int64_t a, int64_t b, int64_t sb, int64_t se) {
-          const acc_t sum = warp_sum(lane_masked_sum<acc_t>(v, mask, a, b, lane, phase));
-          if (lane == 0) {
-            if (sb >= lo && se <= hi) {
-              out[k * num_segments + s] = sum;
-            } else {
-              if (sb <= lo) {  // the tile's first segment: it holds token lo
-                first_partial[k * tiles + tile] = sum;
-              }
-              if (se > hi) {
-                last_partial[k * tiles + tile] = sum;
-              }
-            }
+    const bool ok = for_each_segment_in_tile(seg, num_segments, num_tokens, lo, hi, [&](int64_t s, int64_t a, int64_t b, int64_t sb, int64_t se) {
+      const acc_t sum = warp_sum(lane_masked_sum<acc_t>(v, mask, a, b, lane, phase));
+      if (lane == 0) {
+        if (sb >= lo && se <= hi) {
+          out[k * num_segments + s] = sum;
+        } else {
+          if (sb <= lo) {  // the tile's first segment: it holds token lo
+            first_partial[k * tiles + tile] = sum;
           }
-        });
+          if (se > hi) {
+            last_partial[k * tiles + tile] = sum;
+          }
+        }
+      }
+    });
     if (!ok && lane == 0) {
       *bad_table = 1u;
     }
@@ -276,8 +271,8 @@ __global__ void segment_sum_tiles_kernel(
 // warp in a fixed order: last_partial[ta] + (sum of first_partial over the middle tiles)
 // + first_partial[tb].
 template <typename acc_t>
-__device__ __forceinline__ acc_t combine_tiles(
-    const acc_t* __restrict__ first_partial, const acc_t* __restrict__ last_partial, int64_t ta, int64_t tb, int lane) {
+__device__ __forceinline__ acc_t
+combine_tiles(const acc_t* __restrict__ first_partial, const acc_t* __restrict__ last_partial, int64_t ta, int64_t tb, int lane) {
   acc_t middle = acc_t(0);
   for (int64_t t = ta + 1 + lane; t < tb; t += kWarp) {
     middle += first_partial[t];
@@ -323,8 +318,7 @@ __global__ void segment_sum_fixup_kernel(
       if (s < num_segments) {
         const int64_t b0 = seg.begin(s);
         const int64_t e0 = seg.end(s);
-        const bool bad = table_bad || b0 < 0 || b0 > e0 || e0 > num_tokens || (s == 0 && b0 != 0) ||
-            (s + 1 == num_segments && e0 != num_tokens);
+        const bool bad = table_bad || b0 < 0 || b0 > e0 || e0 > num_tokens || (s == 0 && b0 != 0) || (s + 1 == num_segments && e0 != num_tokens);
         if (bad) {
           value = quiet_nan<acc_t>();
         } else if (e0 > b0) {
@@ -398,27 +392,28 @@ __global__ void expand_tiles_kernel(
     scalar_t* o = out + k * num_tokens;
     const int po = vec_phase<VEC>(o);
     const int phase = (po >= 0 && po == vec_phase<VEC>(mask)) ? po : -1;
-    const bool ok = !table_bad && for_each_segment_in_tile(seg, num_segments, num_tokens, lo, hi, [&](int64_t s, int64_t a, int64_t b, int64_t, int64_t) {
-      const acc_t c = coef(k, s);
-      const VecBody body = vec_body<VEC>(a, b, phase);
-      const int64_t body_begin = body.begin;
-      const int64_t body_end = body.end;
-      for (int64_t i = a + lane; i < body_begin; i += kWarp) {
-        o[i] = static_cast<scalar_t>(masked_term(c, mask[i]));
-      }
-      for (int64_t i = body_begin + static_cast<int64_t>(lane) * VEC; i < body_end; i += static_cast<int64_t>(kWarp) * VEC) {
-        const Pack<mask_t, VEC> mv = *reinterpret_cast<const Pack<mask_t, VEC>*>(mask + i);
-        Pack<scalar_t, VEC> ov;
+    const bool ok =
+        !table_bad && for_each_segment_in_tile(seg, num_segments, num_tokens, lo, hi, [&](int64_t s, int64_t a, int64_t b, int64_t, int64_t) {
+          const acc_t c = coef(k, s);
+          const VecBody body = vec_body<VEC>(a, b, phase);
+          const int64_t body_begin = body.begin;
+          const int64_t body_end = body.end;
+          for (int64_t i = a + lane; i < body_begin; i += kWarp) {
+            o[i] = static_cast<scalar_t>(masked_term(c, mask[i]));
+          }
+          for (int64_t i = body_begin + static_cast<int64_t>(lane) * VEC; i < body_end; i += static_cast<int64_t>(kWarp) * VEC) {
+            const Pack<mask_t, VEC> mv = *reinterpret_cast<const Pack<mask_t, VEC>*>(mask + i);
+            Pack<scalar_t, VEC> ov;
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          ov.x[j] = static_cast<scalar_t>(masked_term(c, mv.x[j]));
-        }
-        *reinterpret_cast<Pack<scalar_t, VEC>*>(o + i) = ov;
-      }
-      for (int64_t i = body_end + lane; i < b; i += kWarp) {
-        o[i] = static_cast<scalar_t>(masked_term(c, mask[i]));
-      }
-    });
+            for (int j = 0; j < VEC; ++j) {
+              ov.x[j] = static_cast<scalar_t>(masked_term(c, mv.x[j]));
+            }
+            *reinterpret_cast<Pack<scalar_t, VEC>*>(o + i) = ov;
+          }
+          for (int64_t i = body_end + lane; i < b; i += kWarp) {
+            o[i] = static_cast<scalar_t>(masked_term(c, mask[i]));
+          }
+        });
     if (!ok) {
       // A token may have been written by another lane in the walk above (the vector body
       // maps tokens to lanes differently from this loop). `ok` is warp-uniform, so the whole
@@ -437,9 +432,7 @@ template <typename acc_t>
 struct SegmentGrad {
   const acc_t* grad;
   int64_t num_segments;
-  __device__ acc_t operator()(int64_t k, int64_t s) const {
-    return grad[k * num_segments + s];
-  }
+  __device__ acc_t operator()(int64_t k, int64_t s) const { return grad[k * num_segments + s]; }
 };
 
 // reduce_backward: the scalar incoming gradient (read on the device: no host sync)
@@ -448,9 +441,7 @@ template <typename acc_t>
 struct GradOverDenom {
   const acc_t* grad;
   const acc_t* denoms;
-  __device__ acc_t operator()(int64_t, int64_t s) const {
-    return *grad / denoms[s];
-  }
+  __device__ acc_t operator()(int64_t, int64_t s) const { return *grad / denoms[s]; }
 };
 
 }  // namespace lossagg::cuda

@@ -124,9 +124,7 @@ inline void yield(State s) {
 }
 
 // A barrier among the lanes of the calling thread's warp.
-inline void warp_sync() {
-  yield(State::AtWarp);
-}
+inline void warp_sync() { yield(State::AtWarp); }
 
 inline void fiber_main() {
   Block& b = block();
@@ -141,9 +139,7 @@ inline void fiber_main() {
 
 }  // namespace cuda_host
 
-inline void __syncthreads() {
-  cuda_host::yield(cuda_host::State::AtBarrier);
-}
+inline void __syncthreads() { cuda_host::yield(cuda_host::State::AtBarrier); }
 
 inline void __threadfence() {}
 
@@ -325,9 +321,7 @@ class HostDevice {
     return buffers_.back().data();
   }
 
-  void zero(void* p, size_t bytes) {
-    std::memset(p, 0, bytes);
-  }
+  void zero(void* p, size_t bytes) { std::memset(p, 0, bytes); }
 
   template <typename... KernelArgs, typename... Args>
   void launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block_dim, Args... args) {

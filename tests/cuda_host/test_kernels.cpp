@@ -25,8 +25,8 @@
 #include <vector>
 
 using cuda_host::BlockOrder;
-using cuda_host::LaneOrder;
 using cuda_host::HostDevice;
+using cuda_host::LaneOrder;
 using lossagg::BoolMask;
 using lossagg::Segments;
 using lossagg::TokenLayout;
@@ -61,13 +61,27 @@ std::vector<int64_t> random_lengths(int64_t B) {
   std::vector<int64_t> lengths(static_cast<size_t>(B));
   for (auto& n : lengths) {
     switch (uniform(0, 6)) {
-      case 0: n = 0; break;
-      case 1: n = uniform(1, 8); break;
-      case 2: n = uniform(1, 200); break;
-      case 3: n = tile * uniform(1, 2) + uniform(-1, 1); break;
-      case 4: n = uniform(tile - 3, tile + 3); break;
-      case 5: n = uniform(1, 5 * tile); break;
-      default: n = uniform(0, 40); break;
+      case 0:
+        n = 0;
+        break;
+      case 1:
+        n = uniform(1, 8);
+        break;
+      case 2:
+        n = uniform(1, 200);
+        break;
+      case 3:
+        n = tile * uniform(1, 2) + uniform(-1, 1);
+        break;
+      case 4:
+        n = uniform(tile - 3, tile + 3);
+        break;
+      case 5:
+        n = uniform(1, 5 * tile);
+        break;
+      default:
+        n = uniform(0, 40);
+        break;
     }
     n = std::max<int64_t>(n, 0);
   }
@@ -144,12 +158,8 @@ Case random_case(bool packed, int64_t max_b) {
   return c;
 }
 
-int64_t seg_begin(const Case& c, int64_t s) {
-  return c.packed ? c.cu[s] : s * c.row_len;
-}
-int64_t seg_end(const Case& c, int64_t s) {
-  return c.packed ? c.cu[s + 1] : (s + 1) * c.row_len;
-}
+int64_t seg_begin(const Case& c, int64_t s) { return c.packed ? c.cu[s] : s * c.row_len; }
+int64_t seg_end(const Case& c, int64_t s) { return c.packed ? c.cu[s + 1] : (s + 1) * c.row_len; }
 
 // The kernels' types: a floating mask is in the accumulation dtype (the op set-up converts
 // the others, csrc/op_setup.h); offsets are int32 or int64 (`cu_int64`).
@@ -193,9 +203,7 @@ struct Inputs {
     }
     return cu_int64 ? Segments{cu.data(), true, 0} : Segments{cu32.data(), false, 0};
   }
-  TokenLayout layout(const Case& c) const {
-    return TokenLayout{c.packed, c.B, c.T, c.row_len, c.K, c.K > 1};
-  }
+  TokenLayout layout(const Case& c) const { return TokenLayout{c.packed, c.B, c.T, c.row_len, c.K, c.K > 1}; }
 };
 
 // Float64 reference: masked sums [K, B] and, per sum, the sum of |terms| for a tolerance.
@@ -243,9 +251,10 @@ void run_case(const Case& c, uint64_t case_seed) {
     sums_ok = sums_ok && close(outs[0][i], ref[i], ref_abs[i], rtol);
   }
   expect(sums_ok, "segment_sum matches the float64 reference");
-  expect(outs[0].empty() || (std::memcmp(outs[0].data(), outs[1].data(), outs[0].size() * sizeof(acc_t)) == 0 &&
-                             std::memcmp(outs[0].data(), outs[2].data(), outs[0].size() * sizeof(acc_t)) == 0),
-         "segment_sum bitwise identical across block orders");
+  expect(
+      outs[0].empty() || (std::memcmp(outs[0].data(), outs[1].data(), outs[0].size() * sizeof(acc_t)) == 0 &&
+                          std::memcmp(outs[0].data(), outs[2].data(), outs[0].size() * sizeof(acc_t)) == 0),
+      "segment_sum bitwise identical across block orders");
 
   // reduce (K == 1 view of metric 0), three block orders and a rerun.
   std::vector<double> denoms(static_cast<size_t>(c.B));
@@ -330,7 +339,8 @@ void expect_tiles_all_nan_or_none(const Case& c, const In& in, const Seg& seg, c
     acc_t upstream = acc_t(1);
     {
       HostDevice dev(BlockOrder::InOrder, 7, lanes);
-      lossagg::cuda::launch_expand<S, acc_t>(dev, layout, seg, grad.data, in.mask.data, lossagg::cuda::GradOverDenom<acc_t>{&upstream, denoms.data()});
+      lossagg::cuda::launch_expand<S, acc_t>(
+          dev, layout, seg, grad.data, in.mask.data, lossagg::cuda::GradOverDenom<acc_t>{&upstream, denoms.data()});
     }
     std::vector<double> g(grad.data, grad.data + c.T);
     bool g_nan = false, g_written = true, tiles_whole = true;
@@ -361,11 +371,18 @@ template <typename S, typename M>
 void run_bad_table_case(Case c, int defect) {
   using acc_t = lossagg::acc_t_of<S>;
   switch (defect) {
-    case 0: c.cu[0] = uniform(1, 3); break;                                   // does not start at 0
-    case 1: c.cu.back() += uniform(1, 2000); break;                           // ends past T
-    case 2: c.cu.back() -= uniform(1, 2000); break;  // ends before T (negative when T is small)
-    case 4: break;                                   // the defect is in the case as given
-    default: {                                                                // decreasing somewhere
+    case 0:
+      c.cu[0] = uniform(1, 3);
+      break;  // does not start at 0
+    case 1:
+      c.cu.back() += uniform(1, 2000);
+      break;  // ends past T
+    case 2:
+      c.cu.back() -= uniform(1, 2000);
+      break;  // ends before T (negative when T is small)
+    case 4:
+      break;    // the defect is in the case as given
+    default: {  // decreasing somewhere
       const int64_t i = uniform(1, static_cast<int64_t>(c.cu.size()) - 2);
       c.cu[i] = c.cu[i + 1] + uniform(1, 1500);
       break;
@@ -405,19 +422,27 @@ void run_bad_table_case(Case c, int defect) {
 template <typename S>
 void run_with_mask(const Case& c, uint64_t seed, int mask_kind) {
   switch (mask_kind) {
-    case 0: return run_case<S, BoolMask>(c, seed);
-    case 1: return run_case<S, uint8_t>(c, seed);
-    case 2: return run_case<S, lossagg::acc_t_of<S>>(c, seed);
-    default: return run_case<S, int64_t>(c, seed);
+    case 0:
+      return run_case<S, BoolMask>(c, seed);
+    case 1:
+      return run_case<S, uint8_t>(c, seed);
+    case 2:
+      return run_case<S, lossagg::acc_t_of<S>>(c, seed);
+    default:
+      return run_case<S, int64_t>(c, seed);
   }
 }
 
 void run_any(const Case& c, uint64_t seed, int values_kind, int mask_kind) {
   switch (values_kind) {
-    case 0: return run_with_mask<float>(c, seed, mask_kind);
-    case 1: return run_with_mask<double>(c, seed, mask_kind);
-    case 2: return run_with_mask<c10::Half>(c, seed, mask_kind);
-    default: return run_with_mask<c10::BFloat16>(c, seed, mask_kind);
+    case 0:
+      return run_with_mask<float>(c, seed, mask_kind);
+    case 1:
+      return run_with_mask<double>(c, seed, mask_kind);
+    case 2:
+      return run_with_mask<c10::Half>(c, seed, mask_kind);
+    default:
+      return run_with_mask<c10::BFloat16>(c, seed, mask_kind);
   }
 }
 
@@ -440,8 +465,8 @@ int main(int argc, char** argv) {
     const Case c = random_case(packed, uniform(0, 7) == 0 ? 5 * lossagg::cuda::kSegmentsPerBlock : 40);
     const int vk = static_cast<int>(uniform(0, 3)), mk = static_cast<int>(uniform(0, 3));
     case_name = "case " + std::to_string(i) + ": B=" + std::to_string(c.B) + " K=" + std::to_string(c.K) + " T=" + std::to_string(c.T) +
-        (packed ? (c.cu_int64 ? " packed64" : " packed32") : " padded row_len=" + std::to_string(c.row_len)) + " values=" + kValues[vk] + " mask=" + kMasks[mk] +
-        " phases=" + std::to_string(c.values_phase) + "/" + std::to_string(c.mask_phase);
+                (packed ? (c.cu_int64 ? " packed64" : " packed32") : " padded row_len=" + std::to_string(c.row_len)) + " values=" + kValues[vk] +
+                " mask=" + kMasks[mk] + " phases=" + std::to_string(c.values_phase) + "/" + std::to_string(c.mask_phase);
     run_any(c, seed + i, vk, mk);
   }
 
@@ -522,7 +547,8 @@ int main(int argc, char** argv) {
     std::vector<float> g(static_cast<size_t>(c.K * c.B), 1.5f);
     std::vector<float> grad(static_cast<size_t>(c.K * c.T), 12345.0f);
     HostDevice dev2;
-    lossagg::cuda::launch_expand<float, float>(dev2, in.layout(c), in.segments(c), grad.data(), in.mask.data, lossagg::cuda::SegmentGrad<float>{g.data(), c.B});
+    lossagg::cuda::launch_expand<float, float>(
+        dev2, in.layout(c), in.segments(c), grad.data(), in.mask.data, lossagg::cuda::SegmentGrad<float>{g.data(), c.B});
     bool gok = true;
     for (int64_t k = 0; k < c.K; ++k) {
       for (int64_t t = 0; t < c.T; ++t) {
