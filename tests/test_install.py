@@ -175,3 +175,21 @@ def test_cpu_only_configure_needs_no_cuda_toolkit(tmp_path):
         env=env,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_the_library_imports_no_cpp_symbol_of_torch():
+    """On the LibTorch stable ABI, the library needs only torch's C functions (aoti_torch_*,
+    torch_*): a C++ symbol of c10/ATen/torch would tie it to one torch release again."""
+    import lossagg
+
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm (binutils) is not installed")
+    lib = os.path.join(os.path.dirname(lossagg.__file__), "liblossagg_ops.so")
+    undefined = run([nm, "-D", "--undefined-only", "--demangle", lib]).stdout.splitlines()
+    cpp = [line for line in undefined if any(ns in line for ns in ("c10::", "at::", "torch::", "caffe2::"))]
+    assert not cpp, "\n".join(cpp[:20])
+    shims = [line.split()[-1] for line in undefined if line.split()[-1].startswith(("aoti_torch_", "torch_"))]
+    assert shims, "the library should call torch's stable C shims"
+    needed = run(["readelf", "-d", lib]).stdout if shutil.which("readelf") else ""
+    assert "libpython" not in needed and "libtorch_python" not in needed, needed
