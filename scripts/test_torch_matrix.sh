@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The torch matrix: ONE wheel, built once, tested under several torch releases.
 #
-# 1. Builds the wheel once, in the interpreter that runs this script (PYTHON, else python3;
-#    it needs torch and the build tools: `make setup` installs them), into build/matrix/dist.
-#    setup.py compiles in build/native (LOSSAGG_BUILD_DIR), the tree `make setup` builds in
-#    place: after `make test` only the packaging is left to do.
+# 1. Builds the CPU wheel once, in the interpreter that runs this script (PYTHON, else
+#    python3; it needs torch and the build tools: `make setup` installs them), into
+#    build/matrix/dist, in a build tree of its own (build/matrix/native), so the in-place
+#    build of `make setup` (which may hold CUDA kernels, as in CI) is left as it is. The CPU
+#    wheel is the one that serves every torch from the floor on, CPU or CUDA builds alike; a
+#    wheel with CUDA kernels serves the torches of its CUDA major only (checked at import),
+#    and torch 2.10.0 and 2.15.0 from the registry are built for different CUDA majors.
 # 2. For each torch in LOSSAGG_MATRIX_TORCH (default "2.10.0 2.15.0": the floor and the
 #    current release) makes a fresh venv build/matrix/torch-<ver> (removed first), installs
 #    torch==<ver> from the registry (PIP_CONSTRAINT=/dev/null lifts this machine's cap) and
@@ -48,8 +51,12 @@ else
     echo "matrix: $PY has no torch or no setuptools/wheel to build with: run \`make setup\` (or scripts/setup.sh) first" >&2
     exit 1
   fi
-  build_wheel() { rm -rf "$matrix/dist" && "$PY" -m pip wheel --disable-pip-version-check --no-build-isolation --no-deps -w "$matrix/dist" .; }
-  run_step "matrix: built the wheel with torch $("$PY" -c 'import torch; print(torch.__version__)')" matrix-wheel build_wheel || exit 1
+  build_wheel() {
+    rm -rf "$matrix/dist" \
+      && LOSSAGG_BUILD_CUDA=0 LOSSAGG_BUILD_DIR="$ROOT/$matrix/native" \
+        "$PY" -m pip wheel --disable-pip-version-check --no-build-isolation --no-deps -w "$matrix/dist" .
+  }
+  run_step "matrix: built the CPU wheel with torch $("$PY" -c 'import torch; print(torch.__version__)')" matrix-wheel build_wheel || exit 1
   wheels=("$matrix"/dist/lossagg-*.whl)
   if [ "${#wheels[@]}" -ne 1 ] || [ ! -f "${wheels[0]}" ]; then
     echo "matrix: expected one wheel in $matrix/dist, found: ${wheels[*]}" >&2
