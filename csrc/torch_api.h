@@ -127,22 +127,15 @@ template <typename... Args>
 
 }  // namespace lossagg
 
-// Input checks whose messages name the argument, what was expected and what was given.
-#define LOSSAGG_CHECK_TYPE(cond, ...)                                 \
-  do {                                                                \
-    if (!(cond)) {                                                    \
-      ::lossagg::fail(::lossagg::ErrorKind::type_error, __VA_ARGS__); \
-    }                                                                 \
+// Input checks whose messages name the argument, what was expected and what was given;
+// `kind` is the Python exception the message starts with (type_error, value_error) or
+// runtime_error (an internal error).
+#define LOSSAGG_CHECK_AS(kind, cond, ...)                       \
+  do {                                                          \
+    if (!(cond)) {                                              \
+      ::lossagg::fail(::lossagg::ErrorKind::kind, __VA_ARGS__); \
+    }                                                           \
   } while (0)
-#define LOSSAGG_CHECK_VALUE(cond, ...)                                 \
-  do {                                                                 \
-    if (!(cond)) {                                                     \
-      ::lossagg::fail(::lossagg::ErrorKind::value_error, __VA_ARGS__); \
-    }                                                                  \
-  } while (0)
-#define LOSSAGG_CHECK(cond, ...)                                         \
-  do {                                                                   \
-    if (!(cond)) {                                                       \
-      ::lossagg::fail(::lossagg::ErrorKind::runtime_error, __VA_ARGS__); \
-    }                                                                    \
-  } while (0)
+#define LOSSAGG_CHECK_TYPE(cond, ...) LOSSAGG_CHECK_AS(type_error, cond, __VA_ARGS__)
+#define LOSSAGG_CHECK_VALUE(cond, ...) LOSSAGG_CHECK_AS(value_error, cond, __VA_ARGS__)
+#define LOSSAGG_CHECK(cond, ...) LOSSAGG_CHECK_AS(runtime_error, cond, __VA_ARGS__)
