@@ -1,4 +1,9 @@
-"""Random batches in both layouts, for the op tests."""
+"""Batches for the tests, and the dtypes they sweep: one place for every builder of random
+inputs (op batches in both layouts, steps of prompt groups, verl's padded loss matrices).
+
+Each builder draws from its own seeded generator unless it says otherwise, so a test that
+builds the same batch twice gets the same bits.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,22 @@ from dataclasses import dataclass
 
 import torch
 
-VALUE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+import lossagg
+
+# ------------------------------------------------------------------------ dtypes
+# the values dtypes the ops take
+VALUE_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+# one mask of each kind the op tests sweep: bool, 0/1 integers (one byte, and trainers'
+# int64/int32 masks as they are), float32 weights
 MASK_DTYPES = [torch.bool, torch.uint8, torch.int64, torch.int32, torch.float32]
+# masks of one byte: a token is kept or dropped
+BYTE_MASK_DTYPES = [torch.bool, torch.uint8]
+# masks whose values are weights, in both float precisions
+WEIGHT_MASK_DTYPES = [torch.float32, torch.float64]
 LAYOUTS = ["packed32", "packed64", "padded"]
 
 
+# ---------------------------------------------------------------- op batches
 @dataclass
 class Batch:
     values: torch.Tensor
@@ -46,6 +62,7 @@ def make_batch(
     seed: int = 0,
     requires_grad: bool = False,
 ) -> Batch:
+    """A random batch in one of LAYOUTS: values, a mask of ``mask_dtype`` and d[i] in [1, 11)."""
     g = torch.Generator().manual_seed(seed)
     if layout == "padded":
         token_shape = (len(lengths), row_len)
@@ -67,3 +84,114 @@ def make_batch(
         sample_denoms=denoms.to(torch.float32).to(device),
     )
     return batch
+
+
+def long_batch(device, dtype=torch.float32, seed=0):
+    """Segments longer than one CPU work piece (16384 tokens) and many short ones, so the
+    fixed piece split and the cross-piece combine are exercised."""
+    lengths = [70_001, 3, 0, 40_000, 129, 16_384, 16_385, 1]
+    return make_batch("packed64", lengths=lengths, dtype=dtype, device=device, seed=seed, requires_grad=True)
+
+
+def many_short_batch(seed=0):
+    """40,000 segments of 0..8 tokens: many pieces, split by tokens across threads."""
+    lengths = torch.randint(0, 9, (40_000,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return make_batch("packed32", lengths=lengths, seed=seed, requires_grad=True)
+
+
+def every_path_batch(dtype, mask_dtype, seed=0):
+    """Lengths hitting every summation path: windows of 8 and 16 tokens (0..16), the short
+    loop (17..63), the 16 lanes (64..16384) and several pieces (> 16384); with -0.0 values
+    and NaN/inf under the mask."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 17, (3000,), generator=g).tolist() + list(range(17, 70)) + [1000, 16_384, 16_385, 40_000]
+    perm = torch.randperm(len(lengths), generator=g).tolist()
+    b = make_batch("packed64", lengths=[lengths[i] for i in perm], dtype=dtype, mask_dtype=mask_dtype, seed=seed, requires_grad=False)
+    values = b.values.detach().clone()
+    values[::97] = -0.0
+    values[(b.mask == 0) & (torch.arange(values.shape[0]) % 3 == 0)] = float("nan")
+    values[(b.mask == 0) & (torch.arange(values.shape[0]) % 3 == 1)] = float("inf")
+    b.values = values.requires_grad_(True)
+    return b
+
+
+def six_token_batch():
+    """Two packed samples of 3 tokens (one masked), d = [2, 4]: (values, mask, cu_seqlens,
+    sample_denoms). The values come from torch's global generator."""
+    values = torch.randn(6)
+    mask = torch.tensor([1, 1, 0, 1, 1, 1], dtype=torch.bool)
+    cu = torch.tensor([0, 3, 6])
+    return values, mask, cu, torch.tensor([2.0, 4.0])
+
+
+def two_sample_batch(device, n=10):
+    """Two packed samples (4 and n - 4 tokens, all kept), int32 offsets, d = [1, 1]:
+    (values, mask, cu_seqlens, sample_denoms). The values come from torch's global generator."""
+    values = torch.randn(n, device=device)
+    mask = torch.ones(n, dtype=torch.bool, device=device)
+    cu = torch.tensor([0, 4, n], dtype=torch.int32, device=device)
+    denoms = torch.ones(2, device=device)
+    return values, mask, cu, denoms
+
+
+def big_cuda_batch(tokens=3_000_000, samples=300, dtype=torch.bfloat16, seed=0):
+    """About ``tokens`` tokens over ``samples`` packed samples on the GPU, one of them empty and
+    one of 70,000 tokens (across ~70 tiles); d[i] = 1 + M[i]: (values, mask, cu_seqlens, sample_denoms)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 2 * tokens // samples, (samples,), generator=g)
+    lengths[7] = 0
+    lengths[8] = 70_000  # one sequence across ~70 tiles
+    cu = torch.zeros(samples + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+    total = int(cu[-1])
+    values = torch.randn(total, generator=g).to(dtype)
+    mask = torch.rand(total, generator=g) < 0.8
+    denoms = 1 + lengths.float()
+    return values.cuda(), mask.cuda(), cu.cuda(), denoms.cuda()
+
+
+# ------------------------------------------------------------------ steps
+def random_step(n_groups=6, n=4, seed=0, max_len=40):
+    """A packed step of ``n_groups`` prompt groups of ``n`` samples, float32 values, sample 3
+    fully masked: (values, mask, cu_seqlens, group_index)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, max_len, (n_groups * n,), generator=g)
+    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(lengths, 0)
+    total = int(cu[-1])
+    values = torch.randn(total, generator=g, dtype=torch.float64).float()
+    mask = torch.rand(total, generator=g) < 0.8
+    # one fully masked sample
+    mask[cu[3] : cu[4]] = False
+    group_index = torch.arange(n_groups).repeat_interleave(n)
+    return values, mask, cu, group_index
+
+
+def random_float64_step(seed=0, n_groups=4, n=4, max_len=30):
+    """A packed step of ``n_groups`` prompt groups of ``n`` samples, float64 values, sample 3
+    empty: (values, mask, cu_seqlens, group_index)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, max_len, (n_groups * n,), generator=g)
+    lengths[3] = 0
+    cu = lossagg.cu_seqlens_from_lengths(lengths, dtype=torch.int64)
+    values = torch.randn(int(cu[-1]), generator=g, dtype=torch.float64)
+    mask = torch.rand(int(cu[-1]), generator=g) < 0.8
+    return values, mask, cu, torch.arange(n_groups).repeat_interleave(n)
+
+
+# ----------------------------------------------------------- adapter inputs
+def padded_loss_batch(seed, bs=6, length=9, dtype=torch.float64, mask_dtype=torch.float32):
+    """verl's inputs: a [bs, length] loss matrix and a right-padded response mask, response 0
+    fully masked: (loss_mat, loss_mask)."""
+    g = torch.Generator().manual_seed(seed)
+    loss = torch.randn(bs, length, generator=g, dtype=torch.float64).to(dtype)
+    lengths = torch.randint(0, length + 1, (bs,), generator=g)
+    lengths[0] = 0  # one fully masked response
+    mask = (torch.arange(length)[None] < lengths[:, None]).to(mask_dtype)
+    return loss, mask
+
+
+def loss_like(mask, seed=0):
+    """A float64 per-token loss of the mask's shape."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(mask.shape, generator=g, dtype=torch.float64)

@@ -26,6 +26,7 @@ import warnings
 
 import pytest
 import torch
+from batches import loss_like
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -65,11 +66,6 @@ MASKS = {
     # the whole micro-batch weighs 0.75 in all: token-mean divides by 0.75
     "small total": torch.tensor([[0.25, 0.0, 0.25, 0.0, 0.0, 0.0], [0.0, 0.25, 0.0, 0.0, 0.0, 0.0]], dtype=torch.float64),
 }
-
-
-def loss_like(mask, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(mask.shape, generator=g, dtype=torch.float64)
 
 
 def global_arguments(mask, dp_size):

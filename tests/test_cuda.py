@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from batches import make_batch
+from batches import big_cuda_batch, make_batch
 from conftest import _NO_CUDA, HAS_CUDA
 from reference import ref_reduce, ref_segment_sum
 
@@ -14,22 +14,8 @@ import lossagg
 pytestmark = pytest.mark.skipif(not HAS_CUDA, reason=_NO_CUDA or "CUDA")
 
 
-def big_batch(tokens=3_000_000, samples=300, dtype=torch.bfloat16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(0, 2 * tokens // samples, (samples,), generator=g)
-    lengths[7] = 0
-    lengths[8] = 70_000  # one sequence across ~70 tiles
-    cu = torch.zeros(samples + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(lengths, 0)
-    total = int(cu[-1])
-    values = torch.randn(total, generator=g).to(dtype)
-    mask = torch.rand(total, generator=g) < 0.8
-    denoms = 1 + lengths.float()
-    return values.cuda(), mask.cuda(), cu.cuda(), denoms.cuda()
-
-
 def test_no_host_sync_forward_and_backward():
-    values, mask, cu, denoms = big_batch(200_000, 50)
+    values, mask, cu, denoms = big_cuda_batch(200_000, 50)
     values.requires_grad_(True)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -43,7 +29,7 @@ def test_no_host_sync_forward_and_backward():
 
 
 def test_cuda_graph_capture_replays_exactly():
-    values, mask, cu, denoms = big_batch(500_000, 100, dtype=torch.float32)
+    values, mask, cu, denoms = big_cuda_batch(500_000, 100, dtype=torch.float32)
     static_values = values.clone()
     grad = torch.ones((), device="cuda")
     s = torch.cuda.Stream()
@@ -69,7 +55,7 @@ def test_cuda_graph_capture_replays_exactly():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_large_input_matches_reference_and_is_deterministic(dtype):
-    values, mask, cu, denoms = big_batch(dtype=dtype)
+    values, mask, cu, denoms = big_cuda_batch(dtype=dtype)
     out = lossagg.reduce(values, mask, cu_seqlens=cu, sample_denoms=denoms)
     expected = ref_reduce(values.cpu(), mask.cpu(), denoms.cpu(), cu.cpu())
     torch.testing.assert_close(out.cpu().double(), expected, rtol=1e-4, atol=1e-4)
@@ -89,7 +75,7 @@ def test_cuda_agrees_with_cpu():
 
 
 def test_misaligned_views_take_the_scalar_path():
-    values, mask, cu, denoms = big_batch(100_000, 20, dtype=torch.float32)
+    values, mask, cu, denoms = big_cuda_batch(100_000, 20, dtype=torch.float32)
     # offset views: neither 16-byte aligned nor in phase with the mask
     v = torch.cat([values.new_zeros(1), values])[1:]
     m = torch.cat([mask.new_zeros(3), mask])[3:]

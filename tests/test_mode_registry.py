@@ -21,6 +21,7 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
+from batches import random_float64_step
 
 import lossagg
 from lossagg.modes import ModeSpec, register_mode, unregister_mode
@@ -60,16 +61,6 @@ def throwaway():
         yield THROWAWAY
     finally:
         unregister_mode(THROWAWAY)
-
-
-def packed_step(seed=0, n_groups=4, n=4, max_len=30):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(0, max_len, (n_groups * n,), generator=g)
-    lengths[3] = 0
-    cu = lossagg.cu_seqlens_from_lengths(lengths, dtype=torch.int64)
-    values = torch.randn(int(cu[-1]), generator=g, dtype=torch.float64)
-    mask = torch.rand(int(cu[-1]), generator=g) < 0.8
-    return values, mask, cu, torch.arange(n_groups).repeat_interleave(n)
 
 
 # ------------------------------------------------------------------ the config
@@ -125,7 +116,7 @@ def test_reference_is_the_formula(throwaway):
 
 @pytest.mark.parametrize("split", [(1, 1, 1), (3, 1, 1), (2, 2, 1), (1, 2, 2), (2, 3, 3)])
 def test_any_split_gives_its_reference(throwaway, split):
-    values, mask, cu, groups = packed_step()
+    values, mask, cu, groups = random_float64_step()
     micro_batches, dp, cp = split
     config = lossagg.LossAggregationConfig(mode=throwaway, n_samples_per_prompt=4)
     report = check_split_invariance(
@@ -135,7 +126,7 @@ def test_any_split_gives_its_reference(throwaway, split):
 
 
 def test_from_totals_takes_its_totals_and_names_a_missing_one(throwaway):
-    values, mask, cu, groups = packed_step()
+    values, mask, cu, groups = random_float64_step()
     config = lossagg.LossAggregationConfig(mode=throwaway)
     counts = lossagg.token_counts(mask, cu)
     whole = lossagg.StepPlan(config, counts).sample_denoms

@@ -9,6 +9,7 @@ import json
 import math
 
 import torch
+from batches import BYTE_MASK_DTYPES, LAYOUTS, VALUE_DTYPES, WEIGHT_MASK_DTYPES
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from reference import ref_reduce, ref_reduce_grad, ref_segment_sum
@@ -19,15 +20,12 @@ from lossagg.testing import check_split_invariance
 
 SETTINGS = settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
-VALUE_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
-MASK_DTYPES = [torch.bool, torch.uint8, torch.float32, torch.float64]
-
 
 @st.composite
 def op_inputs(draw):
-    layout = draw(st.sampled_from(["packed32", "packed64", "padded"]))
+    layout = draw(st.sampled_from(LAYOUTS))
     dtype = draw(st.sampled_from(VALUE_DTYPES))
-    mask_dtype = draw(st.sampled_from(MASK_DTYPES))
+    mask_dtype = draw(st.sampled_from([*BYTE_MASK_DTYPES, *WEIGHT_MASK_DTYPES]))
     seed = draw(st.integers(0, 2**31 - 1))
     g = torch.Generator().manual_seed(seed)
     if layout == "padded":
@@ -44,7 +42,7 @@ def op_inputs(draw):
     keep = torch.rand(n, generator=g) < draw(st.floats(0.0, 1.0))
     base[offset:][~keep] = float("nan")  # masked-out tokens hold NaN: must not leak
     values = base.to(dtype)[offset:].reshape(token_shape)
-    if mask_dtype in (torch.bool, torch.uint8):
+    if mask_dtype in BYTE_MASK_DTYPES:
         mask = keep.to(mask_dtype).reshape(token_shape)
     else:
         mask = torch.where(keep, 0.25 + torch.rand(n, generator=g, dtype=torch.float64), 0.0).to(mask_dtype).reshape(token_shape)
