@@ -1,4 +1,9 @@
-"""LossAggregationConfig: every rule of SPEC §6 both ways, files, argparse, the CLI."""
+"""LossAggregationConfig: every rule of docs/config.md both ways; config files, hostile ones
+included (bounded work, every error at once, one line from the command line); the argparse
+flags; the ``lossagg`` command line.
+
+Needs neither torch nor the native library: scripts/test_min_python.sh runs this file under
+the oldest supported Python with ``--noconftest`` and no torch installed."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pydantic
 import pytest
@@ -110,6 +116,23 @@ def test_boolean_given_as_string_is_an_error():
     assert "expected a boolean (true/false, unquoted)" in found["calculate_per_token_loss"]
 
 
+def test_rules_are_not_judged_against_a_default_standing_in_for_an_invalid_value():
+    with pytest.raises(ConfigError) as info:
+        LossAggregationConfig.from_dict({"mode": "tokn_mean", "divisor": 2.0})
+    assert "sample_mean" not in str(info.value).split("expected one of")[0]
+    assert [p for p, _ in info.value.issues] == ["mode"]
+
+
+def test_a_mode_given_explicitly_keeps_its_rules_when_the_flag_is_invalid():
+    with pytest.raises(ConfigError) as err:
+        LossAggregationConfig.from_dict({"mode": "constant", "calculate_per_token_loss": 1})
+    assert [p for p, _ in err.value.issues] == ["calculate_per_token_loss", "divisor"]
+    # with the mode unset, the flag decides it: no rule is judged against a default
+    with pytest.raises(ConfigError) as err:
+        LossAggregationConfig.from_dict({"calculate_per_token_loss": 1, "divisor": 2.0})
+    assert [p for p, _ in err.value.issues] == ["calculate_per_token_loss"]
+
+
 # ----------------------------------------------------------- groups and batches
 def test_n_samples_per_prompt_must_be_positive():
     found, _ = issues(n_samples_per_prompt=0)
@@ -131,6 +154,12 @@ def test_every_error_at_once_with_did_you_mean():
     assert "did you mean 'mode'" in found["mdoe"]
     assert "n_samples_per_prompt" in found and "global_batch_size" in found
     assert "(3 errors)" in text
+
+
+def test_unknown_setting_with_a_huge_name_is_quoted_short():
+    with pytest.raises(ConfigError) as info:
+        LossAggregationConfig.from_dict({"m" * 100_000: 1})
+    assert len(str(info.value)) < 500
 
 
 def test_cross_field_errors_reported_together():
@@ -177,9 +206,9 @@ def test_refused_names_explain(name, why):
 GOOD = {"mode": "prompt_mean", "n_samples_per_prompt": 8, "global_batch_size": 64}
 
 
-def write(tmp_path, name, text):
+def write(tmp_path, name, data: bytes | str):
     p = tmp_path / name
-    p.write_text(text)
+    p.write_bytes(data.encode() if isinstance(data, str) else data)
     return p
 
 
@@ -233,6 +262,92 @@ def test_bad_files(tmp_path, name, text, message):
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="file not found"):
         LossAggregationConfig.from_file(tmp_path / "nope.yaml")
+
+
+def test_empty_section_means_every_default(tmp_path):
+    path = str(write(tmp_path, "train.yaml", "lr: 1.0e-6\nbatch: 8\nloss_aggregation:\n"))
+    assert LossAggregationConfig.from_file(path) == LossAggregationConfig()
+
+
+CONFIG_FILES = [
+    (
+        "YAML merge key",
+        "t.yaml",
+        "defaults: &d\n  mode: prompt_mean\n  n_samples_per_prompt: 4\n"
+        "loss_aggregation:\n  <<: *d\n  n_samples_per_prompt: 8\n  global_batch_size: 16\n",
+        {"mode": "prompt_mean", "n_samples_per_prompt": 8, "global_batch_size": 16},
+    ),
+    (
+        "YAML merge of a list of mappings",
+        "t.yaml",
+        "a: &a {mode: constant}\nb: &b {divisor: 4.0}\nloss_aggregation:\n  <<: [*a, *b]\n",
+        {"mode": "constant", "divisor": 4.0},
+    ),
+    ("YAML merge key at the top", "t.yaml", "base: &b {mode: token_mean}\n<<: *b\n", None),
+]
+
+
+@pytest.mark.parametrize(("case", "name", "text", "expected"), CONFIG_FILES, ids=[c[0] for c in CONFIG_FILES])
+def test_config_files_accepted(case, name, text, expected, tmp_path):
+    path = str(write(tmp_path, name, text))
+    if expected is None:  # a top-level merge brings 'base' along: an unknown setting, named
+        with pytest.raises(ConfigError, match="base: unknown setting"):
+            LossAggregationConfig.from_file(path)
+        return
+    config = LossAggregationConfig.from_file(path)
+    assert {k: getattr(config, k) for k in expected} == expected
+
+
+CONFIG_FILES_REFUSED = [
+    (
+        "5000-digit integer, YAML",
+        "t.yaml",
+        "global_batch_size: " + "9" * 5000 + "\n",
+        ["global_batch_size: an integer of 5000 digits is out of range"],
+    ),
+    (
+        "5000-digit integer, JSON",
+        "t.json",
+        '{"n_samples_per_prompt": -' + "9" * 5000 + "}",
+        ["n_samples_per_prompt: an integer of 5000 digits is out of range"],
+    ),
+    (
+        "5000-digit integer, TOML",
+        "t.toml",
+        "[loss_aggregation]\nglobal_batch_size = " + "1_" * 2500 + "1  # big\n",
+        ["global_batch_size: an integer of 2501 digits"],
+    ),
+    ("above 2**53", "t.yaml", "global_batch_size: 9007199254740993\n", ["global_batch_size: Input should be less than or equal to 9007199254740992"]),
+    (
+        "a key given twice beside a merge",
+        "t.yaml",
+        "d: &d {mode: token_mean}\nloss_aggregation:\n  <<: *d\n  mode: sample_mean\n  mode: constant\n",
+        ["the key 'mode' is given twice"],
+    ),
+    (
+        "four errors, a bad flag among them",
+        "t.yaml",
+        "mode: prompt_mean\ncalculate_per_token_loss: 'yes'\ndivisor: 1.0\nn_samples_per_prompt: 3\nglobal_batch_size: 7\nlr: 1\n",
+        [
+            "calculate_per_token_loss: expected a boolean",
+            "divisor: divisor is only used with mode=constant",
+            "global_batch_size: under prompt_mean global_batch_size (7) must be a multiple",
+            "lr: unknown setting",
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "name", "text", "messages"), CONFIG_FILES_REFUSED, ids=[c[0] for c in CONFIG_FILES_REFUSED])
+def test_config_files_refused_with_every_error(case, name, text, messages, tmp_path):
+    path = str(write(tmp_path, name, text))
+    with pytest.raises(ConfigError) as err:
+        LossAggregationConfig.from_file(path)
+    text = str(err.value)
+    for message in messages:
+        assert message in text, text
+    if len(messages) > 1:
+        assert f"({len(messages)} errors)" in text and len(err.value.issues) == len(messages)
 
 
 def _fifo(tmp_path):
@@ -291,6 +406,63 @@ def test_a_utf8_byte_order_mark_is_accepted_in_every_format(tmp_path, name, text
     assert (c.mode, c.divisor) == ("constant", 8.0)
 
 
+def test_cli_check_paths_that_are_not_files(tmp_path, capsys):
+    os.symlink(tmp_path / "loop_b", tmp_path / "loop_a")
+    os.symlink(tmp_path / "loop_a", tmp_path / "loop_b")
+    cases = {
+        str(tmp_path): "is a directory",
+        str(tmp_path / "loop_a"): "cannot read the file",
+        "/dev/zero": "is a character device, not a regular file",
+    }
+    for path, message in cases.items():
+        assert cli_main(["check", path]) == 1
+        err = capsys.readouterr().err.strip()
+        assert message in err and path in err and "\n" not in err, err
+
+
+# ------------------------------------------------------------------ hostile files
+# each is refused by `lossagg check` in bounded time, in one line that names the cause
+def alias_bomb():
+    lines = ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    prev = "a"
+    for name in "bcdefghi":
+        lines.append(f"{name}: &{name} [" + ",".join([f"*{prev}"] * 9) + "]")
+        prev = name
+    return "\n".join(lines) + f"\nmode: *{prev}\n"
+
+
+BAD_FILES = {
+    "deep.json": ('{"a":' * 100_000 + "1" + "}" * 100_000, "nests deeper"),
+    "deep.yaml": ("a:\n  " + "- " * 3000 + "1\n", "nests deeper"),
+    "deep.toml": ("x = " + "[" * 5000 + "]" * 5000 + "\n", "nests deeper"),
+    "bigint.json": ('{"mode": "constant", "divisor": ' + "9" * 5000 + "}", "divisor: an integer of 5000 digits is out of range"),
+    "bigdiv.yaml": ("mode: constant\ndivisor: " + "9" * 400 + "\n", "divisor"),
+    "bomb.yaml": (alias_bomb(), "more than"),
+    "longstring.yaml": ("mode: " + "x" * 3_000_000 + "\n", "unknown mode"),
+    "toolarge.yaml": ("# " + "x" * (5 * 1024 * 1024) + "\n", "larger than"),
+    "dup.yaml": ("mode: token_mean\nmode: constant\n", "'mode' is given twice"),
+    "dup.json": ('{"mode": "token_mean", "mode": "constant"}', "'mode' is given twice"),
+    "dup.toml": ('mode = "token_mean"\nmode = "constant"\n', "cannot parse"),
+    "binary.yaml": (b"\xff\xfe\x00mode", "cannot parse"),
+    "list.json": ("[1, 2]", "expected a mapping"),
+    "section.yaml": ("loss_aggregation: 3\n", "expected a mapping of settings"),
+    "keys.yaml": ("1: 2\n", "setting names must be strings"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_FILES))
+def test_cli_check_bad_files_one_line_exit_1_bounded(tmp_path, capsys, name):
+    text, message = BAD_FILES[name]
+    path = str(write(tmp_path, name, text))
+    start = time.perf_counter()
+    assert cli_main(["check", path]) == 1
+    elapsed = time.perf_counter() - start
+    err = capsys.readouterr().err.strip()
+    assert message in err, err[:500]
+    assert "Traceback" not in err and len(err) < 2000, err[:500]
+    assert elapsed < 10, f"took {elapsed:.1f}s"
+
+
 # -------------------------------------------------------------------- argparse
 def test_flags_round_trip():
     parser = add_loss_aggregation_args(argparse.ArgumentParser())
@@ -320,6 +492,21 @@ def test_flag_errors_name_the_flag():
     assert "--calculate-per-token-loss" in dict(info.value.issues)
 
 
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--loss-aggregation", "constant", "--loss-aggregation-divisor", "0"], "--loss-aggregation-divisor"),
+        (["--loss-aggregation", "prompt_mean", "--n-samples-per-prompt", "0"], "--n-samples-per-prompt"),
+        (["--global-batch-size", "0"], "--global-batch-size"),
+    ],
+)
+def test_zero_is_a_value_not_unset(argv, flag):
+    parser = argparse.ArgumentParser()
+    add_loss_aggregation_args(parser)
+    with pytest.raises(ConfigError, match=flag):
+        config_from_args(parser.parse_args(argv))
+
+
 # ------------------------------------------------------------------------- CLI
 def test_cli_check_ok(tmp_path, capsys):
     p = write(tmp_path, "train.yaml", "loss_aggregation:\n  calculate_per_token_loss: true\n")
@@ -344,3 +531,32 @@ def test_cli_schema_is_json(capsys):
 def test_console_entry_point_help():
     out = subprocess.run([sys.executable, "-m", "lossagg", "--help"], capture_output=True, text=True, check=True)
     assert "lossagg check" in out.stdout
+
+
+def run_cli(args, cwd, env=None):
+    """``python -m lossagg *args`` in ``cwd``, no stdin, importing lossagg from where this process
+    does (PYTHONPATH made absolute: scripts/test_min_python.sh sets ``PYTHONPATH=.``)."""
+    path = os.pathsep.join(os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
+    return subprocess.run(
+        [sys.executable, "-m", "lossagg", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, **({"PYTHONPATH": path} if path else {}), **(env or {})},
+        stdin=subprocess.DEVNULL,
+        timeout=300,
+    )
+
+
+def test_cli_never_shows_a_traceback(tmp_path):
+    path = str(write(tmp_path, "deep.json", '{"a":' * 50_000 + "1" + "}" * 50_000))
+    run = subprocess.run([sys.executable, "-m", "lossagg", "check", path], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    assert run.returncode == 1 and "Traceback" not in run.stderr and run.stderr.count("\n") == 1, run.stderr
+
+
+@pytest.mark.parametrize("command", [["check", "f.yaml"], ["schema"]])
+def test_a_bad_cpu_isa_variable_is_one_line_from_the_cli(command, tmp_path):
+    write(tmp_path, "f.yaml", "mode: token_mean\n")
+    out = run_cli(command, tmp_path, {"LOSSAGG_CPU_ISA": "bogus"})
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == f"lossagg {command[0]}: LOSSAGG_CPU_ISA must be one of auto, avx512, avx2, baseline, got 'bogus'"

@@ -1,12 +1,18 @@
 """lossagg.integrations.megatron driven the way Megatron's no-pipelining schedule drives a
 loss function: per micro-batch ``loss_func(output)``, the division by the number of
 micro-batches (per-token loss off) or by the step's summed ``num_tokens`` (on), gradients
-averaged (off) or summed (on) over DP ranks. The final gradient is J's, for every mode."""
+averaged (off) or summed (on) over DP ranks. The final gradient is J's, for every mode.
+Hostile and careless sizes are refused naming the argument, or accepted with the value of
+the float64 formula."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from hostile_numbers import PROPERTY, int_like, numbers, refused_naming
+from hypothesis import given
+from hypothesis import strategies as st
 
 import lossagg
 from lossagg.integrations.megatron import make_loss_func
@@ -83,3 +89,53 @@ def test_reports_and_num_tokens():
     loss, num_tokens, report = f(torch.ones(4))
     assert num_tokens.item() == 3 and loss.item() == pytest.approx(3.0) and report["pg_loss"].item() == pytest.approx(1.0)
     assert report["kl"].item() == pytest.approx(1.0)
+
+
+# ------------------------------------------------------ hostile and careless arguments
+def megatron_plan():
+    cu = torch.tensor([0, 4, 9])
+    mask = torch.ones(9, dtype=torch.bool)
+    return lossagg.StepPlan.from_mask(lossagg.LossAggregationConfig(mode="token_mean"), mask, cu), cu, mask
+
+
+MEGATRON_REFUSED = [
+    ("num_micro_batches=0, per-token loss on", dict(num_micro_batches=0, calculate_per_token_loss=True), "num_micro_batches"),
+    ("num_micro_batches=0, per-token loss off", dict(num_micro_batches=0), "num_micro_batches"),
+    ("dp_size=0", dict(num_micro_batches=1, dp_size=0), "dp_size"),
+    ("cp_size=-1", dict(num_micro_batches=1, cp_size=-1, calculate_per_token_loss=True), "cp_size"),
+    (
+        "rollout_mask of another length",
+        dict(num_micro_batches=1, calculate_per_token_loss=True, rollout_mask=torch.ones(8, dtype=torch.bool)),
+        "rollout_mask",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "kwargs", "names"), MEGATRON_REFUSED, ids=[c[0] for c in MEGATRON_REFUSED])
+def test_megatron_refuses(case, kwargs, names):
+    plan, cu, mask = megatron_plan()
+    with pytest.raises(ValueError, match=names):
+        make_loss_func(plan, [0, 1], cu, mask, **kwargs)
+
+
+def test_megatron_accepts_numpy_sizes():
+    plan, cu, mask = megatron_plan()
+    f = make_loss_func(plan, [0, 1], cu, mask, num_micro_batches=np.int64(2), dp_size=np.int32(2), cp_size=torch.tensor(2))
+    loss, _ = f(torch.full((9,), 3.0, dtype=torch.float64))
+    assert loss.item() == pytest.approx(3.0 * 2 * 2)  # J = 3, times micro-batches x DP (CP cancels)
+
+
+@PROPERTY
+@given(num_micro_batches=numbers, dp_size=numbers, cp_size=numbers, per_token=st.booleans())
+def test_megatron_sizes(num_micro_batches, dp_size, cp_size, per_token):
+    plan, cu, mask = megatron_plan()
+    call = lambda: make_loss_func(  # noqa: E731
+        plan, [0, 1], cu, mask, num_micro_batches=num_micro_batches, dp_size=dp_size, cp_size=cp_size, calculate_per_token_loss=per_token
+    )
+    sizes = {"num_micro_batches": int_like(num_micro_batches), "dp_size": int_like(dp_size), "cp_size": int_like(cp_size)}
+    bad = [name for name, v in sizes.items() if v is None or v < 1]
+    if bad:
+        return refused_naming(call, *bad)
+    out = call()(torch.full((9,), 3.0, dtype=torch.float64))
+    scale = 9.0 if per_token else sizes["num_micro_batches"] * sizes["dp_size"]  # T, or micro-batches x DP
+    assert out[0].item() == pytest.approx(3.0 * scale, rel=1e-12)

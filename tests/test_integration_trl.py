@@ -10,6 +10,9 @@ just before the optimizer and compared:
   mode; TRL's own ``bnpo``: not equal, which shows the comparison can fail);
 * against TRL's own trainer for the names whose maths lossagg shares (grpo, dapo, dr_grpo).
 
+Then the adapter's refusals: unsupported settings, and ``config_for_loss_type`` on hostile
+numbers and spellings (refused naming the argument, or the config it stands for).
+
 Skipped, with the reason, when TRL is not importable (scripts/install_peers.sh installs it).
 """
 
@@ -18,8 +21,12 @@ from __future__ import annotations
 import os
 import warnings
 
+import numpy as np
 import pytest
 import torch
+from hostile_numbers import PROPERTY, int_like, numbers, refused_naming
+from hypothesis import given
+from hypothesis import strategies as st
 
 # no network: TRL/huggingface_hub would otherwise send telemetry or look up the Hub
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -191,7 +198,7 @@ class Recorder(GRPOTrainer):
 @pytest.mark.parametrize("loss_type", [*MODES, "dr_grpo"])
 def test_step_loss_is_the_reference_j(loss_type, tmp_path, tokenizer, dataset):
     """At the first step the ratio is 1, so the per-token loss is -advantage; the micro-batch
-    losses of the step add up to J of SPEC §3 over the generation batch."""
+    losses of the step add up to J (docs/modes.md) over the generation batch."""
     trainer, _ = run(Recorder, loss_type, 4, tmp_path, tokenizer, dataset)
     batch = trainer.generated[0]
     mask = batch["completion_mask"]
@@ -290,3 +297,39 @@ def test_a_config_promising_other_groups_is_refused(tmp_path, tokenizer, dataset
     settings = {"mode": "prompt_mean", "n_samples_per_prompt": 3}
     with pytest.raises(ValueError, match=r"n_samples_per_prompt=3 promises .*GRPOConfig.num_generations=4"):
         run(GRPOTrainer, "grpo", 2, tmp_path, tokenizer, dataset, trainer_kwargs={"loss_aggregation": settings})
+
+
+def test_trl_config_for_loss_type_checks_its_numbers():
+    for bad in (0, -2, "4", 2.5, True):
+        with pytest.raises(ValueError, match="num_generations"):
+            config_for_loss_type("prompt_mean", num_generations=bad, max_completion_length=8)
+    with pytest.raises(ValueError, match="max_completion_length"):
+        config_for_loss_type("dr_grpo", num_generations=4, max_completion_length=0)
+    config = config_for_loss_type("prompt_mean", num_generations=np.int64(4), max_completion_length=8)
+    assert config.n_samples_per_prompt == 4 and type(config.n_samples_per_prompt) is int
+
+
+def test_trl_loss_type_spelling_is_normalised_like_the_config():
+    for spelling in ("Dr_GRPO", " dr_grpo ", "DR_GRPO"):
+        config = config_for_loss_type(spelling, num_generations=4, max_completion_length=16)
+        assert (config.mode, config.divisor) == ("constant", 16.0)
+    assert config_for_loss_type(" DAPO", num_generations=4, max_completion_length=None).mode == "token_mean"
+    with pytest.raises(ValueError, match="loss_type='Token-Sum': mode 'token-sum' is not supported"):
+        config_for_loss_type("Token-Sum", num_generations=4, max_completion_length=16)
+
+
+@PROPERTY
+@given(num_generations=numbers, max_completion_length=numbers, loss_type=st.sampled_from(["grpo", "dr_grpo", "prompt_mean", "max_length"]))
+def test_trl_numbers(num_generations, max_completion_length, loss_type):
+    trl_adapter = pytest.importorskip("lossagg.integrations.trl", reason="TRL is not importable (scripts/install_peers.sh installs it)")
+    call = lambda: trl_adapter.config_for_loss_type(loss_type, num_generations=num_generations, max_completion_length=max_completion_length)  # noqa: E731
+    g, m = int_like(num_generations), int_like(max_completion_length)
+    if g is None or g < 1:
+        return refused_naming(call, "num_generations")
+    if max_completion_length is not None and (m is None or m < 1):
+        return refused_naming(call, "max_completion_length")
+    if loss_type == "dr_grpo" and m is None:
+        return refused_naming(call, "max_completion_length")
+    config = call()
+    assert config.divisor == (float(m) if loss_type == "dr_grpo" else None)
+    assert config.n_samples_per_prompt == (g if loss_type == "prompt_mean" else None)

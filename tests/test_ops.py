@@ -1,4 +1,5 @@
-"""The native ops against the float64 reference, over device x dtype x layout x mask dtype."""
+"""The native ops against the float64 reference, over device x dtype x layout x mask dtype;
+gradients (gradcheck, double backward), opcheck and torch.compile."""
 
 from __future__ import annotations
 
@@ -80,6 +81,24 @@ def test_gradcheck_float64(device, layout):
     assert torch.autograd.gradcheck(lambda v: lossagg.reduce(v, b.mask, cu_seqlens=b.cu_seqlens, sample_denoms=b.sample_denoms.double()), (b.values,))
     bk = make_batch(layout, dtype=torch.float64, num_metrics=2, device=device, requires_grad=True)
     assert torch.autograd.gradcheck(lambda v: lossagg.segment_sum(v, bk.mask, bk.cu_seqlens), (bk.values,))
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_double_backward_is_exact(layout):
+    g = torch.Generator().manual_seed(0)
+    if layout == "packed":
+        values = torch.randn(7, dtype=torch.float64, generator=g, requires_grad=True)
+        mask = torch.rand(7, generator=g) < 0.7
+        cu = torch.tensor([0, 3, 7])
+        metric_values = torch.randn(2, 7, dtype=torch.float64, generator=g, requires_grad=True)
+    else:
+        values = torch.randn(2, 4, dtype=torch.float64, generator=g, requires_grad=True)
+        mask = torch.rand(2, 4, generator=g) < 0.7
+        cu = None
+        metric_values = torch.randn(2, 2, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    d = torch.tensor([3.0, 5.0], dtype=torch.float64)
+    assert torch.autograd.gradgradcheck(lambda v: lossagg.reduce(v, mask, cu_seqlens=cu, sample_denoms=d), (values,))
+    assert torch.autograd.gradgradcheck(lambda v: lossagg.segment_sum(v, mask, cu), (metric_values,))
 
 
 def sample_inputs(device, requires_grad):

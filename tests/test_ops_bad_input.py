@@ -1,19 +1,14 @@
-"""One test per kind of bad input: the error names the argument, the expectation and what was given."""
+"""One test per kind of bad input to the ops: the error names the argument, the expectation
+and what was given; the fake (meta) kernels check as the real ones do; denominators are checked
+in the dtype they divide in; a gradient never goes silently missing."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from batches import six_token_batch, two_sample_batch
 
 import lossagg
-
-
-def packed(device, n=10):
-    values = torch.randn(n, device=device)
-    mask = torch.ones(n, dtype=torch.bool, device=device)
-    cu = torch.tensor([0, 4, n], dtype=torch.int32, device=device)
-    denoms = torch.ones(2, device=device)
-    return values, mask, cu, denoms
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +45,7 @@ CASES = {
 
 
 def call(case, device):
-    v, m, cu, d = packed(device)
+    v, m, cu, d = two_sample_batch(device)
     ops = torch.ops.lossagg
     if case == "values_dtype":
         return lossagg.reduce(v.long(), m, cu_seqlens=cu, sample_denoms=d)
@@ -117,7 +112,7 @@ def test_bad_input_is_named(device, case):
 def test_device_mismatch_is_named():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device to put one argument elsewhere")
-    v, m, cu, d = packed("cuda")
+    v, m, cu, d = two_sample_batch("cuda")
     with pytest.raises(ValueError, match="sample_denoms must be on the same device"):
         lossagg.reduce(v, m, cu_seqlens=cu, sample_denoms=d.cpu())
     with pytest.raises(ValueError, match="cu_seqlens must be on the same device"):
@@ -127,11 +122,54 @@ def test_device_mismatch_is_named():
 
 
 def test_nothing_is_computed_on_bad_input_with_grad():
-    v, m, cu, _ = packed("cpu")
+    v, m, cu, _ = two_sample_batch("cpu")
     v.requires_grad_(True)
     with pytest.raises(ValueError):
         lossagg.reduce(v, m, cu_seqlens=cu, sample_denoms=torch.tensor([1.0, -1.0]))
     assert v.grad is None
+
+
+def test_fake_kernels_check_devices_shapes_and_dtypes():
+    values, mask, cu, d = six_token_batch()
+    with pytest.raises(ValueError, match="mask must be on the same device as values"):
+        lossagg.segment_sum(values, mask.to("meta"), cu)
+    with pytest.raises(ValueError, match="mask must be on the same device as values"):
+        lossagg.reduce(values, mask.to("meta"), cu_seqlens=cu, sample_denoms=d)
+    meta = [t.to("meta") for t in (values, mask, cu, d)]
+    assert lossagg.reduce(meta[0], meta[1], cu_seqlens=meta[2], sample_denoms=meta[3]).shape == ()
+    assert lossagg.segment_sum(meta[0].expand(3, 6), meta[1], meta[2]).shape == (3, 2)
+    with pytest.raises(ValueError, match="mask must have the token shape"):
+        lossagg.segment_sum(meta[0], meta[1][:5], meta[2])
+    with pytest.raises(ValueError, match="sample_denoms must be a 1-D tensor of length B = 2"):
+        lossagg.reduce(meta[0], meta[1], cu_seqlens=meta[2], sample_denoms=meta[3][:1])
+    with pytest.raises(TypeError, match="cu_seqlens must have dtype int32 or int64"):
+        lossagg.segment_sum(meta[0], meta[1], meta[2].float())
+
+
+def test_denominators_checked_in_the_dtype_they_divide_in():
+    values, mask, cu, _ = six_token_batch()
+    tiny = torch.tensor([1e-300, 1.0], dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"sample_denoms\[0\] = 1e-300 is 0 in Float"):
+        lossagg.reduce(values, mask, cu_seqlens=cu, sample_denoms=tiny)
+    huge = torch.tensor([1e300, 1.0], dtype=torch.float64)
+    with pytest.raises(ValueError, match="is inf in Float"):
+        lossagg.reduce(values, mask, cu_seqlens=cu, sample_denoms=huge)
+    j = lossagg.reduce(values.double(), mask, cu_seqlens=cu, sample_denoms=tiny)  # float64 values divide in float64
+    assert torch.isfinite(j)
+
+
+def test_gradients_never_go_missing():
+    values, mask, cu, d = six_token_batch()
+    values.requires_grad_(True)
+    float_mask = mask.float().requires_grad_(True)
+    with pytest.raises(ValueError, match="not differentiable in mask"):
+        lossagg.reduce(values, float_mask, cu_seqlens=cu, sample_denoms=d)
+    with pytest.raises(ValueError, match="not differentiable in sample_denoms"):
+        lossagg.reduce(values, mask, cu_seqlens=cu, sample_denoms=d.clone().requires_grad_(True))
+    with pytest.raises(ValueError, match="not differentiable in mask"):
+        lossagg.segment_sum(values, float_mask, cu)
+    # detached, they work
+    lossagg.reduce(values, float_mask.detach(), cu_seqlens=cu, sample_denoms=d).backward()
 
 
 # ---------------------------------------------- tensors the kernels cannot read where they lie
@@ -181,7 +219,7 @@ def test_tensors_the_kernels_cannot_read_in_place_are_named(case, entry):
     and inference-mode tensors that autograd would have to save: a named error from lossagg's
     entry points, not the dispatcher's text or a silent copy."""
     (_, change, _, kind, fragments) = next(c for c in UNREADABLE if c[0] == case)
-    values, mask, cu, denoms = packed("cpu")
+    values, mask, cu, denoms = two_sample_batch("cpu")
     values.requires_grad_(True)
     args = {"values": values, "mask": mask, "cu": cu, "denoms": denoms}
     for name, make in change.items():
@@ -193,7 +231,7 @@ def test_tensors_the_kernels_cannot_read_in_place_are_named(case, entry):
 
 
 def test_inference_tensors_are_fine_where_nothing_is_saved_for_backward():
-    values, mask, cu, denoms = packed("cpu")
+    values, mask, cu, denoms = two_sample_batch("cpu")
     with torch.inference_mode():
         want = lossagg.reduce(values, mask, cu_seqlens=cu, sample_denoms=denoms)
         mask_i, cu_i, denoms_i = mask.clone(), cu.clone(), denoms.clone()

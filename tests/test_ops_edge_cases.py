@@ -1,20 +1,21 @@
-"""Determinism, masked NaN/inf, empty batches, zero-length segments, offsets dtypes."""
+"""Determinism (reruns, threads, instruction sets), masked NaN/inf, NaN results, empty
+batches, zero-length segments, offsets dtypes, bool masks read from bytes, the token_counts
+op, the instruction-set switch."""
 
 from __future__ import annotations
 
+import os
+import re
+import struct
+import subprocess
+import sys
+
 import pytest
 import torch
-from batches import make_batch
+from batches import every_path_batch, long_batch, make_batch, many_short_batch
 from reference import ref_reduce, ref_segment_sum
 
 import lossagg
-
-
-def long_batch(device, dtype=torch.float32, seed=0):
-    # Segments longer than one CPU work piece (16384 tokens) and many short ones, so the
-    # fixed piece split and the cross-piece combine are exercised.
-    lengths = [70_001, 3, 0, 40_000, 129, 16_384, 16_385, 1]
-    return make_batch("packed64", lengths=lengths, dtype=dtype, device=device, seed=seed, requires_grad=True)
 
 
 def run_once(b):
@@ -33,12 +34,6 @@ def test_bitwise_deterministic_across_reruns(device, dtype):
         again = run_once(b)
         for x, y in zip(first, again, strict=True):
             assert torch.equal(x, y)
-
-
-def many_short_batch(seed=0):
-    # 40,000 segments of 0..8 tokens: many pieces, split by tokens across threads
-    lengths = torch.randint(0, 9, (40_000,), generator=torch.Generator().manual_seed(seed)).tolist()
-    return make_batch("packed32", lengths=lengths, seed=seed, requires_grad=True)
 
 
 @pytest.mark.parametrize("make", [long_batch, many_short_batch], ids=["long", "many_short"])
@@ -144,22 +139,6 @@ ISAS = [
 ]
 
 
-def every_path_batch(dtype, mask_dtype, seed=0):
-    # lengths hitting every summation path: windows of 8 and 16 tokens (0..16), the short
-    # loop (17..63), the 16 lanes (64..16384) and several pieces (> 16384); with -0.0 values
-    # and NaN/inf under the mask
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(0, 17, (3000,), generator=g).tolist() + list(range(17, 70)) + [1000, 16_384, 16_385, 40_000]
-    perm = torch.randperm(len(lengths), generator=g).tolist()
-    b = make_batch("packed64", lengths=[lengths[i] for i in perm], dtype=dtype, mask_dtype=mask_dtype, seed=seed, requires_grad=False)
-    values = b.values.detach().clone()
-    values[::97] = -0.0
-    values[(b.mask == 0) & (torch.arange(values.shape[0]) % 3 == 0)] = float("nan")
-    values[(b.mask == 0) & (torch.arange(values.shape[0]) % 3 == 1)] = float("inf")
-    b.values = values.requires_grad_(True)
-    return b
-
-
 def run_metrics(b):
     stacked = torch.stack([b.values.detach(), b.values.detach() * 0.5, -b.values.detach()])
     return lossagg.segment_sum(stacked, b.mask, b.cu_seqlens)
@@ -216,6 +195,38 @@ def test_a_segment_sums_to_the_same_bits_wherever_it_lies():
         assert torch.equal(single[0], alone[i])
 
 
+def test_nan_results_are_nan_on_every_isa_and_the_rest_bitwise_equal():
+    outs = []
+    for isa in ISAS:
+        lossagg.set_cpu_isa(isa)
+        try:
+            row = []
+            for length in (5, 16, 40, 100, 20000):
+                for bits in (0x7FC12345, 0xFFC54321, 0x7F812345):
+                    v = torch.randn(3, 2 * length, generator=torch.Generator().manual_seed(length))
+                    v[1, length // 3] = struct.unpack("f", struct.pack("I", bits))[0]
+                    v[2, length + 1] = float("inf")
+                    v[2, length + 2] = float("-inf")
+                    mask = torch.ones(2 * length, dtype=torch.bool)
+                    cu = torch.tensor([0, length, 2 * length])
+                    row.append(lossagg.segment_sum(v, mask, cu))
+                    row.append(lossagg.reduce(v[1], mask, cu_seqlens=cu, sample_denoms=torch.tensor([2.0, 3.0])).reshape(1))
+            outs.append(torch.cat([r.reshape(-1) for r in row]))
+        finally:
+            lossagg.set_cpu_isa("auto")
+    first = outs[0]
+    assert torch.isnan(first).any()
+    for isa, out in zip(ISAS[1:], outs[1:], strict=True):
+        assert torch.equal(torch.isnan(out), torch.isnan(first)), isa
+        keep = ~torch.isnan(first)
+        assert torch.equal(out[keep].view(torch.int32), first[keep].view(torch.int32)), isa
+
+
+def test_the_ops_docs_state_the_nan_exception():
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "ops.md")).read()
+    assert re.search(r"payload and sign bit are not promised", text)
+
+
 def test_cpu_isa_switch():
     assert lossagg.cpu_isa() in ("baseline", "avx2", "avx512")
     with pytest.raises(ValueError, match="isa must be one of"):
@@ -226,6 +237,46 @@ def test_cpu_isa_switch():
     finally:
         lossagg.set_cpu_isa("auto")
     assert lossagg.cpu_isa() == lossagg._native.cpu_best_isa()
+
+
+def test_a_bad_cpu_isa_variable_is_raised_by_the_ops_not_at_import():
+    code = (
+        "import torch, lossagg\n"
+        "try:\n"
+        "    lossagg.segment_sum(torch.ones(3), torch.ones(3, dtype=torch.bool), torch.tensor([0, 3]))\n"
+        "except ValueError as e:\n"
+        "    print(e)\n"
+        "lossagg.set_cpu_isa('baseline')\n"
+        "print(lossagg.segment_sum(torch.ones(3), torch.ones(3, dtype=torch.bool), torch.tensor([0, 3])).item())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "LOSSAGG_CPU_ISA": "avx9"}, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("LOSSAGG_CPU_ISA must be one of auto, avx512, avx2, baseline, got 'avx9'") and lines[1] == "3.0"
+
+
+# ------------------------------------------------------------ masks and token counts
+def test_bool_mask_viewed_from_bytes_reads_any_nonzero_byte_as_kept():
+    raw = torch.tensor([0, 2, 255, 1, 128, 0], dtype=torch.uint8)
+    mask = raw.view(torch.bool)
+    values = torch.arange(1.0, 7.0)
+    cu = torch.tensor([0, 3, 6])
+    expected = torch.tensor([2.0 + 3.0, 4.0 + 5.0])
+    assert torch.equal(lossagg.segment_sum(values, mask, cu), expected)
+    assert torch.equal(lossagg.segment_sum(values, raw != 0, cu), expected)
+    values.requires_grad_(True)
+    lossagg.reduce(values, mask, cu_seqlens=cu, sample_denoms=torch.ones(2)).backward()
+    assert values.grad.tolist() == [0.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+
+
+def test_token_counts_are_exact_integers():
+    n = 2**24 + 1  # float32 cannot hold it
+    mask = torch.ones(n, dtype=torch.bool)
+    counts = lossagg.token_counts(mask, torch.tensor([0, 1, n]))
+    assert counts.dtype == torch.int64 and counts.tolist() == [1, n - 1]
+    assert lossagg.token_counts(mask[:8].reshape(2, 4)).tolist() == [4, 4]
+    with pytest.raises(ValueError, match=r"cu_seqlens\[-1\] must equal the number of tokens"):
+        lossagg.token_counts(mask[:8], torch.tensor([0, 9]))
 
 
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.uint8, torch.int8, torch.int64, torch.float16, torch.float32])

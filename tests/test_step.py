@@ -1,4 +1,6 @@
-"""Step planning: the contributions of any split sum to J, gradients match; known values; bad input."""
+"""The planner, StepPlan: the contributions of any split sum to J, gradients match; known
+values; the one all-reduce (and a max only when a mode needs it); the samples a micro-batch
+selects; the arguments it refuses, named. ``StepPlan.from_totals`` is in test_step_from_totals.py."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import re
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
+from batches import random_step
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,20 +20,8 @@ from lossagg.testing import check_split_invariance, reference_loss
 
 # every registered mode, with the extra settings it needs (a fifth mode is tested with no edit here)
 MODES = {name: dict(spec.example_settings) for name, spec in lossagg.MODES.items()}
-
-
-def random_step(n_groups=6, n=4, seed=0, max_len=40):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(0, max_len, (n_groups * n,), generator=g)
-    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
-    cu[1:] = torch.cumsum(lengths, 0)
-    total = int(cu[-1])
-    values = torch.randn(total, generator=g, dtype=torch.float64).float()
-    mask = torch.rand(total, generator=g) < 0.8
-    # one fully masked sample
-    mask[cu[3] : cu[4]] = False
-    group_index = torch.arange(n_groups).repeat_interleave(n)
-    return values, mask, cu, group_index
+COUNTS = torch.tensor([3, 0, 5, 4])  # this rank: 4 samples, 12 tokens, longest 5
+PROMPT_MEAN_PAIRS = LossAggregationConfig(mode="prompt_mean", n_samples_per_prompt=2)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -197,6 +189,102 @@ def test_prompt_mean_groups_of_unequal_size_unless_a_size_is_promised():
         StepPlan(LossAggregationConfig(mode="prompt_mean", n_samples_per_prompt=3), counts, group_index=groups)
 
 
+def test_an_empty_micro_batch_contributes_zero():
+    plan = StepPlan(LossAggregationConfig(mode="token_mean"), COUNTS)
+    v = torch.randn(4, 6, requires_grad=True)
+    m = torch.ones(4, 6, dtype=torch.bool)
+    j = plan.loss(v[:0], m[:0], [])
+    j.backward()
+    assert j.item() == 0.0 and torch.equal(v.grad, torch.zeros_like(v))
+    packed = torch.randn(12)
+    assert plan.loss(packed[:0], torch.ones(0, dtype=torch.bool), [], torch.tensor([0])).item() == 0.0
+    assert plan.metrics({"entropy": v[:0]}, m[:0], [])["entropy"].item() == 0.0
+
+
+# ------------------------------------------------------ the collectives of a plan
+class _FakeGroup:
+    """Stands for a process group of one rank; all_reduce is patched to the identity."""
+
+
+@pytest.mark.parametrize(
+    ("mode", "collectives"),
+    [("sample_mean", ["sum"]), ("token_mean", ["sum"]), ("constant", ["sum"]), ("prompt_mean", ["sum"]), ("max_length", ["sum", "max"])],
+)
+def test_the_planner_gathers_sums_in_one_all_reduce_and_a_max_only_when_needed(mode, collectives, monkeypatch):
+    calls = []
+
+    def fake_all_reduce(buf, op=None, group=None):
+        calls.append(("sum" if op == dist.ReduceOp.SUM else "max", buf.dtype, buf.numel()))
+
+    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
+    config = LossAggregationConfig(mode=mode, n_samples_per_prompt=2, global_batch_size=8, **lossagg.MODES[mode].example_settings)
+    StepPlan(config, COUNTS, group_index=torch.tensor([0, 0, 1, 1]), process_group=_FakeGroup())
+    assert [c[0] for c in calls] == collectives and all(c[1] == torch.float64 for c in calls)
+    if mode == "prompt_mean":  # N, T, then sizes and token sums of the 4 labels
+        assert calls[0][2] == 2 + 2 * 4
+
+
+# ------------------------------------------------------ the arguments of a plan
+STEP_PLAN_REFUSED = [
+    ("num_group_labels 10**12", dict(num_group_labels=10**12), ValueError, r"num_group_labels must be <= 16777216 .* got 1000000000000"),
+    ("num_group_labels 0", dict(num_group_labels=0), ValueError, r"num_group_labels must be an integer >= 1, got 0"),
+    ("num_group_labels a float", dict(num_group_labels=2.0), ValueError, r"num_group_labels must be an integer >= 1, got 2.0"),
+    ("num_groups (the pre-release name)", dict(num_groups=2), TypeError, r"num_groups"),
+    ("group_index outside the labels", dict(num_group_labels=1), ValueError, r"group_index must lie in \[0, 1\)"),
+]
+
+
+@pytest.mark.parametrize(("case", "kwargs", "kind", "message"), STEP_PLAN_REFUSED, ids=[c[0] for c in STEP_PLAN_REFUSED])
+def test_step_plan_refuses(case, kwargs, kind, message, monkeypatch):
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: pytest.fail("no collective before the arguments are checked"))
+    with pytest.raises(kind, match=message):
+        StepPlan(PROMPT_MEAN_PAIRS, COUNTS, group_index=torch.tensor([0, 0, 1, 1]), process_group=_FakeGroup(), **kwargs)
+
+
+def test_group_labels_from_the_config_are_bounded_and_named(monkeypatch):
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: pytest.fail("no collective before the arguments are checked"))
+    config = LossAggregationConfig(mode="prompt_mean", n_samples_per_prompt=2, global_batch_size=2**40)
+    with pytest.raises(ValueError, match=re.escape("num_group_labels (global_batch_size // n_samples_per_prompt of the config) must be <= 16777216")):
+        StepPlan(config, COUNTS, group_index=torch.tensor([0, 0, 1, 1]), process_group=_FakeGroup())
+
+
+def test_step_plan_accepts_numpy_label_counts(monkeypatch):
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: None)
+    plan = StepPlan(PROMPT_MEAN_PAIRS, COUNTS, group_index=torch.tensor([0, 0, 1, 1]), process_group=_FakeGroup(), num_group_labels=np.int64(3))
+    assert plan.totals.num_groups == 2 and plan.sample_denoms.tolist() == [2 * 3.0, 2 * 3.0, 2 * 9.0, 2 * 9.0]
+
+
+def test_helpers_name_bad_arguments():
+    counts = torch.tensor([1, 2])
+    with pytest.raises(TypeError, match="group_index must be a 1-D tensor of integer prompt-group indices"):
+        StepPlan(LossAggregationConfig(mode="prompt_mean"), counts, group_index=["p1", "p2"])
+    assert StepPlan({"mode": "token_mean"}, counts).config.mode == "token_mean"
+    with pytest.raises(TypeError, match="config must be a LossAggregationConfig"):
+        StepPlan("token_mean", counts)
+    with pytest.raises(lossagg.ConfigError, match="unknown mode"):
+        StepPlan({"mode": "nope"}, counts)
+    with pytest.raises(TypeError, match="token_counts must hold real numbers"):
+        StepPlan(LossAggregationConfig(), torch.tensor([1 + 1j]))
+    with pytest.raises(TypeError, match="token_counts must be"):
+        StepPlan(LossAggregationConfig(), ["a", "b"])
+    with pytest.raises(ValueError, match="num_group_labels must be an integer >= 1"):
+        StepPlan(LossAggregationConfig(mode="prompt_mean"), counts, group_index=[0, 0], num_group_labels=0)
+    plan = StepPlan(LossAggregationConfig(), counts)
+    with pytest.raises(ValueError, match="metric 'kl' must have the token shape of mask"):
+        plan.metrics({"kl": torch.ones(2)}, torch.ones(3, dtype=torch.bool), [0, 1], torch.tensor([0, 1, 3]))
+    cu = torch.tensor([0, 3, 5])
+    with pytest.raises(ValueError, match="cp_size must be an integer >= 1"):
+        lossagg.zigzag_local_cu_seqlens(cu, "2")
+    with pytest.raises(ValueError, match="cp_rank must be an integer"):
+        lossagg.zigzag_positions(cu, 2, 1.0)
+    with pytest.raises(ValueError, match=r"cu_seqlens\[-1\] must equal the number of tokens T = 4"):
+        lossagg.zigzag_shard(torch.ones(4), cu, 2, 0)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        lossagg.zigzag_positions(torch.tensor([0, 3, 2]), 2, 0)
+    with pytest.raises(ValueError, match="num_micro_batches must be an integer"):
+        lossagg.gradient_scale("megatron", num_micro_batches=True)
+
+
 # ------------------------------------------------- the plan checks the d[i] it builds
 D_OVERFLOW = [
     ("constant_divisor", lambda: StepPlan({"mode": "constant", "divisor": 1e308}, torch.tensor([3.0, 5.0])), ["mode=constant", "divisor=1e+308"]),
@@ -228,6 +316,44 @@ def test_a_plan_either_holds_positive_finite_denominators_or_refuses_by_name(div
     else:
         d = plan.sample_denoms
         assert bool(torch.isfinite(d).all()) and bool((d > 0).all()), d
+
+
+# ------------------------------------------------ the samples of a micro-batch
+@pytest.fixture
+def plan():
+    return StepPlan(LossAggregationConfig(), torch.tensor([2, 3, 4, 5]))
+
+
+def test_samples_accepts_positions_slices_and_bool_selections(plan):
+    full = plan.sample_denoms.float()
+    assert torch.equal(plan.sample_denoms_for([1, 3]), full[[1, 3]])
+    assert torch.equal(plan.sample_denoms_for(slice(1, 3)), full[1:3])
+    assert torch.equal(plan.sample_denoms_for(torch.tensor([False, True, False, True])), full[[1, 3]])
+
+
+@pytest.mark.parametrize(
+    ("samples", "kind", "message"),
+    [
+        ([-1], ValueError, r"samples must be positions in \[0, 4\)"),
+        ([4], ValueError, r"samples must be positions in \[0, 4\)"),
+        ([0.5, 1.5], TypeError, "samples must hold integer positions"),
+        (torch.tensor([True, False]), ValueError, "bool selection must have one entry per sample"),
+        (3, TypeError, "samples must be a 1-D selection"),
+        ("ab", TypeError, "samples must be integer positions"),
+    ],
+)
+def test_bad_samples_are_named(plan, samples, kind, message):
+    with pytest.raises(kind, match=message):
+        plan.sample_denoms_for(samples)
+
+
+def test_sample_count_mismatch_blames_samples(plan):
+    values = torch.randn(5)
+    mask = torch.ones(5, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"samples selects 3 sample\(s\) but cu_seqlens has 2"):
+        plan.loss(values, mask, [0, 1, 2], torch.tensor([0, 2, 5]))
+    with pytest.raises(ValueError, match="samples selects 1"):
+        plan.metrics({"kl": values}, mask, [0], torch.tensor([0, 2, 5]))
 
 
 MICRO_BATCH_POSITIONS_REFUSED = [
