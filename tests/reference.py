@@ -1,4 +1,4 @@
-"""Float64 pure-PyTorch reference for the native ops, written for clarity (SPEC §3, §5).
+"""Float64 pure-PyTorch reference for the native ops, written for clarity (the semantics of docs/ops.md).
 
 It shares no code with the kernels it checks.
 """

@@ -5,7 +5,7 @@ Each process runs a real ``GRPOTrainer.train()`` step on its share of the genera
 batch; TRL gathers rewards for the advantages, the adapter gathers token counts for the
 step's denominators, DDP averages the gradients over the processes and the loss carries
 ``* num_processes``. Just before the optimizer, the gradient every process holds must be
-the gradient of J (SPEC §3) over the whole generation batch of both processes: computed
+the gradient of J (docs/modes.md) over the whole generation batch of both processes: computed
 here independently, per process for its own completions (ratio 1 at the first step, so
 the per-token loss is ``-A * exp(logp - logp.detach())``) and summed over the processes.
 This exercises TRL's number-of-items and DP-averaging conventions instead of assuming them.
