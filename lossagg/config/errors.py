@@ -3,9 +3,10 @@ with its field path (and the source), "did you mean" for near misses."""
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterable
-from typing import Any
+
+# the wording shared with the registry and the step totals is lossagg/messages.py's (still importable from here)
+from lossagg.messages import MAX_QUOTED, did_you_mean, short_repr  # noqa: F401
 
 
 class ConfigError(ValueError):
@@ -23,7 +24,6 @@ class ConfigError(ValueError):
             super().__init__(header + "\n  " + "\n  ".join(lines))
 
 
-MAX_QUOTED = 80  # characters of a user's value quoted in a message
 #: Integer literals longer than this many digits are not converted (Python refuses over 4300
 #: by default, and the conversion costs quadratic time): they are kept as a HugeInt, so the
 #: error names the setting.
@@ -38,28 +38,6 @@ class HugeInt:
 
     def __repr__(self) -> str:
         return f"<an integer of {self.digits} digits>"
-
-
-def short_repr(value: Any, limit: int = MAX_QUOTED, quote: bool = True) -> str:
-    """``repr(value)`` (or the string itself) cut to ``limit`` characters, without building
-    the repr of a huge or deeply nested value."""
-    if isinstance(value, (dict, list, tuple, set)) and len(value) > 8:
-        return f"<{type(value).__name__} of {len(value)} items>"
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
-        return f"<an integer of {value.bit_length()} bits>"
-    try:
-        text = repr(value) if quote else str(value)
-    except (RecursionError, ValueError):
-        return f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def did_you_mean(name: Any, candidates: Iterable[Any]) -> str:
-    """`` (did you mean 'x'?)`` for a close candidate, else ``""``; only for short strings."""
-    if not isinstance(name, str) or len(name) > 64:
-        return ""
-    close = difflib.get_close_matches(name, [c for c in candidates if isinstance(c, str)], n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def issues_from_validation(

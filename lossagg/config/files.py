@@ -26,7 +26,8 @@ from typing import Any
 
 import yaml
 
-from lossagg.config.errors import MAX_INT_DIGITS, ConfigError, HugeInt, did_you_mean, short_repr
+from lossagg.config.errors import MAX_INT_DIGITS, ConfigError, HugeInt
+from lossagg.messages import did_you_mean, short_repr
 
 if sys.version_info >= (3, 11):
     import tomllib
