@@ -1,4 +1,4 @@
-"""Context parallel (CP) in the load-balanced "zigzag" layout (SPEC §4).
+"""Context parallel (CP) in the load-balanced "zigzag" layout (docs/composition.md).
 
 Each sequence is padded to a multiple of ``2 cp`` tokens and cut into ``2 cp`` equal
 chunks; CP rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r``. Denominators stay global
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from lossagg.layout import check_cu_seqlens
+from lossagg.validate import check_cu_seqlens
 
 
 def _check_int(name: str, value, least: int) -> int:

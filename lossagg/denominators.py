@@ -1,4 +1,4 @@
-"""Per-sample global denominators ``d[i]`` (``sample_denoms``) of SPEC §3.
+"""Per-sample global denominators ``d[i]`` (``sample_denoms``), as docs/modes.md defines them.
 
 ``d[i]`` is made of step totals and the sample's own token count; which totals, for each
 mode, is the mode's entry in :mod:`lossagg.modes`. :func:`plan_totals` gathers them (from
@@ -17,67 +17,7 @@ import torch
 
 from lossagg.modes import METRIC_MODE, DenomInputs, ModeSpec, mode_spec
 from lossagg.totals import RankShare, StepTotals, check_group_label_count, gather_totals
-
-
-def _as_tensor(name: str, value, what: str, device=None) -> torch.Tensor:
-    """``value`` as a dense tensor holding data (a meta or sparse tensor is refused by name)."""
-    if isinstance(value, torch.Tensor):
-        if value.layout != torch.strided:
-            raise TypeError(f"{name} must be a dense (strided) tensor, got layout {value.layout}: pass {name}.to_dense()")
-        if value.device.type == "meta":
-            raise ValueError(f"{name} must hold data (a CPU or CUDA tensor), got a meta tensor")
-        return value if device is None else value.to(device)
-    try:
-        return torch.as_tensor(value, device=device)
-    except (TypeError, ValueError, RuntimeError, OverflowError):
-        raise TypeError(f"{name} must be {what}, got {type(value).__name__}") from None
-
-
-def check_token_counts(token_counts, name: str = "token_counts") -> torch.Tensor:
-    """Per-sample token counts as a float64 ``[N]`` tensor; real, finite and >= 0 (``name`` is the user's argument)."""
-    counts = _as_tensor(name, token_counts, "a 1-D tensor of per-sample token counts")
-    if counts.is_complex() or counts.dtype == torch.bool:
-        raise TypeError(f"{name} must hold real numbers (token counts), got dtype {counts.dtype}")
-    if counts.dim() != 1:
-        raise ValueError(f"{name} must be a 1-D [N] tensor of per-sample token counts, got shape {tuple(counts.shape)}")
-    if counts.device.type == "meta":
-        raise ValueError(f"{name} must hold data (a CPU or CUDA tensor), got a meta tensor")
-    if counts.is_floating_point() and not torch.isfinite(counts).all():
-        raise ValueError(f"{name} must be finite")
-    if counts.numel() and counts.min() < 0:
-        raise ValueError(f"{name} must be >= 0, got a minimum of {counts.min().item()!r}")
-    return counts.to(torch.float64)
-
-
-def check_group_index(group_index, num_samples: int, device=None, mode: str = "prompt_mean") -> torch.Tensor:
-    """``group_index`` validated: present (required by modes with prompt groups), one integer per sample."""
-    if group_index is None:
-        raise ValueError(
-            f"group_index is required under mode={mode}: every sample needs the index of its prompt group "
-            "(samples without one are never grouped silently)"
-        )
-    group_index = _as_tensor(
-        "group_index", group_index, "a 1-D tensor of integer prompt-group indices (map prompt ids such as strings to integers first)", device
-    )
-    if group_index.dim() != 1 or group_index.shape[0] != num_samples:
-        raise ValueError(f"group_index must be a 1-D tensor with one entry per sample (N = {num_samples}), got shape {tuple(group_index.shape)}")
-    if group_index.is_floating_point() or group_index.is_complex() or group_index.dtype == torch.bool:
-        raise TypeError(f"group_index must hold integers, got dtype {group_index.dtype}")
-    return group_index
-
-
-def check_group_sizes(labels: torch.Tensor, sizes: torch.Tensor, n_samples_per_prompt: int | None) -> None:
-    """Every group present in the step holds exactly ``n_samples_per_prompt`` samples."""
-    if n_samples_per_prompt is None:
-        return
-    wrong = (sizes > 0) & (sizes != n_samples_per_prompt)
-    if wrong.any():
-        first = int(torch.nonzero(wrong)[0, 0])
-        raise ValueError(
-            f"prompt_mean needs whole prompt groups of n_samples_per_prompt = {n_samples_per_prompt} samples in "
-            f"the step; group {int(labels[first])} has {int(sizes[first])} sample(s) "
-            f"({int(wrong.sum())} group(s) of the wrong size)"
-        )
+from lossagg.validate import check_group_index, check_group_sizes, check_token_counts  # shared with the step totals
 
 
 def check_divisor(spec: ModeSpec, divisor) -> None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 
 from lossagg import _native  # noqa: F401  (registers torch.ops.lossagg)
+from lossagg.dtypes import MASK_DTYPES, VALUE_DTYPES, values_dtype_error
+from lossagg.validate import check_cu_seqlens
 
 __all__ = ["segment_sum", "reduce"]
 
@@ -184,8 +186,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 # The fakes (meta tensors, torch.compile) check what the native kernels check without
 # reading data: dtypes, shapes, devices, with the same messages; so a mistake is named
 # at trace time instead of surfacing as a backend failure or an uninitialised result.
-_VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, *_VALUE_DTYPES)
+# The dtypes they accept are lossagg/dtypes.py's (the one list of the Python side).
 
 
 def _fail(kind, op: str, message: str):
@@ -206,14 +207,14 @@ def _check_cu_seqlens(op, cu_seqlens, like):
 
 
 def _check_mask_dtype(op, mask):
-    if mask.dtype not in _MASK_DTYPES:
+    if mask.dtype not in MASK_DTYPES:
         _fail(TypeError, op, f"mask must have dtype bool, an integer dtype (uint8, int8/16/32/64) or a floating dtype, got {mask.dtype}")
 
 
 def _token_layout(op, values, mask, cu_seqlens, allow_metric_dim):
     """(B, has_metric_dim) of a forward call, checked."""
-    if values.dtype not in _VALUE_DTYPES:
-        _fail(TypeError, op, f"values must have dtype float32, bfloat16, float16 or float64, got {values.dtype}")
+    if values.dtype not in VALUE_DTYPES:
+        _fail(TypeError, op, values_dtype_error("values", values.dtype))
     _check_mask_dtype(op, mask)
     _check_device(op, "mask", mask, values, "values")
     token_dims = 1 if cu_seqlens is not None else 2
@@ -311,8 +312,6 @@ def _token_counts_composite(mask, cu_seqlens):
     dtype = torch.int32 if mask.shape[0] < 2**31 - 1 else torch.int64
     prefix = torch.zeros(mask.shape[0] + 1, dtype=dtype, device=mask.device)
     torch.cumsum(kept, 0, dtype=dtype, out=prefix[1:])
-    from lossagg.layout import check_cu_seqlens
-
     cu = check_cu_seqlens(cu_seqlens, mask.shape[0]).long()  # read on the host, as the native checks do
     return (prefix[cu[1:]] - prefix[cu[:-1]]).long()
 

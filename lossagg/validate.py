@@ -1,5 +1,8 @@
-"""Argument checks shared by the adapters: numbers given as Python, NumPy or 0-dim tensor
-values, each error naming the argument the user typed, what was expected and what came."""
+"""Argument checks shared by every layer that takes a user's data: numbers given as Python,
+NumPy or 0-dim tensor values, per-sample token counts and prompt groups, ``cu_seqlens``; each
+error names the argument the user typed, what was expected and what came. A leaf: it imports
+torch and nothing of lossagg, so the ops, the step totals, the planner and the adapters all
+check with it."""
 
 from __future__ import annotations
 
@@ -60,3 +63,84 @@ def as_tensor(name: str, value, *, dims: int | None = None) -> torch.Tensor:
     if dims is not None and value.dim() != dims:
         raise ValueError(f"{name} must be a {dims}-D tensor, got shape {tuple(value.shape)}")
     return value
+
+
+def _as_tensor(name: str, value, what: str, device=None) -> torch.Tensor:
+    """``value`` as a dense tensor holding data (a meta or sparse tensor is refused by name)."""
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided:
+            raise TypeError(f"{name} must be a dense (strided) tensor, got layout {value.layout}: pass {name}.to_dense()")
+        if value.device.type == "meta":
+            raise ValueError(f"{name} must hold data (a CPU or CUDA tensor), got a meta tensor")
+        return value if device is None else value.to(device)
+    try:
+        return torch.as_tensor(value, device=device)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__}") from None
+
+
+def check_token_counts(token_counts, name: str = "token_counts") -> torch.Tensor:
+    """Per-sample token counts as a float64 ``[N]`` tensor; real, finite and >= 0 (``name`` is the user's argument)."""
+    counts = _as_tensor(name, token_counts, "a 1-D tensor of per-sample token counts")
+    if counts.is_complex() or counts.dtype == torch.bool:
+        raise TypeError(f"{name} must hold real numbers (token counts), got dtype {counts.dtype}")
+    if counts.dim() != 1:
+        raise ValueError(f"{name} must be a 1-D [N] tensor of per-sample token counts, got shape {tuple(counts.shape)}")
+    if counts.device.type == "meta":
+        raise ValueError(f"{name} must hold data (a CPU or CUDA tensor), got a meta tensor")
+    if counts.is_floating_point() and not torch.isfinite(counts).all():
+        raise ValueError(f"{name} must be finite")
+    if counts.numel() and counts.min() < 0:
+        raise ValueError(f"{name} must be >= 0, got a minimum of {counts.min().item()!r}")
+    return counts.to(torch.float64)
+
+
+def check_group_index(group_index, num_samples: int, device=None, mode: str = "prompt_mean") -> torch.Tensor:
+    """``group_index`` validated: present (required by modes with prompt groups), one integer per sample."""
+    if group_index is None:
+        raise ValueError(
+            f"group_index is required under mode={mode}: every sample needs the index of its prompt group "
+            "(samples without one are never grouped silently)"
+        )
+    group_index = _as_tensor(
+        "group_index", group_index, "a 1-D tensor of integer prompt-group indices (map prompt ids such as strings to integers first)", device
+    )
+    if group_index.dim() != 1 or group_index.shape[0] != num_samples:
+        raise ValueError(f"group_index must be a 1-D tensor with one entry per sample (N = {num_samples}), got shape {tuple(group_index.shape)}")
+    if group_index.is_floating_point() or group_index.is_complex() or group_index.dtype == torch.bool:
+        raise TypeError(f"group_index must hold integers, got dtype {group_index.dtype}")
+    return group_index
+
+
+def check_group_sizes(labels: torch.Tensor, sizes: torch.Tensor, n_samples_per_prompt: int | None) -> None:
+    """Every group present in the step holds exactly ``n_samples_per_prompt`` samples."""
+    if n_samples_per_prompt is None:
+        return
+    wrong = (sizes > 0) & (sizes != n_samples_per_prompt)
+    if wrong.any():
+        first = int(torch.nonzero(wrong)[0, 0])
+        raise ValueError(
+            f"prompt_mean needs whole prompt groups of n_samples_per_prompt = {n_samples_per_prompt} samples in "
+            f"the step; group {int(labels[first])} has {int(sizes[first])} sample(s) "
+            f"({int(wrong.sum())} group(s) of the wrong size)"
+        )
+
+
+def check_cu_seqlens(cu_seqlens, num_tokens: int | None = None, *, name: str = "cu_seqlens") -> torch.Tensor:
+    """``cu_seqlens`` validated for the Python helpers: a 1-D integer tensor starting at 0,
+    non-decreasing, ending at ``num_tokens`` when given. Reads the data (a host sync on CUDA)."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{name} must be a 1-D int32/int64 tensor [B+1], got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must have dtype int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"{name} must be a 1-D [B+1] tensor with at least one element, got shape {tuple(cu_seqlens.shape)}")
+    if int(cu_seqlens[0]) != 0:
+        raise ValueError(f"{name}[0] must be 0, got {int(cu_seqlens[0])}")
+    steps = cu_seqlens[1:] - cu_seqlens[:-1]
+    if steps.numel() and int(steps.min()) < 0:
+        i = int(torch.nonzero(steps < 0)[0, 0]) + 1
+        raise ValueError(f"{name} must be non-decreasing, got {name}[{i}] = {int(cu_seqlens[i])} < {name}[{i - 1}] = {int(cu_seqlens[i - 1])}")
+    if num_tokens is not None and int(cu_seqlens[-1]) != num_tokens:
+        raise ValueError(f"{name}[-1] must equal the number of tokens T = {num_tokens}, got {int(cu_seqlens[-1])}")
+    return cu_seqlens
