@@ -2,8 +2,20 @@
 
 ``import lossagg`` loads the native library, which registers ``torch.ops.lossagg.*``, and
 the ops' fake kernels (:mod:`lossagg.ops`), so ``torch.compile`` and ``opcheck`` of
-``torch.ops.lossagg.*`` work right after it. Public names are loaded from their modules
-on first use; where torch is not installed, the configuration (:mod:`lossagg.config`, :mod:`lossagg.modes`) still works.
+``torch.ops.lossagg.*`` work right after it, and the configuration (:mod:`lossagg.config`),
+which adds its check of new modes to the registry. Other public names are loaded from their
+modules on first use; where torch is not installed, the configuration (:mod:`lossagg.config`,
+:mod:`lossagg.modes`) still works.
+
+The modules form layers, bottom up; a module imports only from its own layer or the ones
+before it, and never in a circle (tests/test_import_graph.py checks both against this list):
+
+1. leaves: env, messages, dtypes, validate, _build_info
+2. declarations (no torch at import): totals, modes
+3. configuration (no torch): config.errors, config.files, config.model, config.flags, config
+4. native ops: _native, ops
+5. planning: layout, context_parallel, denominators, step, aggregate, testing
+6. front ends: integrations, integrations.verl, integrations.megatron, integrations.trl, demo.report, demo.train, demo, cli, __main__, lossagg
 """
 
 from __future__ import annotations
@@ -22,6 +34,10 @@ else:
     # the native library (torch.ops.lossagg.*) and, with it, the ops' fake kernels: an op
     # without its fake fails under torch.compile and FakeTensorMode
     from lossagg import ops  # noqa: F401
+
+# the configuration, which adds its check of new modes to the registry (lossagg.modes.register_mode
+# refuses a mode whose example_settings do not make a valid config): in place before any registration
+from lossagg import config  # noqa: F401
 
 # public name -> module that defines it
 _EXPORTS = {

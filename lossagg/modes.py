@@ -1,4 +1,4 @@
-"""The aggregation modes: a registry, one entry per mode (SPEC §3).
+"""The aggregation modes: a registry, one entry per mode (docs/modes.md is its table).
 
 Every mode is ``J = sum_i (sum_t m*l) / d[i]``; an entry (:class:`ModeSpec`) says what its
 per-sample denominator ``d[i]`` is made of: the step totals it needs (names from the
@@ -18,6 +18,10 @@ Notation: ``N`` samples in the step, ``P`` prompt groups present, ``T`` rollout 
 ``L_max`` the longest sample's rollout tokens, ``M[i]`` sample i's rollout token count,
 ``Sg[g]`` the rollout tokens of group g, ``L`` the constant divisor, ``c(x) = max(x, 1)``.
 Importing this module does not import torch.
+
+The registry sits below the configuration, which reads it; registering a mode also runs the
+checks the layers above add with :func:`add_registration_check` (the configuration adds
+one: a new mode's ``example_settings`` must make a valid config).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from lossagg.messages import did_you_mean
 from lossagg.totals import TOTALS, StepTotals, needs_groups
 
 
@@ -71,7 +76,7 @@ class ModeSpec:
 
     name: str  # lower case, [a-z][a-z0-9_]*
     summary: str  # one line: what it is
-    formula: str  # J, as SPEC §3 writes it
+    formula: str  # J, as docs/modes.md writes it
     denom_formula: str  # d[i]
     totals: tuple[str, ...]  # the step totals d[i] is made of (names in lossagg.totals.TOTALS)
     denoms: Callable[[DenomInputs], Any]  # d[i] for this rank's samples, float64
@@ -260,7 +265,7 @@ ALIASES: Mapping[str, Alias] = MappingProxyType(_ALIASES)
 #: Names refused with the reason (their maths is not one of ours).
 REFUSED_NAMES: Mapping[str, str] = MappingProxyType(_REFUSED)
 DEFAULT_MODE = "sample_mean"
-#: The reducer of metrics other than the PG loss (SPEC §4).
+#: The reducer of metrics other than the PG loss (docs/composition.md, "Who divides by what").
 METRIC_MODE = "sample_mean"
 
 _NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
@@ -286,8 +291,6 @@ def _check_spec(spec: Any) -> None:
         raise ValueError(f"ModeSpec.totals of mode {name!r} must be a non-empty tuple of step total names ({', '.join(TOTALS)}), got {spec.totals!r}")
     for total in spec.totals:
         if total not in TOTALS:
-            from lossagg.config.errors import did_you_mean
-
             raise ValueError(
                 f"ModeSpec.totals of mode {name!r} names an unknown step total {total!r}{did_you_mean(total, TOTALS)}; "
                 f"the totals are {', '.join(TOTALS)}"
@@ -306,6 +309,22 @@ def _publish(registry: dict[str, ModeSpec]) -> None:
     _published = registry
 
 
+#: Checks a new mode must pass besides its entry's own shape, added by the layers above that
+#: read the registry (:func:`add_registration_check`); each raises on a mode it refuses. The
+#: configuration adds one when it is imported, and ``lossagg/__init__.py`` imports it, so it is
+#: in place before any mode can be registered.
+_REGISTRATION_CHECKS: list[Callable[[ModeSpec], None]] = []
+
+
+def add_registration_check(check: Callable[[ModeSpec], None]) -> None:
+    """Run ``check(spec)`` on every mode registered from now on, with the mode already in the
+    registry (so the check can read it there as any user would); an exception it raises
+    refuses the mode, which is then removed."""
+    with _LOCK:
+        if check not in _REGISTRATION_CHECKS:
+            _REGISTRATION_CHECKS.append(check)
+
+
 def register_mode(spec: ModeSpec) -> ModeSpec:
     """Add a mode at run time; the config, planner, references, demo and adapters accept it at once.
 
@@ -315,17 +334,16 @@ def register_mode(spec: ModeSpec) -> ModeSpec:
     the registry is per process. Safe from several threads: of concurrent registrations of
     one name exactly one succeeds, the others are refused.
     """
-    from lossagg.config import LossAggregationConfig
-
     with _LOCK:
         _check_spec(spec)
         before = _published
         _publish({**before, spec.name: spec})
         try:
-            LossAggregationConfig.from_dict({"mode": spec.name, **spec.example_settings})
-        except Exception as exc:
+            for check in _REGISTRATION_CHECKS:
+                check(spec)
+        except BaseException:
             _publish(before)
-            raise ValueError(f"ModeSpec.example_settings of mode {spec.name!r} do not make a valid config: {exc}") from None
+            raise
     return spec
 
 
@@ -377,6 +395,31 @@ def canonical_mode(name: Any, settings: Mapping[str, Any] = MappingProxyType({})
     if key.replace("-", "_") in registry:
         return key.replace("-", "_"), None
     return name, None
+
+
+def divisor_for(
+    spec: ModeSpec, given: float | None = None, default: float | None = None, *, alias: str | None = None, default_name: str = "a default"
+) -> float | None:
+    """The constant divisor ``L`` an adapter puts in its config for mode ``spec``: the one place
+    that decides where a divisor comes from, for every adapter (verl, TRL, the demo, the figures).
+
+    None when the mode takes no divisor. Otherwise the user's ``given`` divisor when there is
+    one (verl's ``loss_scale_factor``), else None when the ``alias`` the user named implies one
+    (the config applies the alias's own and notes it), else the adapter's ``default`` (verl:
+    the padded width; TRL: ``max_completion_length``; the demo: its longest response; the
+    figures: the step's longest). A mode that takes a divisor with none of them is a
+    ValueError naming ``default_name``. The number itself is checked where it is used (the
+    config: finite and > 0).
+    """
+    if not spec.needs_divisor:
+        return None
+    if given is not None:
+        return float(given)
+    if alias is not None and "divisor" in _ALIASES[alias].implies:
+        return None
+    if default is None:
+        raise ValueError(f"mode={spec.name} divides by {default_name}, which is not set")
+    return float(default)
 
 
 for _spec in _ENTRIES:

@@ -1,4 +1,4 @@
-"""The step totals a mode's denominators are made of, declared as one table (SPEC §3, §4).
+"""The step totals a mode's denominators are made of, declared as one table (docs/modes.md, "Step totals").
 
 Each :class:`StepTotal` says what the number is, how a rank computes its share from its own
 samples, how ranks combine their shares (``sum`` or ``max``), and how a value handed to
@@ -12,7 +12,9 @@ Inside a mode's ``denoms`` the totals are read as attributes (``x.totals.num_sam
 reading one the mode did not declare is an error, so a mode cannot silently depend on a
 number the planner never gathered across ranks.
 
-Importing this module does not import torch (the configuration works without it).
+Importing this module does not import torch (the configuration works without it): the
+totals' shares and checks reach torch, and lossagg's argument checks (:mod:`lossagg.validate`,
+which import it), through :func:`_torch` and :func:`_checks` when they first run.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
+
+from lossagg.messages import did_you_mean
 
 COMBINES = ("sum", "max")
 # A bound on the group labels of one step (the all-reduce buffer holds two float64 per label):
@@ -107,9 +111,15 @@ class StepTotals(Mapping):
 
 # ------------------------------------------------------------ rank shares and checks
 def _torch():
-    import torch
+    import torch  # deferred: the configuration imports this module and works without torch
 
     return torch
+
+
+def _checks():
+    from lossagg import validate  # deferred: it imports torch (see _torch)
+
+    return validate
 
 
 def _scalar(value) -> Any:
@@ -129,17 +139,13 @@ def _group_token_sums(share: RankShare):
 
 
 def _num_groups(sizes, share: RankShare) -> int:
-    from lossagg.denominators import check_group_sizes
-
-    check_group_sizes(share.group_labels, sizes.long(), share.n_samples_per_prompt)
+    _checks().check_group_sizes(share.group_labels, sizes.long(), share.n_samples_per_prompt)
     return int((sizes > 0).sum().item())
 
 
 def _given_num_samples(value, share: RankShare) -> int:
-    from lossagg.validate import as_int
-
     n = share.token_counts.shape[0]
-    value = as_int("num_samples", value, minimum=0)
+    value = _checks().as_int("num_samples", value, minimum=0)
     if value < n:
         raise ValueError(f"num_samples (N, the step's samples) must be >= this rank's {n} sample(s), got {value}")
     return value
@@ -147,9 +153,7 @@ def _given_num_samples(value, share: RankShare) -> int:
 
 def _given_at_least_local(name: str, what: str, local: Callable[[Any], float]) -> Callable[[Any, RankShare], float]:
     def check(value, share: RankShare) -> float:
-        from lossagg.validate import as_number
-
-        number = as_number(name, value, positive=False)
+        number = _checks().as_number(name, value, positive=False)
         own = local(share.token_counts)
         if number < own:
             raise ValueError(f"{name} ({what}) must be >= this rank's own {own:g}, got {value!r}")
@@ -159,16 +163,12 @@ def _given_at_least_local(name: str, what: str, local: Callable[[Any], float]) -
 
 
 def _given_num_groups(value, share: RankShare) -> int:
-    from lossagg.validate import as_int
-
-    return as_int("num_groups", value, minimum=1 if share.token_counts.shape[0] else 0)
+    return _checks().as_int("num_groups", value, minimum=1 if share.token_counts.shape[0] else 0)
 
 
 def _given_group_token_sums(value, share: RankShare):
-    from lossagg.denominators import check_token_counts
-
     counts = share.token_counts
-    sums = check_token_counts(value, name="group_token_sums").to(counts.device)
+    sums = _checks().check_token_counts(value, name="group_token_sums").to(counts.device)
     if sums.shape != counts.shape:
         raise ValueError(f"group_token_sums must have one entry per local sample ({counts.shape[0]}), got shape {tuple(sums.shape)}")
     short = sums < counts
@@ -280,8 +280,7 @@ def gather_totals(names: Iterable[str], share: RankShare, process_group=None, mo
         shares = [t.share(share).to(torch.float64).reshape(-1) for t in group]
         buf = torch.cat(shares)
         if process_group is not None:
-            import torch.distributed as dist
-
+            dist = torch.distributed
             dist.all_reduce(buf, op=dist.ReduceOp.SUM if combine == "sum" else dist.ReduceOp.MAX, group=process_group)
         for t, piece in zip(group, buf.split([s.numel() for s in shares]), strict=True):
             values[t.name] = t.value(piece, share)
@@ -297,8 +296,6 @@ def given_totals(names: Iterable[str], given: Mapping[str, Any], share: RankShar
     """
     unknown = [k for k in given if k not in TOTALS]
     if unknown:
-        from lossagg.config.errors import did_you_mean
-
         raise TypeError(f"unknown step total {unknown[0]!r}{did_you_mean(unknown[0], TOTALS)}; the totals are {', '.join(TOTALS)}")
     wanted = list(dict.fromkeys(names))
     missing = [name for name in wanted if given.get(name) is None]

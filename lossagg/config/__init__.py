@@ -1,4 +1,4 @@
-"""The configuration front end (SPEC §6): the model and its rules (:mod:`.model`), file
+"""The configuration front end (docs/config.md): the model and its rules (:mod:`.model`), file
 loading (:mod:`.files`), argparse flags (:mod:`.flags`) and error wording (:mod:`.errors`).
 
 Importing it does not import torch: ``lossagg check`` and config-only tools stay light.

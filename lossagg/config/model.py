@@ -1,7 +1,7 @@
-"""``LossAggregationConfig``: the pydantic model and its rules (SPEC §6).
+"""``LossAggregationConfig``: the pydantic model and its rules (docs/config.md).
 
 * ``mode``: the name of a registered mode (:data:`lossagg.modes.MODES`, default
-  ``sample_mean``), read from the registry when validated, so a mode added with
+  :data:`lossagg.modes.DEFAULT_MODE`), read from the registry when validated, so a mode added with
   :func:`lossagg.register_mode` is accepted at once (the JSON Schema lists it too); other
   trainers' names for the same maths are accepted and mapped (:data:`lossagg.modes.ALIASES`),
   names whose maths differ are refused with the reason (:data:`lossagg.modes.REFUSED_NAMES`).
@@ -9,8 +9,9 @@
 * ``divisor`` (L): required, finite and > 0 with a mode that needs it (``constant``);
   an error with any other mode.
 * ``calculate_per_token_loss`` (legacy Megatron flag): with ``mode`` unset, ``true`` means
-  ``token_mean``; with ``token_mean`` it is consistent; with another mode set explicitly it
-  is an error. The resolved config has it true exactly under ``token_mean``.
+  the mode of Megatron's per-token loss (the registry's ``per_token`` alias); with that mode
+  it is consistent; with another mode set explicitly it is an error. The resolved config has
+  it true exactly under that mode.
 * ``n_samples_per_prompt >= 1`` or unset (groups of any size); under a mode with prompt
   groups a ``global_batch_size`` must be a multiple of it.
 * Unknown keys are errors ("did you mean"); every error is reported at once, with its
@@ -18,6 +19,10 @@
 
 How the input was resolved is never hidden: ``config.resolution_notes`` lists every
 rewrite (a migration name, the legacy flag), and ``lossagg check`` prints it.
+
+Importing this module adds the config's check of new modes to the registry
+(:func:`lossagg.modes.add_registration_check`): a mode's ``example_settings`` must make a
+valid config.
 """
 
 from __future__ import annotations
@@ -29,11 +34,13 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr, StrictBool, StrictFloat, StrictInt, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
-from lossagg.config.errors import ConfigError, issues_from_validation, short_repr
+from lossagg.config.errors import ConfigError, issues_from_validation
 from lossagg.config.files import read_file, select_section
-from lossagg.modes import ALIASES, DEFAULT_MODE, MODES, canonical_mode, mode_spec
+from lossagg.messages import short_repr
+from lossagg.modes import ALIASES, DEFAULT_MODE, MODES, ModeSpec, add_registration_check, canonical_mode, mode_spec
 
-_TOKEN_MEAN = "token_mean"
+# The mode the legacy flag calculate_per_token_loss means: Megatron's per-token loss, as the registry maps it.
+_PER_TOKEN_MODE = ALIASES["per_token"].mode
 # Sample counts travel in float64 between ranks: exact up to 2**53.
 MAX_COUNT = 2**53
 
@@ -77,7 +84,7 @@ def _canonical_mode_name(data: Any) -> tuple[Any, str | None]:
 
 
 class LossAggregationConfig(BaseModel):
-    """How per-token policy-gradient losses are reduced to the step scalar J (SPEC §3, §6)."""
+    """How per-token policy-gradient losses are reduced to the step scalar J (docs/modes.md; its rules: docs/config.md)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)
 
@@ -85,7 +92,7 @@ class LossAggregationConfig(BaseModel):
     divisor: StrictFloat | None = Field(
         None, gt=0, allow_inf_nan=False, description="The constant divisor L of mode=constant (finite, > 0); an error with other modes."
     )
-    calculate_per_token_loss: StrictBool | None = Field(None, description="Legacy Megatron flag; true means token_mean when mode is unset.")
+    calculate_per_token_loss: StrictBool | None = Field(None, description=f"Legacy Megatron flag; true means {_PER_TOKEN_MODE} when mode is unset.")
     n_samples_per_prompt: StrictInt | None = Field(
         None, ge=1, le=MAX_COUNT, description="Samples per prompt group (n); when given, every group of a step must hold exactly n samples."
     )
@@ -109,17 +116,17 @@ class LossAggregationConfig(BaseModel):
                     notes.append(f"{key}={value} implied by mode {migrated!r}")
         mode = model.mode
         if model.calculate_per_token_loss is True and "mode" not in model.model_fields_set:
-            mode = _TOKEN_MEAN
-            notes.append("mode unset and calculate_per_token_loss=true: resolved to token_mean")
+            mode = _PER_TOKEN_MODE
+            notes.append(f"mode unset and calculate_per_token_loss=true: resolved to {_PER_TOKEN_MODE}")
         problems = _rule_problems(model, mode)
         if problems:
             raise PydanticCustomError(
                 "loss_aggregation_rules", "{summary}", {"summary": "; ".join(f"{p}: {m}" for p, m, _ in problems), "problems": problems}
             )
         # The resolved settings are validated once more (into the same instance): the mode
-        # the legacy flag chose, and the flag derived from the mode (true exactly under token_mean).
+        # the legacy flag chose, and the flag derived from the mode (true exactly under _PER_TOKEN_MODE).
         resolved = {name: getattr(model, name) for name in model.model_fields_set}
-        resolved.update(mode=mode, calculate_per_token_loss=mode == _TOKEN_MEAN)
+        resolved.update(mode=mode, calculate_per_token_loss=mode == _PER_TOKEN_MODE)
         model = handler(resolved)
         model._notes = tuple(notes)
         return model
@@ -178,19 +185,19 @@ def _rule_problems(model: LossAggregationConfig, mode) -> list[tuple[str, str, t
     flag = model.calculate_per_token_loss
     # what the resolved mode depends on: the flag too only when no mode was given
     by = ("mode",) if "mode" in model.model_fields_set else ("mode", "calculate_per_token_loss")
-    if flag is True and mode != _TOKEN_MEAN:
+    if flag is True and mode != _PER_TOKEN_MODE:
         problems.append(
             (
                 "calculate_per_token_loss",
-                f"calculate_per_token_loss=true contradicts mode={mode} (it means token_mean); drop the flag or set mode=token_mean",
+                f"calculate_per_token_loss=true contradicts mode={mode} (it means {_PER_TOKEN_MODE}); drop the flag or set mode={_PER_TOKEN_MODE}",
                 ("mode", "calculate_per_token_loss"),
             )
         )
-    elif flag is False and "calculate_per_token_loss" in model.model_fields_set and mode == _TOKEN_MEAN:
+    elif flag is False and "calculate_per_token_loss" in model.model_fields_set and mode == _PER_TOKEN_MODE:
         problems.append(
             (
                 "calculate_per_token_loss",
-                "calculate_per_token_loss=false contradicts mode=token_mean; drop the flag",
+                f"calculate_per_token_loss=false contradicts mode={_PER_TOKEN_MODE}; drop the flag",
                 ("mode", "calculate_per_token_loss"),
             )
         )
@@ -219,3 +226,14 @@ def _rule_problems(model: LossAggregationConfig, mode) -> list[tuple[str, str, t
 
 def _issues(exc: ValidationError, invalid=()) -> list[tuple[str, str]]:
     return issues_from_validation(exc, fields=LossAggregationConfig.model_fields, modes=tuple(MODES), migration_names=tuple(ALIASES), invalid=invalid)
+
+
+def _check_example_settings(spec: ModeSpec) -> None:
+    """A new mode's ``example_settings`` make a valid config (run by :func:`lossagg.modes.register_mode`)."""
+    try:
+        LossAggregationConfig.from_dict({"mode": spec.name, **spec.example_settings})
+    except Exception as exc:
+        raise ValueError(f"ModeSpec.example_settings of mode {spec.name!r} do not make a valid config: {exc}") from None
+
+
+add_registration_check(_check_example_settings)
