@@ -1,4 +1,4 @@
-"""Step planning across micro-batches and data-parallel (DP) ranks (SPEC §4).
+"""Step planning across micro-batches and data-parallel (DP) ranks (docs/composition.md).
 
 A :class:`StepPlan` is built once per optimizer step on each rank from the rollout token
 counts ``M[i]`` of all of this rank's samples. With a DP process group it gathers the step
@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from lossagg.config import LossAggregationConfig
-from lossagg.denominators import check_token_counts, denoms_from_totals, plan_totals, rank_share
+from lossagg.denominators import denoms_from_totals, plan_totals, rank_share
 from lossagg.layout import token_counts as _token_counts
-from lossagg.modes import METRIC_MODE, mode_spec
+from lossagg.modes import METRIC_MODE, ModeSpec, mode_spec
 from lossagg.ops import reduce, segment_sum
-from lossagg.totals import RankShare, StepTotals, given_totals
-from lossagg.validate import as_int
+from lossagg.totals import RankShare, given_totals
+from lossagg.validate import as_int, check_token_counts
 
 GRADIENT_CONVENTIONS = ("sum", "mean", "micro_batch_mean", "megatron")
 
@@ -44,6 +45,31 @@ def _as_config(config) -> LossAggregationConfig:
     if not isinstance(config, LossAggregationConfig):
         raise TypeError(f"config must be a LossAggregationConfig (or a mapping of its settings), got {type(config).__name__}")
     return config
+
+
+def _rank_share(spec: ModeSpec, config: LossAggregationConfig, counts: torch.Tensor, group_index, process_group, num_group_labels) -> RankShare:
+    """This rank's own data for the totals a plan gathers (its counts and, with prompt groups, their labels)."""
+    if num_group_labels is not None:
+        num_group_labels = as_int("num_group_labels", num_group_labels, minimum=1)
+    if spec.needs_groups and process_group is not None and num_group_labels is None:
+        if config.global_batch_size is None or config.n_samples_per_prompt is None:
+            raise ValueError(
+                f"with a process group, mode={spec.name} needs the number of group labels in the step: set global_batch_size and "
+                "n_samples_per_prompt in the config or pass num_group_labels"
+            )
+        num_group_labels = config.global_batch_size // config.n_samples_per_prompt
+        labels_from = "num_group_labels (global_batch_size // n_samples_per_prompt of the config)"
+    else:
+        labels_from = "num_group_labels"
+    return rank_share(
+        spec,
+        counts,
+        group_index,
+        n_samples_per_prompt=config.n_samples_per_prompt,
+        process_group=process_group,
+        num_group_labels=num_group_labels,
+        labels_from=labels_from,
+    )
 
 
 class StepPlan:
@@ -65,6 +91,10 @@ class StepPlan:
     ``plan.totals`` holds the step totals the mode declares and, gathered by every plan built
     here, ``num_samples`` and ``total_tokens`` (the metrics reducer and Megatron's
     per-token-loss scale use them), by name.
+
+    ``_totals`` is private: :meth:`from_totals` hands a trainer's step totals through it
+    (checked by :func:`lossagg.totals.given_totals` instead of gathered), so that every plan is
+    built by this one constructor.
     """
 
     def __init__(
@@ -75,40 +105,21 @@ class StepPlan:
         group_index: torch.Tensor | None = None,
         process_group=None,
         num_group_labels: int | None = None,
+        _totals: Mapping[str, Any] | None = None,
     ):
         config = _as_config(config)
         spec = mode_spec(config.mode)
         counts = check_token_counts(token_counts)
-        if num_group_labels is not None:
-            num_group_labels = as_int("num_group_labels", num_group_labels, minimum=1)
-        if spec.needs_groups and process_group is not None and num_group_labels is None:
-            if config.global_batch_size is None or config.n_samples_per_prompt is None:
-                raise ValueError(
-                    f"with a process group, mode={spec.name} needs the number of group labels in the step: set global_batch_size and "
-                    "n_samples_per_prompt in the config or pass num_group_labels"
-                )
-            num_group_labels = config.global_batch_size // config.n_samples_per_prompt
-            labels_from = "num_group_labels (global_batch_size // n_samples_per_prompt of the config)"
+        if _totals is not None:  # from_totals: the trainer's totals, checked against this rank's counts
+            share = RankShare(counts, n_samples_per_prompt=config.n_samples_per_prompt)
+            totals = given_totals(spec.totals, _totals, share, spec.name)
         else:
-            labels_from = "num_group_labels"
-        share = rank_share(
-            spec,
-            counts,
-            group_index,
-            n_samples_per_prompt=config.n_samples_per_prompt,
-            process_group=process_group,
-            num_group_labels=num_group_labels,
-            labels_from=labels_from,
-        )
-        self._setup(config, counts, plan_totals(spec, share, process_group))
-
-    def _setup(self, config: LossAggregationConfig, counts: torch.Tensor, totals: StepTotals) -> None:
-        """The one place a plan's state is set, whichever way its totals were obtained."""
+            totals = plan_totals(spec, _rank_share(spec, config, counts, group_index, process_group, num_group_labels), process_group)
         self.config = config
         self.token_counts = counts
         self.device = counts.device
         self.totals = totals
-        self.sample_denoms = denoms_from_totals(mode_spec(config.mode), counts, totals, config.divisor)
+        self.sample_denoms = denoms_from_totals(spec, counts, totals, config.divisor)
 
     @functools.cached_property
     def metric_denoms(self) -> torch.Tensor:
@@ -142,13 +153,7 @@ class StepPlan:
         for :meth:`metrics`; each value is checked against this rank's own ``token_counts``
         and against the others.
         """
-        config = _as_config(config)
-        spec = mode_spec(config.mode)
-        counts = check_token_counts(token_counts)
-        share = RankShare(counts, n_samples_per_prompt=config.n_samples_per_prompt)
-        plan = cls.__new__(cls)
-        plan._setup(config, counts, given_totals(spec.totals, totals, share, spec.name))
-        return plan
+        return cls(config, token_counts, _totals=totals)
 
     # ------------------------------------------------------------------- use
     def sample_denoms_for(self, samples: Samples, *, dtype=torch.float32, device=None) -> torch.Tensor:
