@@ -14,11 +14,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 import lossagg  # noqa: E402
+from lossagg.modes import divisor_for  # noqa: E402
 
 
 def token_weights(mode: str, lengths: torch.Tensor, n: int) -> torch.Tensor:
     """d J / d l[i, t] for a token of each sample: the per-token weight, from the plan's d[i]."""
-    extra = {"divisor": float(lengths.max())} if lossagg.MODES[mode].needs_divisor else {}
+    divisor = divisor_for(lossagg.MODES[mode], default=float(lengths.max()), default_name="the step's longest response")
+    extra = {} if divisor is None else {"divisor": divisor}
     config = lossagg.LossAggregationConfig(mode=mode, n_samples_per_prompt=n, **extra)
     group_index = torch.arange(lengths.numel()) // n
     plan = lossagg.StepPlan(config, lengths, group_index=group_index)

@@ -16,8 +16,10 @@ import time
 import torch
 from torch import nn
 
+from lossagg.config import LossAggregationConfig
 from lossagg.layout import cu_seqlens_from_lengths
-from lossagg.modes import MODES
+from lossagg.modes import MODES, divisor_for
+from lossagg.step import StepPlan
 
 A, B, EOS = 0, 1, 2
 VOCAB = 3
@@ -81,7 +83,8 @@ def rewards_for(k, tokens, lengths):
 
 def demo_settings(mode: str) -> dict:
     """Extra settings a mode needs in the demo: a constant divisor is the longest response."""
-    return {"divisor": float(MAX_LEN)} if MODES[mode].needs_divisor else {}
+    divisor = divisor_for(MODES[mode], default=MAX_LEN, default_name="the demo's MAX_LEN")
+    return {} if divisor is None else {"divisor": divisor}
 
 
 def pack(x, lengths):
@@ -127,12 +130,10 @@ def rollout(policy, prompts_per_step, n, generator):
 
 def invariance_check(policy, config, batch, clip):
     """One step's gradient unsplit vs split into 4 micro-batches: the same up to float error."""
-    import lossagg
-
     grads = []
     for micro_batches in (1, 4):
         policy.zero_grad()
-        plan = lossagg.StepPlan(config, batch["lengths"], group_index=batch["group_index"])
+        plan = StepPlan(config, batch["lengths"], group_index=batch["group_index"])
         pg_step_loss(policy, batch, plan, micro_batches, clip)
         grads.append(torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None]))
     policy.zero_grad()
@@ -143,8 +144,6 @@ def invariance_check(policy, config, batch, clip):
 
 
 def train_mode(mode, args, progress):
-    import lossagg
-
     torch.manual_seed(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
     policy = Policy()
@@ -153,7 +152,7 @@ def train_mode(mode, args, progress):
     if args.config_obj is not None and args.config_obj.mode == mode:
         config = args.config_obj
     else:
-        config = lossagg.LossAggregationConfig(mode=mode, n_samples_per_prompt=n, **demo_settings(mode))
+        config = LossAggregationConfig(mode=mode, n_samples_per_prompt=n, **demo_settings(mode))
     history = {"reward": [], "length": [], "grad_norm": [], "agg_share": []}
     invariance = None
     for step in range(args.steps):
@@ -161,7 +160,7 @@ def train_mode(mode, args, progress):
         batch = rollout(policy, args.prompts_per_step, n, generator)
         if invariance is None and step >= args.steps // 2:
             invariance = invariance_check(policy, config, batch, args.clip)
-        plan = lossagg.StepPlan(config, batch["lengths"], group_index=batch["group_index"])
+        plan = StepPlan(config, batch["lengths"], group_index=batch["group_index"])
         opt.zero_grad()
         _, agg_seconds = pg_step_loss(policy, batch, plan, args.micro_batches, args.clip)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), 1e9))

@@ -5,7 +5,8 @@ Switch with one line::
     # from trl import GRPOTrainer
     from lossagg.integrations.trl import GRPOTrainer
 
-``GRPOConfig.loss_type`` then accepts TRL's names and lossagg's:
+``GRPOConfig.loss_type`` then accepts TRL's names and lossagg's (the mode each TRL name
+becomes is the registry's alias of that name, :data:`lossagg.ALIASES`; :data:`TRL_LOSS_TYPES`):
 
 ============  ==============================================================================
 loss_type     aggregation (J of the whole optimizer step, on every rank and split)
@@ -13,12 +14,12 @@ loss_type     aggregation (J of the whole optimizer step, on every rank and spli
 grpo          ``sample_mean`` (TRL's maths; equal to TRL's result)
 dapo          ``token_mean`` over the step's tokens (TRL's maths; equal to TRL's result)
 dr_grpo       ``constant`` with divisor ``max_completion_length`` (equal to TRL's result)
-bnpo          ``token_mean`` over the *step's* tokens: TRL divides by each micro-batch's
+bnpo          what ``dapo`` is, over the *step's* tokens: TRL divides by each micro-batch's
               tokens, so its loss changes with the accumulation split; a warning says so
-sample_mean,  lossagg's modes; ``prompt_mean`` groups the ``num_generations`` completions of
-prompt_mean,  each prompt (TRL's advantage groups). ``constant`` takes its divisor from
-token_mean,   ``loss_aggregation`` or, by default, ``max_completion_length``
-constant
+a mode        any of lossagg's modes (:data:`lossagg.MODES`); a mode with prompt groups
+              groups the ``num_generations`` completions of each prompt (TRL's advantage
+              groups), a mode with a divisor takes it from ``loss_aggregation`` or, by
+              default, ``max_completion_length``
 ============  ==============================================================================
 
 A full :class:`lossagg.LossAggregationConfig` can be given instead with
@@ -63,15 +64,17 @@ except ImportError as exc:  # pragma: no cover - a TRL without GRPOTrainer, or o
     raise ImportError(f"lossagg.integrations.trl needs TRL with its GRPOTrainer (written against TRL 1.16): {exc}") from exc
 
 from lossagg.config import ConfigError, LossAggregationConfig
-from lossagg.modes import ALIASES, MODES, canonical_mode
+from lossagg.modes import ALIASES, MODES, canonical_mode, divisor_for
 from lossagg.ops import reduce
 from lossagg.step import StepPlan
 from lossagg.validate import as_int
 
 __all__ = ["GRPOTrainer", "TRL_LOSS_TYPES", "config_for_loss_type"]
 
-#: TRL loss types whose aggregation lossagg takes over, and the lossagg mode each becomes.
-TRL_LOSS_TYPES: Mapping[str, str] = {"grpo": "sample_mean", "dapo": "token_mean", "dr_grpo": "constant", "bnpo": "token_mean"}
+#: TRL loss types whose aggregation lossagg takes over, and the lossagg mode each becomes: the
+#: registry's alias of each name (the config refuses ``bnpo`` as a name; here it is taken as
+#: ``dapo``, with a warning).
+TRL_LOSS_TYPES: Mapping[str, str] = {**{name: ALIASES[name].mode for name in ("grpo", "dapo", "dr_grpo")}, "bnpo": ALIASES["dapo"].mode}
 # TRL objectives that are not the clipped surrogate this adapter computes.
 _OTHER_OBJECTIVES = ("cispo", "sapo", "vespo", "luspo")
 # Inputs TRL's _compute_loss forwards to the model (multimodal models); passed on when present.
@@ -106,7 +109,7 @@ def config_for_loss_type(loss_type: str, *, num_generations: int, max_completion
     mode = TRL_LOSS_TYPES.get(loss_type, loss_type)
     if loss_type == "bnpo":
         warnings.warn(
-            "loss_type='bnpo': lossagg divides by the tokens of the whole optimizer step (token_mean, the same as TRL's 'dapo'); "
+            f"loss_type='bnpo': lossagg divides by the tokens of the whole optimizer step ({mode}, the same as TRL's 'dapo'); "
             "TRL's 'bnpo' divides by each micro-batch's tokens, so its loss changes with the gradient-accumulation split",
             UserWarning,
             stacklevel=3,
@@ -116,10 +119,13 @@ def config_for_loss_type(loss_type: str, *, num_generations: int, max_completion
     except ValueError as exc:
         raise ValueError(f"loss_type={given!r}: {exc}") from None
     settings: dict[str, Any] = {"mode": mode}
-    if canonical in MODES and MODES[canonical].needs_divisor and not (alias and "divisor" in ALIASES[alias].implies):
-        if max_completion_length is None:
-            raise ValueError(f"loss_type={loss_type!r} divides by max_completion_length, which is not set in GRPOConfig")
-        settings["divisor"] = float(max_completion_length)
+    if canonical in MODES:
+        try:
+            divisor = divisor_for(MODES[canonical], default=max_completion_length, alias=alias, default_name="GRPOConfig.max_completion_length")
+        except ValueError as exc:
+            raise ValueError(f"loss_type={loss_type!r}: {exc}") from None
+        if divisor is not None:
+            settings["divisor"] = divisor
     try:
         config = LossAggregationConfig.from_dict(settings, source="GRPOConfig.loss_type")
     except ConfigError as exc:

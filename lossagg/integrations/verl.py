@@ -39,18 +39,14 @@ import math
 import torch
 
 from lossagg.config import LossAggregationConfig
+from lossagg.dtypes import MASK_DTYPES, VALUE_DTYPES, VALUE_DTYPES_TEXT, values_dtype_error
 from lossagg.layout import token_counts
-from lossagg.modes import MODES
+from lossagg.modes import MODES, divisor_for
 from lossagg.ops import reduce
 from lossagg.step import StepPlan
 from lossagg.validate import as_int, as_number, as_tensor
 
 VERL_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
-
-# What lossagg's reduce op reads; anything else would be refused by the op under its own
-# argument names (values, mask), so it is refused here under the user's.
-_VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, *_VALUE_DTYPES)
 
 
 def _where(bad: torch.Tensor) -> str:
@@ -149,8 +145,7 @@ def _verl_denoms(loss_mask, mode, dp_size, batch_num_tokens, global_batch_size, 
     if mode == "seq-mean-token-sum":
         return ones * batch / dp_size, None
     if mode == "seq-mean-token-sum-norm":
-        # verl's default is the padded width; an empty width has no tokens, so any divisor gives 0
-        scale = max(loss_mask.shape[-1], 1) if loss_scale_factor is None else as_number("loss_scale_factor", loss_scale_factor)
+        scale = _padded_width(loss_mask) if loss_scale_factor is None else as_number("loss_scale_factor", loss_scale_factor)
         d = batch * float(scale) / dp_size
         if math.isfinite(d) and d > 0:
             return ones * d, None
@@ -164,6 +159,12 @@ def _verl_denoms(loss_mask, mode, dp_size, batch_num_tokens, global_batch_size, 
     # a row of zero weights adds 0 whatever its divisor; 1e-8 can vanish in a half-precision sum
     per_sequence = torch.where(per_sequence > 0, per_sequence, torch.ones_like(per_sequence))
     return per_sequence * batch / dp_size, None
+
+
+def _padded_width(loss_mask: torch.Tensor) -> int:
+    """verl's default divisor (``loss_scale_factor``): the padded width; an empty width has no
+    tokens, so any divisor gives 0."""
+    return max(loss_mask.shape[-1], 1)
 
 
 # verl's global-batch arguments and the step totals they are
@@ -187,8 +188,9 @@ def _lossagg_denoms(loss_mask, mode, dp_size, batch_num_tokens, global_batch_siz
         if missing:
             raise ValueError(f"loss_agg_mode={mode} with dp_size={dp_size} or other global-batch arguments needs {' and '.join(missing)}")
     _check_zero_one(loss_mask, mode)
-    divisor = max(loss_mask.shape[-1], 1) if loss_scale_factor is None else as_number("loss_scale_factor", loss_scale_factor)
-    config = LossAggregationConfig(mode=mode, **({"divisor": float(divisor)} if spec.needs_divisor else {}))
+    given = None if loss_scale_factor is None else as_number("loss_scale_factor", loss_scale_factor)
+    divisor = divisor_for(spec, given, _padded_width(loss_mask))
+    config = LossAggregationConfig(mode=mode, **({} if divisor is None else {"divisor": divisor}))
     counts = token_counts(loss_mask)
     if dp_size == 1 and batch_num_tokens is None and global_batch_size is None:
         return StepPlan(config, counts, group_index=group_index).sample_denoms
@@ -240,12 +242,13 @@ def agg_loss(
     as_tensor("loss_mask", loss_mask)
     if loss_mat.dim() != 2 or tuple(loss_mask.shape) != tuple(loss_mat.shape):
         raise ValueError(f"loss_mat and loss_mask must both be (bs, response_length), got {tuple(loss_mat.shape)} and {tuple(loss_mask.shape)}")
-    if loss_mat.dtype not in _VALUE_DTYPES:
-        raise TypeError(f"loss_mat must be a floating tensor (float32, bfloat16, float16 or float64), got dtype {loss_mat.dtype}")
-    if loss_mask.dtype not in _MASK_DTYPES:
+    # what lossagg's reduce op reads (lossagg/dtypes.py): anything else would be refused by the op
+    # under its own argument names (values, mask), so it is refused here under the user's
+    if loss_mat.dtype not in VALUE_DTYPES:
+        raise TypeError(values_dtype_error("loss_mat", loss_mat.dtype, "a floating tensor"))
+    if loss_mask.dtype not in MASK_DTYPES:
         raise TypeError(
-            "loss_mask must be a bool, integer (uint8, int8/16/32/64) or floating (float32, bfloat16, float16, float64) tensor, "
-            f"got dtype {loss_mask.dtype}"
+            f"loss_mask must be a bool, integer (uint8, int8/16/32/64) or floating ({VALUE_DTYPES_TEXT}) tensor, got dtype {loss_mask.dtype}"
         )
     if loss_mask.device != loss_mat.device:
         raise ValueError(f"loss_mask must be on the device of loss_mat ({loss_mat.device}), got {loss_mask.device}")
