@@ -19,7 +19,7 @@ def aggregate(
     rollout_mask: torch.Tensor | None = None,
     sample_denoms: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The step scalar J of ``config.mode`` (SPEC §3), differentiable in ``per_token_loss``.
+    """The step scalar J of ``config.mode`` (docs/modes.md), differentiable in ``per_token_loss``.
 
     Without ``sample_denoms`` the batch is taken to be the whole optimizer step, and the
     denominators come from ``rollout_mask`` (default: ``mask``) through a

@@ -1,10 +1,19 @@
-"""The ``lossagg`` command: ``check`` a config file, print the ``schema``, run the ``demo``."""
+"""The ``lossagg`` command: ``check`` a config file, print the ``schema``, run the ``demo``.
+
+Nothing it imports loads torch: ``lossagg check`` and ``lossagg schema`` work without it (the
+demo imports its training, and torch, only when it runs).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+
+from lossagg.config import ConfigError, LossAggregationConfig
+from lossagg.demo import add_demo_args, run_demo
+from lossagg.env import check_cpu_isa_env
+from lossagg.messages import short_repr
 
 EXAMPLES = """examples:
   lossagg check train.yaml                      # uses its loss_aggregation: section if any
@@ -15,8 +24,6 @@ EXAMPLES = """examples:
 
 
 def _cmd_check(args) -> int:
-    from lossagg.config import ConfigError, LossAggregationConfig
-
     try:
         config = LossAggregationConfig.from_file(args.file, section=args.section)
     except ConfigError as exc:
@@ -30,15 +37,11 @@ def _cmd_check(args) -> int:
 
 
 def _cmd_schema(args) -> int:
-    from lossagg.config import LossAggregationConfig
-
     print(json.dumps(LossAggregationConfig.model_json_schema(), indent=2))
     return 0
 
 
 def _cmd_demo(args) -> int:
-    from lossagg.demo import run_demo
-
     return run_demo(args)
 
 
@@ -69,8 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="train a tiny policy with GRPO under each mode and compare",
         epilog="example: lossagg demo --steps 60 --out demo-out",
     )
-    from lossagg.demo import add_demo_args
-
     add_demo_args(demo)
     demo.set_defaults(func=_cmd_demo)
     return parser
@@ -79,8 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from lossagg.env import check_cpu_isa_env
-
     try:
         check_cpu_isa_env()
     except ValueError as exc:
@@ -92,8 +91,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lossagg {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # never a traceback from the command line: one line, exit 1
-        from lossagg.config.errors import short_repr
-
         print(f"lossagg {args.command}: {type(exc).__name__}: {short_repr(str(exc), 300, quote=False)}", file=sys.stderr)
         return 1
 

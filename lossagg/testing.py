@@ -42,7 +42,7 @@ def reference_loss(
     group_index: torch.Tensor | None = None,
     rollout_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """J of SPEC §3 in float64, from the mode's own formula (a loop over samples, for clarity).
+    """J of the mode (docs/modes.md) in float64, from the mode's own formula (a loop over samples, for clarity).
 
     Raises ValueError for a mode without an entry in :data:`lossagg.modes.MODES`.
     """

@@ -2,16 +2,20 @@
 
 :mod:`.train` holds the task, the policy and the training loop; :mod:`.report` the
 table and the figure. The command-line options are defined here, without torch, so
-``lossagg --help`` and ``lossagg check`` do not load it.
+``lossagg --help`` and ``lossagg check`` do not load it (:func:`run_demo` imports the
+training, and with it torch, when the demo runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
 
+from lossagg.config import ConfigError, LossAggregationConfig
+from lossagg.demo.report import summarise, write_figure
 from lossagg.modes import MODES
 
 
@@ -31,8 +35,6 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
 
 def _check_demo_args(args) -> str | None:
     """What is wrong with the demo's options, if anything (one line)."""
-    import math
-
     for flag, value, least in (
         ("--steps", args.steps, 1),
         ("--prompts-per-step", args.prompts_per_step, 1),
@@ -69,17 +71,16 @@ def _progress_printer(total: int, start: float):
 
 
 def run_demo(args) -> int:
+    # deferred: the training needs torch, which the options (and lossagg check) do without
     import torch
 
-    import lossagg
-    from lossagg.demo.report import summarise, write_figure
-    from lossagg.demo.train import train_mode
+    from lossagg.demo.train import train_mode  # deferred: imports torch (see above)
 
     args.config_obj = None
     if args.config:
         try:
-            args.config_obj = lossagg.LossAggregationConfig.from_file(args.config)
-        except lossagg.ConfigError as exc:
+            args.config_obj = LossAggregationConfig.from_file(args.config)
+        except ConfigError as exc:
             print(exc, file=sys.stderr)
             return 1
         if args.config_obj.mode not in args.modes:

@@ -29,10 +29,10 @@ def summarise(results: dict) -> tuple[str, bool]:
 def write_figure(results: dict, out: str) -> str | None:
     """Reward and response length per step for each mode, as ``out/demo.png``."""
     try:
-        import matplotlib
+        import matplotlib  # deferred: optional (no figure without it), and only the demo draws one
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # after the backend is chosen
     except ImportError:
         print("matplotlib is not installed: no figure (pip install matplotlib)", file=sys.stderr)
         return None
