@@ -1,4 +1,4 @@
-"""Python surface of the native ops: wrappers and fake kernels.
+"""Python surface of the native ops: wrappers, fake kernels and autograd.
 
 Layouts (see docs/ops.md):
 
