@@ -185,8 +185,9 @@ _ALIASES = {
     "token-mean": Alias("token_mean", "verl loss_agg_mode"),
     "seq-mean-token-sum-norm": Alias(
         "max_length",
-        "verl loss_agg_mode (Dr.GRPO; verl divides by its micro-batch's padded width: max_length uses the step's longest rollout; "
-        "with a divisor, its loss_scale_factor, it is constant)",
+        "verl loss_agg_mode, and SkyRL's loss_reduction seq_mean_token_sum_norm (Dr.GRPO; verl divides by its micro-batch's "
+        "padded width: max_length uses the step's longest rollout; with a divisor, verl's loss_scale_factor or SkyRL's "
+        "max_seq_len, it is constant)",
         with_divisor="constant",
     ),
     "grpo": Alias("sample_mean", "TRL GRPOConfig.loss_type"),
@@ -197,6 +198,7 @@ _ALIASES = {
         "constant", "verl loss_agg_mode: token sums over the global batch size, i.e. divisor 1", implies=MappingProxyType({"divisor": 1.0})
     ),
     "seq_mean": Alias("sample_mean", "AReaL loss_agg_mode"),
+    "sequence_mean": Alias("sample_mean", "SkyRL trainer.algorithm.loss_reduction"),
 }
 
 # Names whose maths is not one of ours: refused with the reason, never mapped.
@@ -208,6 +210,10 @@ _REFUSED = {
     "token-sum": (
         "verl's 'token-sum' adds every token of the step with no normalisation at all, so the loss scale grows with the batch "
         "and the response lengths; use mode=constant with a divisor for a fixed scale, or token_mean"
+    ),
+    "token_mean_legacy": (
+        "SkyRL's 'token_mean_legacy' divides each micro-batch by its own tokens and averages over micro-batches, so the loss "
+        "changes with the micro-batch split; use mode=token_mean (SkyRL's 'token_mean') for the step's token mean"
     ),
 }
 
@@ -376,11 +382,11 @@ def mode_spec(mode: Any) -> ModeSpec:
 def canonical_mode(name: Any, settings: Mapping[str, Any] = MappingProxyType({})) -> tuple[Any, str | None]:
     """(the mode ``name`` stands for, the alias used or None).
 
-    Case and surrounding spaces are ignored and ``-`` equals ``_`` for mode names; a mode
-    name wins over an alias (an alias that differs from a mode's name only by ``-`` stands
-    for that mode: it is kept for its resolution note); a refused name raises ValueError
-    with the reason. A name that
-    is neither is returned unchanged (the config reports it, with "did you mean").
+    Case and surrounding spaces are ignored and ``-`` equals ``_`` for mode names, aliases
+    and refused names alike; a mode name wins over an alias (an alias that differs from a
+    mode's name only by ``-`` stands for that mode: it is kept for its resolution note); a
+    refused name raises ValueError with the reason. A name that is neither is returned
+    unchanged (the config reports it, with "did you mean").
     """
     if not isinstance(name, str):
         return name, None
@@ -388,10 +394,14 @@ def canonical_mode(name: Any, settings: Mapping[str, Any] = MappingProxyType({})
     registry = _published
     if key in registry:
         return key, None
-    if key in _REFUSED:
-        raise ValueError(f"mode {name!r} is not supported: {_REFUSED[key]}")
-    if key in _ALIASES:  # an alias spelled like a mode stands for that very mode (registration makes sure)
-        return _ALIASES[key].resolve(settings), key
+    # other trainers' names: '-' and '_' count as the same here too (SkyRL's seq_mean_token_sum_norm is verl's
+    # seq-mean-token-sum-norm); the spelling as given is looked up first
+    for spelling in dict.fromkeys((key, key.replace("_", "-"), key.replace("-", "_"))):
+        if spelling in _REFUSED:
+            raise ValueError(f"mode {name!r} is not supported: {_REFUSED[spelling]}")
+    for spelling in dict.fromkeys((key, key.replace("_", "-"), key.replace("-", "_"))):
+        if spelling in _ALIASES:  # an alias spelled like a mode stands for that very mode (registration makes sure)
+            return _ALIASES[spelling].resolve(settings), spelling
     if key.replace("-", "_") in registry:
         return key.replace("-", "_"), None
     return name, None

@@ -137,3 +137,49 @@ def test_reduce_takes_cu_seqlens_and_denominators_by_keyword_only():
         lossagg.reduce(values, mask, d, cu)
     with pytest.raises(TypeError, match="sample_denoms"):
         lossagg.reduce(values, mask, cu_seqlens=cu)
+
+
+# (name as a user types it, settings, the mode it resolves to, or the start of the refusal)
+OTHER_TRAINERS_SPELLINGS = [
+    ("sequence_mean", {}, "sample_mean"),  # SkyRL
+    ("sequence-mean", {}, "sample_mean"),
+    ("seq_mean_token_sum_norm", {"divisor": 4096.0}, "constant"),  # SkyRL, which always sets max_seq_len
+    ("seq_mean_token_sum_norm", {}, "max_length"),  # verl's name with '_'
+    ("seq-mean-token-sum-norm", {"divisor": 8.0}, "constant"),
+    ("seq_mean_token_mean", {}, "sample_mean"),
+    ("dr-grpo", {"divisor": 8.0}, "constant"),
+    ("seq-mean", {}, "sample_mean"),
+    ("Token-Mean", {}, "token_mean"),
+    ("token_mean_legacy", {}, "mode 'token_mean_legacy' is not supported: SkyRL's 'token_mean_legacy' divides each micro-batch"),
+    ("token-mean-legacy", {}, "mode 'token-mean-legacy' is not supported: SkyRL's 'token_mean_legacy'"),
+    ("token_sum", {}, "mode 'token_sum' is not supported: verl's 'token-sum'"),
+]
+
+
+@pytest.mark.parametrize(("name", "settings", "expected"), OTHER_TRAINERS_SPELLINGS, ids=[f"{c[0]}-{c[2][:20]}" for c in OTHER_TRAINERS_SPELLINGS])
+def test_other_trainers_names_resolve_whichever_separator_they_use(name, settings, expected):
+    if expected in MODES:
+        config = lossagg.LossAggregationConfig.from_dict({"mode": name, **settings})
+        assert config.mode == expected and config.resolution_notes, (name, config)
+        return
+    with pytest.raises(lossagg.ConfigError) as info:
+        lossagg.LossAggregationConfig.from_dict({"mode": name, **settings})
+    assert expected in str(info.value), str(info.value)
+
+
+def test_a_mode_cannot_be_registered_under_another_trainers_name_in_either_spelling():
+    from lossagg.modes import ModeSpec, register_mode
+
+    for taken in ("sequence_mean", "token_mean_legacy", "seq_mean_token_sum_norm"):
+        spec = ModeSpec(
+            name=taken,
+            summary="x",
+            formula="x",
+            denom_formula="x",
+            totals=("num_samples",),
+            denoms=lambda x: x.token_counts + 1,
+            reference=lambda r: 0,
+        )
+        with pytest.raises(ValueError, match="is taken"):
+            register_mode(spec)
+        assert taken not in MODES
