@@ -250,9 +250,10 @@ void check_sample_denoms_data(const char* op, const Tensor& sample_denoms, Scala
   }
 }
 
-TokenLayout check_segment_sum_inputs(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
-  TokenLayout layout = check_token_layout("segment_sum", values, mask, cu_seqlens, /*allow_metric_dim=*/true);
-  layout.max_segment_tokens = check_cu_seqlens_data("segment_sum", cu_seqlens, layout);
+TokenLayout check_segment_sum_inputs(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, bool allow_metric_dim) {
+  const char* op = allow_metric_dim ? "segment_sum" : "segment_sum_and_count";
+  TokenLayout layout = check_token_layout(op, values, mask, cu_seqlens, allow_metric_dim);
+  layout.max_segment_tokens = check_cu_seqlens_data(op, cu_seqlens, layout);
   return layout;
 }
 

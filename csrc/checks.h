@@ -21,7 +21,9 @@ TokenLayout check_token_layout(
 TokenLayout check_mask_layout(const char* op, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, int64_t num_metrics, bool has_metric_dim);
 
 // All checks of the forward ops (shapes, dtypes, devices, and the data checks).
-TokenLayout check_segment_sum_inputs(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens);
+// allow_metric_dim: segment_sum (a leading K); without it, segment_sum_and_count ([T] or [B, T]
+// values, as reduce), whose name the errors then give.
+TokenLayout check_segment_sum_inputs(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, bool allow_metric_dim = true);
 TokenLayout check_reduce_inputs(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms);
 
 // All checks of the backward ops (shapes, dtypes, devices, and the data checks).

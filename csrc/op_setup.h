@@ -120,6 +120,12 @@ inline TokenCall segment_sum_call(const Tensor& values, const Tensor& mask, cons
   return make_call(check_segment_sum_inputs(values, mask, cu_seqlens), values, mask, cu_seqlens, acc_scalar_type(values.scalar_type()));
 }
 
+inline TokenCall segment_sum_and_count_call(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
+  return make_call(
+      check_segment_sum_inputs(values, mask, cu_seqlens, /*allow_metric_dim=*/false), values, mask, cu_seqlens,
+      acc_scalar_type(values.scalar_type()));
+}
+
 inline TokenCall reduce_call(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms) {
   return make_call(check_reduce_inputs(values, mask, cu_seqlens, sample_denoms), values, mask, cu_seqlens, acc_scalar_type(values.scalar_type()));
 }

@@ -7,6 +7,10 @@ STABLE_TORCH_LIBRARY(lossagg, m) {
   // Per-segment masked sums: [T] or [K, T] packed (with cu_seqlens), [B, T] or [K, B, T]
   // padded -> [B] or [K, B]; float32 (float64 for float64 values).
   m.def("segment_sum(Tensor values, Tensor mask, Tensor? cu_seqlens) -> Tensor");
+  // segment_sum and token_counts from one read of values and mask, values [T] or [B, T] as
+  // for reduce: (sums [B], kept tokens int64 [B]). Not differentiable: lossagg.aggregate
+  // uses it (lossagg.ops.reduce_with_counts).
+  m.def("segment_sum_and_count(Tensor values, Tensor mask, Tensor? cu_seqlens) -> (Tensor, Tensor)");
   // Gradient of segment_sum: grad [B] or [K, B] -> token layout of values.
   m.def("segment_sum_backward(Tensor grad, Tensor mask, Tensor? cu_seqlens, ScalarType values_dtype) -> Tensor");
   // sum_i segment_sum(values)[i] / sample_denoms[i] -> 0-dim tensor.

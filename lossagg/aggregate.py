@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lossagg.config import LossAggregationConfig
-from lossagg.ops import reduce
+from lossagg.ops import reduce, reduce_with_counts
 from lossagg.step import StepPlan
 
 
@@ -25,8 +25,13 @@ def aggregate(
     denominators come from ``rollout_mask`` (default: ``mask``) through a
     :class:`lossagg.StepPlan`: masks changed after rollout change only numerators. For
     micro-batches of a larger step, pass the ``sample_denoms`` of the step's plan.
+
+    When the denominators come from ``mask`` itself (no ``rollout_mask``), the loss and the
+    mask are read once: the token counts come from the same pass as the sums
+    (:func:`lossagg.ops.reduce_with_counts`), with the bits of the plan-then-reduce route.
     """
     if sample_denoms is None:
-        rollout = mask if rollout_mask is None else rollout_mask
-        sample_denoms = StepPlan.from_mask(config, rollout, cu_seqlens, group_index=group_index).sample_denoms
+        if rollout_mask is None or rollout_mask is mask:
+            return reduce_with_counts(per_token_loss, mask, cu_seqlens, lambda m: StepPlan(config, m, group_index=group_index).sample_denoms)
+        sample_denoms = StepPlan.from_mask(config, rollout_mask, cu_seqlens, group_index=group_index).sample_denoms
     return reduce(per_token_loss, mask, cu_seqlens=cu_seqlens, sample_denoms=sample_denoms)

@@ -108,8 +108,13 @@ def check_denoms(d, what: str, shape: tuple[int, ...], inputs: Mapping[str, obje
     if device is not None and d.device != device:
         raise ValueError(f"{what}: its denoms must return d[i] on the device of the token counts ({device}), got {d.device}")
     d = d.to(torch.float64)
-    finite = torch.isfinite(d)
-    bad = ~finite | (d <= 0)
+    if d.numel():
+        lo, hi = torch.aminmax(d)  # one pass; NaN propagates to both
+        if lo.item() > 0 and hi.item() < math.inf:
+            return d
+    else:
+        return d
+    bad = ~torch.isfinite(d) | (d <= 0)
     if bool(bad.any()):
         i = int(torch.nonzero(bad)[0, 0])
         value = float(d[i])

@@ -14,6 +14,8 @@ not leak). Accumulation is float32 (float64 for float64 values).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from lossagg import _native  # noqa: F401  (registers torch.ops.lossagg)
@@ -26,6 +28,7 @@ _REDUCE = torch.ops.lossagg.reduce.default
 _REDUCE_BACKWARD = torch.ops.lossagg.reduce_backward.default
 _SEGMENT_SUM = torch.ops.lossagg.segment_sum.default
 _SEGMENT_SUM_BACKWARD = torch.ops.lossagg.segment_sum_backward.default
+_SEGMENT_SUM_AND_COUNT = torch.ops.lossagg.segment_sum_and_count.default
 # the dispatcher below the autograd key: the kernels themselves, for calls whose autograd
 # the wrappers handle (or that need none)
 _BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
@@ -93,6 +96,56 @@ def reduce(
             return _Reduce.apply(values, mask, cu_seqlens, sample_denoms)
         with _BELOW_AUTOGRAD():
             return _REDUCE(values, mask, cu_seqlens, sample_denoms)
+    except RuntimeError as exc:
+        raise python_error(exc) from None
+
+
+def reduce_with_counts(
+    values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor | None, denoms_of: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """``reduce`` whose ``sample_denoms`` are a function of the segments' own kept-token counts.
+
+    ``denoms_of(counts)`` gets the int64 ``[B]`` counts of non-zero mask entries of each
+    segment and returns the ``[B]`` denominators ``d[i]``. Values and mask are read once
+    (``segment_sum_and_count``: the masked sums and the counts from one pass); ``J`` then
+    comes from the ``B`` sums and ``d`` in the order ``reduce`` adds them, so the result has
+    the bits of ``reduce(values, mask, cu_seqlens=cu_seqlens, sample_denoms=denoms_of(counts))``,
+    and so has the gradient (``reduce``'s backward). :func:`lossagg.aggregate` uses it when the
+    batch is the whole step.
+    """
+    grad_mode = torch.is_grad_enabled()
+    needs_grad = grad_mode and isinstance(values, torch.Tensor) and values.requires_grad
+    if (
+        not isinstance(values, torch.Tensor)
+        or not isinstance(mask, torch.Tensor)
+        or values.dim() != (1 if cu_seqlens is not None else 2)
+        or torch.compiler.is_compiling()
+    ):
+        _token_layout("reduce", values, mask, cu_seqlens, allow_metric_dim=False)  # names a wrong layout as reduce would
+        counts = torch.ops.lossagg.token_counts(mask, cu_seqlens)  # traced (torch.compile): the two ops
+        return torch.ops.lossagg.reduce(values, mask, cu_seqlens, denoms_of(counts))
+    check_readable("reduce", _SEGMENT_SUM_ARGS, (values, mask, cu_seqlens), (_token_layout, ("reduce", values, mask, cu_seqlens, False)), needs_grad)
+    if grad_mode and mask.requires_grad:
+        _not_differentiable("reduce", mask=mask)
+    if needs_grad:
+        return _ReduceWithCounts.apply(values, mask, cu_seqlens, denoms_of)
+    return _reduce_with_counts(values, mask, cu_seqlens, denoms_of)[0]
+
+
+def _reduce_with_counts(values, mask, cu_seqlens, denoms_of):
+    """(J, d) of :func:`reduce_with_counts`, below autograd."""
+    try:
+        with _BELOW_AUTOGRAD():
+            sums, counts = _SEGMENT_SUM_AND_COUNT(values, mask, cu_seqlens)
+    except RuntimeError as exc:
+        raise python_error(exc) from None
+    d = denoms_of(counts)
+    # reduce over B one-token rows: each row's sum is its sample's sum (a one-term sum is
+    # that term), and the quotients are added as reduce adds them
+    ones = torch.ones((sums.shape[0], 1), dtype=torch.bool, device=sums.device)
+    try:
+        with _BELOW_AUTOGRAD():
+            return _REDUCE(sums.unsqueeze(1), ones, None, d), d
     except RuntimeError as exc:
         raise python_error(exc) from None
 
@@ -263,6 +316,12 @@ def _segment_sum_fake(values, mask, cu_seqlens):
     return values.new_empty(shape, dtype=_acc_dtype(values.dtype))
 
 
+@torch.library.register_fake("lossagg::segment_sum_and_count")
+def _segment_sum_and_count_fake(values, mask, cu_seqlens):
+    b, _ = _token_layout("segment_sum_and_count", values, mask, cu_seqlens, allow_metric_dim=False)
+    return values.new_empty((b,), dtype=_acc_dtype(values.dtype)), values.new_empty((b,), dtype=torch.int64)
+
+
 @torch.library.register_fake("lossagg::segment_sum_backward")
 def _segment_sum_backward_fake(grad, mask, cu_seqlens, values_dtype):
     op = "segment_sum_backward"
@@ -413,6 +472,19 @@ class _Reduce(torch.autograd.Function):
     backward = staticmethod(_reduce_grad)
 
 
+class _ReduceWithCounts(torch.autograd.Function):
+    """reduce_with_counts with reduce's backward (the denominators it computed are saved)."""
+
+    @staticmethod
+    def forward(ctx, values, mask, cu_seqlens, denoms_of):
+        out, d = _reduce_with_counts(values, mask, cu_seqlens, denoms_of)
+        ctx.save_for_backward(mask, cu_seqlens, d)
+        ctx.values_dtype = values.dtype
+        return out
+
+    backward = staticmethod(_reduce_grad)
+
+
 class _SegmentSum(torch.autograd.Function):
     """segment_sum with its backward, as the wrapper :func:`segment_sum` calls it (see _Reduce)."""
 
@@ -427,7 +499,19 @@ class _SegmentSum(torch.autograd.Function):
     backward = staticmethod(_segment_sum_grad)
 
 
+def _setup_segment_sum_and_count(ctx, inputs, output):
+    pass
+
+
+def _segment_sum_and_count_grad(ctx, grad_sums, grad_counts):
+    raise RuntimeError(
+        "lossagg.segment_sum_and_count is not differentiable: lossagg.aggregate (lossagg.ops.reduce_with_counts) gives the gradient of J, "
+        "lossagg.segment_sum that of the per-segment sums"
+    )
+
+
 torch.library.register_autograd("lossagg::reduce", _reduce_grad, setup_context=_setup_reduce)
+torch.library.register_autograd("lossagg::segment_sum_and_count", _segment_sum_and_count_grad, setup_context=_setup_segment_sum_and_count)
 torch.library.register_autograd("lossagg::segment_sum", _segment_sum_grad, setup_context=_setup_segment_sum)
 torch.library.register_autograd("lossagg::reduce_backward", _reduce_backward_grad, setup_context=_setup_reduce_backward)
 torch.library.register_autograd("lossagg::segment_sum_backward", _segment_sum_backward_grad, setup_context=_setup_segment_sum_backward)

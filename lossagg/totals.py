@@ -278,10 +278,13 @@ def gather_totals(names: Iterable[str], share: RankShare, process_group=None, mo
         if not group:
             continue
         shares = [t.share(share).to(torch.float64).reshape(-1) for t in group]
+        if process_group is None:  # the rank's shares are the step's (no buffer to fill)
+            for t, piece in zip(group, shares, strict=True):
+                values[t.name] = t.value(piece, share)
+            continue
         buf = torch.cat(shares)
-        if process_group is not None:
-            dist = torch.distributed
-            dist.all_reduce(buf, op=dist.ReduceOp.SUM if combine == "sum" else dist.ReduceOp.MAX, group=process_group)
+        dist = torch.distributed
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM if combine == "sum" else dist.ReduceOp.MAX, group=process_group)
         for t, piece in zip(group, buf.split([s.numel() for s in shares]), strict=True):
             values[t.name] = t.value(piece, share)
     return StepTotals({t.name: values[t.name] for t in wanted}, mode)

@@ -90,7 +90,7 @@ def check_token_counts(token_counts, name: str = "token_counts") -> torch.Tensor
         raise ValueError(f"{name} must hold data (a CPU or CUDA tensor), got a meta tensor")
     if counts.is_floating_point() and not torch.isfinite(counts).all():
         raise ValueError(f"{name} must be finite")
-    if counts.numel() and counts.min() < 0:
+    if counts.numel() and counts.min().item() < 0:
         raise ValueError(f"{name} must be >= 0, got a minimum of {counts.min().item()!r}")
     return counts.to(torch.float64)
 

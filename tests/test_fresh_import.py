@@ -35,6 +35,7 @@ FRESH = textwrap.dedent(
     calls = {
         "reduce": [(v, m, cu, d), (padded, padded_mask, None, torch.tensor([1.0, 2.0, 3.0]))],
         "segment_sum": [(v, m, cu), (k2, m, cu), (padded, padded_mask, None)],
+        "segment_sum_and_count": [(v.detach(), m, cu), (padded.detach(), padded_mask, None)],
         "reduce_backward": [(torch.tensor(1.5, dtype=torch.float64), m, cu, d, torch.float64)],
         "segment_sum_backward": [(torch.randn(3, dtype=torch.float64), m, cu, torch.float32)],
         "token_counts": [(m, cu), (padded_mask, None)],
@@ -66,6 +67,7 @@ def test_every_op_has_its_fake_and_compiles_right_after_a_plain_import():
     assert [line for line in lines if line.startswith("opcheck")] == [
         "opcheck reduce",
         "opcheck segment_sum",
+        "opcheck segment_sum_and_count",
         "opcheck reduce_backward",
         "opcheck segment_sum_backward",
         "opcheck token_counts",

@@ -111,6 +111,7 @@ def sample_inputs(device, requires_grad):
             cases.append((torch.ops.lossagg.segment_sum.default, (b.values, b.mask, b.cu_seqlens)))
             cases.append((torch.ops.lossagg.segment_sum.default, (bk.values, bk.mask, bk.cu_seqlens)))
             cases.append((torch.ops.lossagg.reduce.default, (b.values, b.mask, b.cu_seqlens, b.sample_denoms)))
+            cases.append((torch.ops.lossagg.segment_sum_and_count.default, (b.values, b.mask, b.cu_seqlens)))
             grad = torch.tensor(1.5, device=device)
             cases.append(
                 (
@@ -129,6 +130,7 @@ def test_opcheck(device, requires_grad):
         if requires_grad and op in (
             torch.ops.lossagg.reduce_backward.default,
             torch.ops.lossagg.segment_sum_backward.default,
+            torch.ops.lossagg.segment_sum_and_count.default,  # not differentiable (test_one_pass.py)
         ):
             continue
         torch.library.opcheck(op, args)

@@ -34,8 +34,9 @@ struct KernelArgs {
 
 struct Engine {
   // out[k * B + s] = sum over tokens t of segment s of mask_weight(m[t]) * v[k * T + t],
-  // in the accumulation dtype; masked-out tokens selected away.
-  void (*segment_sums)(const KernelArgs& args, void* out);
+  // in the accumulation dtype; masked-out tokens selected away. With counts not null, also
+  // counts[s] = the tokens of segment s whose mask is non-zero (exact), from the same read.
+  void (*segment_sums)(const KernelArgs& args, void* out, int64_t* counts);
   // out[k * T + t] = mask_weight(m[t]) * coef[k * B + s] for t in segment s (0 where the
   // mask is 0), written in values_dtype; coef is in the accumulation dtype.
   void (*expand_to_tokens)(const KernelArgs& args, const void* coef, void* out);

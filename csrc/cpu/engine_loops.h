@@ -47,11 +47,38 @@ acc_t masked_sum_lanes(const scalar_t* __restrict v, const mask_t* __restrict m,
 }
 
 #if LOSSAGG_ISA_LEVEL >= 1
-// float32 values with a bool or float32 mask, the usual case, written with AVX2
-// intrinsics (also on AVX-512 CPUs): the same lanes (four 8-float registers hold lanes
-// 0..31), block order, tail and combine as masked_sum_lanes, so the same bits; the
-// compiler's own vectorisation spends most of its time widening the mask.
-static_assert(kLanes == 32 && kBlock == 64, "masked_sum_f32_avx2 hard-codes 32 lanes and 64-token blocks");
+// float32 values with a bool or float32 mask, the usual case, written with intrinsics: the
+// same lanes, block order, tail and combine as masked_sum_lanes, so the same bits. Lanes
+// 0..31 live in four 8-float registers (AVX2) or two 16-float ones (AVX-512); lane l
+// takes tokens lo+l, lo+l+32, ... as there.
+static_assert(kLanes == 32 && kBlock == 64, "the float32 paths hard-code 32 lanes and 64-token blocks");
+
+// The end of masked_sum_lanes from lanes 0..7, 8..15, 16..23, 24..31: the tail tokens
+// [i, hi) added to lane 0 in token order, then the lanes combined pairwise (l with l + 16,
+// then l + 8, 4, 2, 1). The tail's terms are computed first, independently, so that what
+// must be sequential is one addition per token; the combine stays in registers.
+template <typename mask_t>
+inline float finish_lanes_f32(__m256 a0, __m256 a1, __m256 a2, __m256 a3, const float* v, const mask_t* m, int64_t i, int64_t hi) {
+  const int n = static_cast<int>(hi - i);
+  if (n > 0) {
+    float t[kBlock];
+    for (int j = 0; j < n; ++j) {
+      t[j] = masked_term(v[i + j], m[i + j]);
+    }
+    float l0 = _mm256_cvtss_f32(a0);
+    for (int j = 0; j < n; ++j) {
+      l0 += t[j];
+    }
+    a0 = _mm256_blend_ps(a0, _mm256_castps128_ps256(_mm_set_ss(l0)), 1);
+  }
+  const __m256 w16a = _mm256_add_ps(a0, a2);  // lanes 0..7 (+ 16..23)
+  const __m256 w16b = _mm256_add_ps(a1, a3);  // lanes 8..15 (+ 24..31)
+  const __m256 w8 = _mm256_add_ps(w16a, w16b);
+  const __m128 w4 = _mm_add_ps(_mm256_castps256_ps128(w8), _mm256_extractf128_ps(w8, 1));
+  const __m128 w2 = _mm_add_ps(w4, _mm_movehl_ps(w4, w4));
+  const __m128 w1 = _mm_add_ss(w2, _mm_shuffle_ps(w2, w2, 1));
+  return _mm_cvtss_f32(w1);
+}
 
 template <typename mask_t>
 inline __m256 keep_f32_avx2(const float* v, const mask_t* m) {
@@ -80,20 +107,57 @@ float masked_sum_f32_avx2(const float* v, const mask_t* m, int64_t lo, int64_t h
     acc2 = _mm256_add_ps(acc2, keep_f32_avx2(v + i + 48, m + i + 48));
     acc3 = _mm256_add_ps(acc3, keep_f32_avx2(v + i + 56, m + i + 56));
   }
-  float lane[kLanes];
-  _mm256_storeu_ps(lane, acc0);
-  _mm256_storeu_ps(lane + 8, acc1);
-  _mm256_storeu_ps(lane + 16, acc2);
-  _mm256_storeu_ps(lane + 24, acc3);
-  for (; i < hi; ++i) {
-    lane[0] += masked_term(v[i], m[i]);
-  }
-  for (int width = kLanes / 2; width > 0; width /= 2) {
-    for (int l = 0; l < width; ++l) {
-      lane[l] += lane[l + width];
+  return finish_lanes_f32(acc0, acc1, acc2, acc3, v, m, i, hi);
+}
+#endif
+
+#if LOSSAGG_ISA_LEVEL >= 2
+// The same sum with AVX-512: a 16-token mask of kept tokens (a byte compare for a bool
+// mask, w != 0 for a float32 one) drives a zeroing masked load, which is the select of
+// masked_term in one instruction (masked-out tokens read as +0.0, never their value). Lanes
+// 0..15 and 16..31 are two registers; the additions are those of masked_sum_lanes. With
+// kCount, *kept receives the kept tokens, counted from the same compare masks.
+// Lanes 8..15 of a 16-float register (AVX-512F has no float32 extract of 256 bits).
+inline __m256 high_half(__m512 x) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)); }
+
+template <bool kCount, typename mask_t>
+float masked_sum_f32_avx512(const float* v, const mask_t* m, int64_t lo, int64_t hi, int64_t* kept) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  int64_t n = 0;
+  int64_t i = lo;
+  for (; i + kBlock <= hi; i += kBlock) {
+    __m512 x[4];
+    if constexpr (is_binary_mask_v<mask_t>) {
+      const __m512i bytes = _mm512_loadu_si512(m + i);
+      const uint64_t keep = _mm512_test_epi8_mask(bytes, bytes);
+      for (int q = 0; q < 4; ++q) {
+        x[q] = _mm512_maskz_loadu_ps(static_cast<__mmask16>(keep >> (16 * q)), v + i + 16 * q);
+      }
+      if constexpr (kCount) {
+        n += _mm_popcnt_u64(keep);
+      }
+    } else {
+      for (int q = 0; q < 4; ++q) {
+        const __m512 w = _mm512_loadu_ps(m + i + 16 * q);
+        const __mmask16 keep = _mm512_cmp_ps_mask(w, _mm512_setzero_ps(), _CMP_NEQ_UQ);  // w != 0, true for NaN
+        x[q] = _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, v + i + 16 * q), w);
+        if constexpr (kCount) {
+          n += _mm_popcnt_u32(keep);
+        }
+      }
     }
+    acc0 = _mm512_add_ps(acc0, x[0]);
+    acc1 = _mm512_add_ps(acc1, x[1]);
+    acc0 = _mm512_add_ps(acc0, x[2]);
+    acc1 = _mm512_add_ps(acc1, x[3]);
   }
-  return lane[0];
+  if constexpr (kCount) {
+    for (int64_t j = i; j < hi; ++j) {
+      n += is_kept(m[j]);
+    }
+    *kept = n;
+  }
+  return finish_lanes_f32(_mm512_castps512_ps256(acc0), high_half(acc0), _mm512_castps512_ps256(acc1), high_half(acc1), v, m, i, hi);
 }
 #endif
 
@@ -168,15 +232,64 @@ inline acc_t masked_sum_window(const scalar_t* v, const mask_t* m, int64_t lo, i
   return window_tree(t);
 }
 
+// Tokens of m[lo, hi) whose mask is non-zero, counted in 32-bit lanes over chunks (so
+// the loop vectorises) and added up in 64 bits.
+constexpr int64_t kCountChunk = int64_t(1) << 20;
+
+template <typename mask_t>
+int64_t count_kept_range(const mask_t* __restrict m, int64_t lo, int64_t hi) {
+#if LOSSAGG_ISA_LEVEL >= 1
+  if constexpr (sizeof(mask_t) == 1) {
+    // one-byte masks: 32 bytes compared with 0 at a time, the kept ones counted from the
+    // compare's bit mask
+    const auto* p = reinterpret_cast<const uint8_t*>(m);
+    int64_t total = 0;
+    int64_t i = lo;
+    const __m256i zero = _mm256_setzero_si256();
+    for (; i + 32 <= hi; i += 32) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
+      const uint32_t zeros = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(x, zero)));
+      total += 32 - __builtin_popcount(zeros);
+    }
+    for (; i < hi; ++i) {
+      total += p[i] != 0;
+    }
+    return total;
+  }
+#endif
+  int64_t total = 0;
+  for (int64_t c = lo; c < hi; c += kCountChunk) {
+    const int64_t e = std::min(hi, c + kCountChunk);
+    uint32_t n = 0;
+    for (int64_t t = c; t < e; ++t) {
+      n += static_cast<uint32_t>(is_kept(m[t]));
+    }
+    total += n;
+  }
+  return total;
+}
+
+// The masked sum of v[lo, hi) and, when kept is not null, its kept tokens (*kept; an
+// integer, so counted in any order).
 template <typename acc_t, typename scalar_t, typename mask_t>
-inline acc_t masked_sum(const scalar_t* v, const mask_t* m, int64_t lo, int64_t hi) {
+inline acc_t masked_sum(const scalar_t* v, const mask_t* m, int64_t lo, int64_t hi, int64_t* kept = nullptr) {
+#if LOSSAGG_ISA_LEVEL >= 2
+  if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<scalar_t, float> && (is_binary_mask_v<mask_t> || std::is_same_v<mask_t, float>)) {
+    if (hi - lo >= kBlock) {
+      return kept ? masked_sum_f32_avx512<true>(v, m, lo, hi, kept) : masked_sum_f32_avx512<false>(v, m, lo, hi, kept);
+    }
+  }
+#endif
+  if (kept) {
+    *kept = count_kept_range(m, lo, hi);  // the mask of [lo, hi) is read again from the cache
+  }
   if (hi - lo <= kWindow) {
     return masked_sum_window<acc_t>(v, m, lo, hi);
   }
   if (hi - lo < kBlock) {
     return masked_sum_short<acc_t>(v, m, lo, hi);
   }
-#if LOSSAGG_ISA_LEVEL >= 1
+#if LOSSAGG_ISA_LEVEL == 1
   if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<scalar_t, float> && (is_binary_mask_v<mask_t> || std::is_same_v<mask_t, float>)) {
     return masked_sum_f32_avx2(v, m, lo, hi);
   }
@@ -209,8 +322,10 @@ void masked_scale(scalar_t* __restrict o, const mask_t* __restrict m, const acc_
   }
 }
 
+// out[k * B + s]: the masked sums; with counts not null (and K >= 1), also counts[s]: the
+// kept tokens of segment s, counted as its mask is read (for metric 0).
 template <typename acc_t, typename scalar_t, typename mask_t>
-void segment_sums(const scalar_t* v, const mask_t* m, const TokenLayout& layout, const Segments& seg, acc_t* out) {
+void segment_sums(const scalar_t* v, const mask_t* m, const TokenLayout& layout, const Segments& seg, acc_t* out, int64_t* counts) {
   const int64_t num_metrics = layout.num_metrics;
   const int64_t num_tokens = layout.num_tokens;
   const int64_t num_segments = layout.num_segments;
@@ -223,7 +338,7 @@ void segment_sums(const scalar_t* v, const mask_t* m, const TokenLayout& layout,
         const int64_t e = short_batch_end(seg, s, last);
         if (e == s) {  // a longer segment
           for (int64_t k = 0; k < num_metrics; ++k) {
-            out[k * num_segments + s] = masked_sum<acc_t>(v + k * num_tokens, m, seg.begin(s), seg.end(s));
+            out[k * num_segments + s] = masked_sum<acc_t>(v + k * num_tokens, m, seg.begin(s), seg.end(s), k == 0 && counts ? counts + s : nullptr);
           }
           ++s;
           continue;
@@ -238,6 +353,11 @@ void segment_sums(const scalar_t* v, const mask_t* m, const TokenLayout& layout,
             out[k * num_segments + r] = window_sum(buf + (seg.begin(r) - lo), seg.end(r) - seg.begin(r));
           }
         }
+        if (counts) {
+          for (int64_t r = s; r < e; ++r) {
+            counts[r] = count_kept_range(m, seg.begin(r), seg.end(r));
+          }
+        }
         s = e;
       }
     });
@@ -245,9 +365,10 @@ void segment_sums(const scalar_t* v, const mask_t* m, const TokenLayout& layout,
   }
   const int64_t num_pieces = plan.num_pieces();
   std::vector<acc_t> partial(static_cast<size_t>(num_metrics * num_pieces));
+  std::vector<int64_t> partial_counts(counts ? static_cast<size_t>(num_pieces) : 0);
   for_each_piece(plan, num_tokens, num_metrics, [&](int64_t, int64_t p, int64_t lo, int64_t hi) {
     for (int64_t k = 0; k < num_metrics; ++k) {
-      partial[k * num_pieces + p] = masked_sum<acc_t>(v + k * num_tokens, m, lo, hi);
+      partial[k * num_pieces + p] = masked_sum<acc_t>(v + k * num_tokens, m, lo, hi, k == 0 && counts ? &partial_counts[p] : nullptr);
     }
   });
   auto combine = [&](int64_t first, int64_t last) {
@@ -258,6 +379,15 @@ void segment_sums(const scalar_t* v, const mask_t* m, const TokenLayout& layout,
           total += partial[k * num_pieces + p];
         }
         out[k * num_segments + s] = total;
+      }
+    }
+    if (counts) {
+      for (int64_t s = first; s < last; ++s) {
+        int64_t total = 0;
+        for (int64_t p = plan.first_piece(s); p < plan.first_piece(s + 1); ++p) {
+          total += partial_counts[p];
+        }
+        counts[s] = total;
       }
     }
   };
@@ -311,43 +441,6 @@ void expand_to_tokens(scalar_t* out, const mask_t* m, const TokenLayout& layout,
   });
 }
 
-// Tokens of m[lo, hi) whose mask is non-zero, counted in 32-bit lanes over chunks (so
-// the loop vectorises) and added up in 64 bits.
-constexpr int64_t kCountChunk = int64_t(1) << 20;
-
-template <typename mask_t>
-int64_t count_kept_range(const mask_t* __restrict m, int64_t lo, int64_t hi) {
-#if LOSSAGG_ISA_LEVEL >= 1
-  if constexpr (sizeof(mask_t) == 1) {
-    // one-byte masks: 32 bytes compared with 0 at a time, the kept ones counted from the
-    // compare's bit mask
-    const auto* p = reinterpret_cast<const uint8_t*>(m);
-    int64_t total = 0;
-    int64_t i = lo;
-    const __m256i zero = _mm256_setzero_si256();
-    for (; i + 32 <= hi; i += 32) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
-      const uint32_t zeros = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(x, zero)));
-      total += 32 - __builtin_popcount(zeros);
-    }
-    for (; i < hi; ++i) {
-      total += p[i] != 0;
-    }
-    return total;
-  }
-#endif
-  int64_t total = 0;
-  for (int64_t c = lo; c < hi; c += kCountChunk) {
-    const int64_t e = std::min(hi, c + kCountChunk);
-    uint32_t n = 0;
-    for (int64_t t = c; t < e; ++t) {
-      n += static_cast<uint32_t>(is_kept(m[t]));
-    }
-    total += n;
-  }
-  return total;
-}
-
 template <typename mask_t>
 void count_kept(const mask_t* m, const TokenLayout& layout, const Segments& seg, int64_t* out) {
   const PiecePlan plan(seg, layout.num_segments, 0);  // integers: one piece per segment, any order is exact
@@ -363,10 +456,10 @@ void count_kept(const mask_t* m, const TokenLayout& layout, const Segments& seg,
 }
 
 // The type-erased entry points: the kernel types are chosen here, once per op.
-void segment_sums_entry(const KernelArgs& a, void* out) {
+void segment_sums_entry(const KernelArgs& a, void* out, int64_t* counts) {
   dispatch_kernel_types(a.values_dtype, a.mask_kind, [&]<typename S, typename M>(type_tag<S>, type_tag<M>) {
     using acc_t = acc_t_of<S>;
-    segment_sums<acc_t>(static_cast<const S*>(a.values), static_cast<const M*>(a.mask), a.layout, a.seg, static_cast<acc_t*>(out));
+    segment_sums<acc_t>(static_cast<const S*>(a.values), static_cast<const M*>(a.mask), a.layout, a.seg, static_cast<acc_t*>(out), counts);
   });
 }
 

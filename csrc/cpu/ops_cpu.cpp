@@ -6,6 +6,7 @@
 #include "engine.h"
 
 #include <optional>
+#include <tuple>
 
 namespace lossagg::cpu {
 namespace {
@@ -46,8 +47,18 @@ acc_t weighted_total(const acc_t* x, const acc_t* d, int64_t n) {
 Tensor segment_sum(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
   const TokenCall call = segment_sum_call(values, mask, cu_seqlens);
   Tensor out = call.new_segment_sums(values.scalar_type());
-  engine().segment_sums(kernel_args(call, values.scalar_type()), out.mutable_data_ptr());
+  engine().segment_sums(kernel_args(call, values.scalar_type()), out.mutable_data_ptr(), nullptr);
   return out;
+}
+
+// segment_sum and token_counts from one read of values and mask ([T] or [B, T] values): the
+// sums [B] and the kept tokens [B] (int64) of each segment.
+std::tuple<Tensor, Tensor> segment_sum_and_count(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
+  const TokenCall call = segment_sum_and_count_call(values, mask, cu_seqlens);
+  Tensor out = call.new_segment_sums(values.scalar_type());
+  Tensor counts = new_tensor(mask, {call.layout.num_segments}, ScalarType::Long);
+  engine().segment_sums(kernel_args(call, values.scalar_type()), out.mutable_data_ptr(), counts.mutable_data_ptr<int64_t>());
+  return {out, counts};
 }
 
 // sum_i segment_sum[i] / sample_denoms[i], samples added in a fixed order (weighted_total):
@@ -58,7 +69,7 @@ Tensor reduce(const Tensor& values, const Tensor& mask, const std::optional<Tens
   const Tensor denoms = kernel_denoms(sample_denoms, values.scalar_type());
   const int64_t b = call.layout.num_segments;
   Tensor sums = new_tensor(values, {b}, acc_dtype);
-  engine().segment_sums(kernel_args(call, values.scalar_type()), sums.mutable_data_ptr());
+  engine().segment_sums(kernel_args(call, values.scalar_type()), sums.mutable_data_ptr(), nullptr);
   Tensor out = new_tensor(values, {}, acc_dtype);
   dispatch_values(acc_dtype, "values", [&]<typename A>(type_tag<A>) {
     *out.mutable_data_ptr<A>() = weighted_total(sums.const_data_ptr<A>(), denoms.const_data_ptr<A>(), b);
@@ -109,6 +120,7 @@ Tensor token_counts(const Tensor& mask, const std::optional<Tensor>& cu_seqlens)
 STABLE_TORCH_LIBRARY_IMPL(lossagg, CPU, m) {
   m.impl("token_counts", TORCH_BOX(&token_counts));
   m.impl("segment_sum", TORCH_BOX(&segment_sum));
+  m.impl("segment_sum_and_count", TORCH_BOX(&segment_sum_and_count));
   m.impl("segment_sum_backward", TORCH_BOX(&segment_sum_backward));
   m.impl("reduce", TORCH_BOX(&reduce));
   m.impl("reduce_backward", TORCH_BOX(&reduce_backward));

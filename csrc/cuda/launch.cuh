@@ -27,7 +27,8 @@ inline dim3 fixup_grid(int64_t num_segments, int64_t num_metrics) {
 }
 
 // Segment sums of values ([K, ntok] flattened) into out ([K, B], acc_t). With
-// denoms != nullptr (K == 1), also writes sum_s out[s] / denoms[s] into *result.
+// denoms != nullptr (K == 1), also writes sum_s out[s] / denoms[s] into *result; with
+// counts != nullptr, the kept tokens of each segment into counts ([B], int64).
 // Two launches: the tile pass and the fix-up.
 template <typename acc_t, typename Device, typename scalar_t, typename mask_t>
 void segment_sum_passes(
@@ -38,19 +39,25 @@ void segment_sum_passes(
     const mask_t* mask,
     acc_t* out,
     const acc_t* denoms,
-    acc_t* result) {
+    acc_t* result,
+    int64_t* counts = nullptr) {
   const int64_t tiles = num_tiles(layout.num_tokens);
   const int64_t B = layout.num_segments;
   const int64_t K = layout.num_metrics;
   const bool reduce = result != nullptr;
   const dim3 fgrid = fixup_grid(B, K);
-  // One workspace: first/last partials per tile and metric, block sums, then two
-  // integers (the bad-table flag, the last-block counter), zeroed by one memset.
+  // One workspace: the per-tile count partials (when counting), first/last partials per
+  // tile and metric, block sums, then two integers (the bad-table flag, the last-block
+  // counter), zeroed by one memset.
+  const int64_t count_elems = counts != nullptr ? 2 * tiles : 0;
   const int64_t partial_elems = 2 * K * tiles;
   const int64_t block_elems = reduce ? fgrid.x : 0;
-  const int64_t bytes = (partial_elems + block_elems) * static_cast<int64_t>(sizeof(acc_t)) + 16;
+  const int64_t bytes =
+      count_elems * static_cast<int64_t>(sizeof(int64_t)) + (partial_elems + block_elems) * static_cast<int64_t>(sizeof(acc_t)) + 16;
   auto* base = static_cast<unsigned char*>(dev.workspace(bytes));
-  acc_t* first_partial = reinterpret_cast<acc_t*>(base);
+  int64_t* first_count = counts != nullptr ? reinterpret_cast<int64_t*>(base) : nullptr;
+  int64_t* last_count = counts != nullptr ? first_count + tiles : nullptr;
+  acc_t* first_partial = reinterpret_cast<acc_t*>(base + count_elems * static_cast<int64_t>(sizeof(int64_t)));
   acc_t* last_partial = first_partial + K * tiles;
   acc_t* block_sums = last_partial + K * tiles;
   unsigned int* bad_table = reinterpret_cast<unsigned int*>(block_sums + block_elems);
@@ -59,17 +66,18 @@ void segment_sum_passes(
   if (tiles > 0) {
     dev.launch(
         segment_sum_tiles_kernel<acc_t, scalar_t, mask_t>, tile_grid(tiles, K), dim3(kThreads), values, mask, seg, B, layout.num_tokens, K, tiles,
-        out, first_partial, last_partial, bad_table);
+        out, first_partial, last_partial, bad_table, counts, first_count, last_count);
   }
   if (reduce) {
     dev.launch(
         segment_sum_fixup_kernel<true, acc_t>, fgrid, dim3(kThreads), seg, B, layout.num_tokens, K, tiles, out, first_partial, last_partial,
-        bad_table, denoms, block_sums, counter, result);
+        bad_table, denoms, block_sums, counter, result, static_cast<int64_t*>(nullptr), static_cast<const int64_t*>(nullptr),
+        static_cast<const int64_t*>(nullptr));
   } else if (B > 0) {
     dev.launch(
         segment_sum_fixup_kernel<false, acc_t>, fgrid, dim3(kThreads), seg, B, layout.num_tokens, K, tiles, out, first_partial, last_partial,
         bad_table, static_cast<const acc_t*>(nullptr), static_cast<acc_t*>(nullptr), static_cast<unsigned int*>(nullptr),
-        static_cast<acc_t*>(nullptr));
+        static_cast<acc_t*>(nullptr), counts, static_cast<const int64_t*>(first_count), static_cast<const int64_t*>(last_count));
   }
 }
 
@@ -77,6 +85,14 @@ void segment_sum_passes(
 template <typename acc_t, typename Device, typename scalar_t, typename mask_t>
 void launch_segment_sum(Device& dev, const TokenLayout& layout, const Segments& seg, const scalar_t* values, const mask_t* mask, acc_t* out) {
   segment_sum_passes<acc_t>(dev, layout, seg, values, mask, out, static_cast<const acc_t*>(nullptr), static_cast<acc_t*>(nullptr));
+}
+
+// segment_sum_and_count: out [K, B] and counts [B] (kept tokens of each segment) from the
+// same two launches.
+template <typename acc_t, typename Device, typename scalar_t, typename mask_t>
+void launch_segment_sum_and_count(
+    Device& dev, const TokenLayout& layout, const Segments& seg, const scalar_t* values, const mask_t* mask, acc_t* out, int64_t* counts) {
+  segment_sum_passes<acc_t>(dev, layout, seg, values, mask, out, static_cast<const acc_t*>(nullptr), static_cast<acc_t*>(nullptr), counts);
 }
 
 // reduce: *result = sum_s segment_sum[s] / denoms[s]; the per-sample sums live in the workspace.

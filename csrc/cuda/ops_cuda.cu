@@ -6,6 +6,8 @@
 #include "cuda_device.cuh"
 #include "launch.cuh"
 
+#include <tuple>
+
 namespace lossagg::cuda {
 namespace {
 
@@ -22,6 +24,24 @@ Tensor segment_sum(const Tensor& values, const Tensor& mask, const std::optional
         dev, call.layout, call.segments(), call.values->const_data_ptr<S>(), call.mask_data<M>(), out.mutable_data_ptr<acc_t>());
   });
   return out;
+}
+
+// The sums and the kept tokens of each segment from the same two launches.
+std::tuple<Tensor, Tensor> segment_sum_and_count(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
+  const TokenCall call = segment_sum_and_count_call(values, mask, cu_seqlens);
+  Tensor out = call.new_segment_sums(values.scalar_type());
+  Tensor counts = new_tensor(mask, {call.layout.num_segments}, ScalarType::Long);
+  if (out.numel() == 0) {
+    return {out, counts};
+  }
+  CudaDevice dev(values);
+  call.dispatch(values.scalar_type(), [&]<typename S, typename M>(type_tag<S>, type_tag<M>) {
+    using acc_t = acc_t_of<S>;
+    launch_segment_sum_and_count<acc_t>(
+        dev, call.layout, call.segments(), call.values->const_data_ptr<S>(), call.mask_data<M>(), out.mutable_data_ptr<acc_t>(),
+        counts.mutable_data_ptr<int64_t>());
+  });
+  return {out, counts};
 }
 
 // Two launches: the tile pass, and the fix-up with the final fixed-order combine.
@@ -74,6 +94,7 @@ Tensor reduce_backward(
 
 STABLE_TORCH_LIBRARY_IMPL(lossagg, CUDA, m) {
   m.impl("segment_sum", TORCH_BOX(&segment_sum));
+  m.impl("segment_sum_and_count", TORCH_BOX(&segment_sum_and_count));
   m.impl("segment_sum_backward", TORCH_BOX(&segment_sum_backward));
   m.impl("reduce", TORCH_BOX(&reduce));
   m.impl("reduce_backward", TORCH_BOX(&reduce_backward));

@@ -186,18 +186,21 @@ __device__ __forceinline__ bool for_each_segment_in_tile(
   return ok && reached >= hi;
 }
 
-// This lane's share of the masked sum of tokens [a, b). `vec_ok`: values and mask share
-// the same phase, so indices with (i + phase) % VEC == 0 are aligned for both.
+// This lane's share of the masked sum of tokens [a, b), and of their kept tokens (*kept,
+// added to). `phase`: values and mask share the same phase, so indices with
+// (i + phase) % VEC == 0 are aligned for both.
 template <typename acc_t, typename scalar_t, typename mask_t>
 __device__ __forceinline__ acc_t
-lane_masked_sum(const scalar_t* __restrict__ v, const mask_t* __restrict__ m, int64_t a, int64_t b, int lane, int phase) {
+lane_masked_sum(const scalar_t* __restrict__ v, const mask_t* __restrict__ m, int64_t a, int64_t b, int lane, int phase, unsigned int& kept) {
   constexpr int VEC = vec_width<scalar_t>();
   acc_t acc = acc_t(0);
+  unsigned int n = 0;
   const VecBody body = vec_body<VEC>(a, b, phase);
   const int64_t body_begin = body.begin;
   const int64_t body_end = body.end;
   for (int64_t i = a + lane; i < body_begin; i += kWarp) {
     acc += masked_term(static_cast<acc_t>(v[i]), m[i]);
+    n += is_kept(m[i]);
   }
   for (int64_t i = body_begin + static_cast<int64_t>(lane) * VEC; i < body_end; i += static_cast<int64_t>(kWarp) * VEC) {
     const Pack<scalar_t, VEC> xv = *reinterpret_cast<const Pack<scalar_t, VEC>*>(v + i);
@@ -205,19 +208,24 @@ lane_masked_sum(const scalar_t* __restrict__ v, const mask_t* __restrict__ m, in
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       acc += masked_term(static_cast<acc_t>(xv.x[j]), mv.x[j]);
+      n += is_kept(mv.x[j]);
     }
   }
   for (int64_t i = body_end + lane; i < b; i += kWarp) {
     acc += masked_term(static_cast<acc_t>(v[i]), m[i]);
+    n += is_kept(m[i]);
   }
+  kept += n;
   return acc;
 }
 
 // Pass 1 of segment sums. grid: (ceil(tiles / kWarpsPerBlock), min(K, kMaxGridY)).
 // out[k, s] for segments inside one tile; first_partial / last_partial [K, tiles] for the
 // tile's first segment (if it starts before the tile or ends after it) and for its last
-// segment (if it ends after the tile). A tile over which cu_seqlens is inconsistent sets
-// *bad_table (a plain integer store; the fix-up then writes NaN).
+// segment (if it ends after the tile). With counts (segment_sum_and_count), the kept
+// tokens go the same way, for metric 0: counts[s], or first_count / last_count [tiles].
+// A tile over which cu_seqlens is inconsistent sets *bad_table (a plain integer store; the
+// fix-up then writes NaN).
 template <typename acc_t, typename scalar_t, typename mask_t>
 __global__ void segment_sum_tiles_kernel(
     const scalar_t* __restrict__ values,
@@ -230,7 +238,10 @@ __global__ void segment_sum_tiles_kernel(
     acc_t* __restrict__ out,
     acc_t* __restrict__ first_partial,
     acc_t* __restrict__ last_partial,
-    unsigned int* __restrict__ bad_table) {
+    unsigned int* __restrict__ bad_table,
+    int64_t* __restrict__ counts,
+    int64_t* __restrict__ first_count,
+    int64_t* __restrict__ last_count) {
   constexpr int VEC = vec_width<scalar_t>();
   const int lane = threadIdx.x % kWarp;
   const int64_t tile = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
@@ -246,17 +257,29 @@ __global__ void segment_sum_tiles_kernel(
     const scalar_t* v = values + k * num_tokens;
     const int pv = vec_phase<VEC>(v);
     const int phase = (pv >= 0 && pv == vec_phase<VEC>(mask)) ? pv : -1;
+    const bool count = counts != nullptr && k == 0;
     const bool ok = for_each_segment_in_tile(seg, num_segments, num_tokens, lo, hi, [&](int64_t s, int64_t a, int64_t b, int64_t sb, int64_t se) {
-      const acc_t sum = warp_sum(lane_masked_sum<acc_t>(v, mask, a, b, lane, phase));
+      unsigned int lane_kept = 0;
+      const acc_t sum = warp_sum(lane_masked_sum<acc_t>(v, mask, a, b, lane, phase, lane_kept));
+      const int64_t kept = count ? static_cast<int64_t>(warp_sum(lane_kept)) : 0;  // integers: any order
       if (lane == 0) {
         if (sb >= lo && se <= hi) {
           out[k * num_segments + s] = sum;
+          if (count) {
+            counts[s] = kept;
+          }
         } else {
           if (sb <= lo) {  // the tile's first segment: it holds token lo
             first_partial[k * tiles + tile] = sum;
+            if (count) {
+              first_count[tile] = kept;
+            }
           }
           if (se > hi) {
             last_partial[k * tiles + tile] = sum;
+            if (count) {
+              last_count[tile] = kept;
+            }
           }
         }
       }
@@ -281,8 +304,20 @@ combine_tiles(const acc_t* __restrict__ first_partial, const acc_t* __restrict__
   return (last_partial[ta] + middle) + first_partial[tb];
 }
 
+// Kept tokens of segment s across tiles (integers: any order).
+__device__ __forceinline__ int64_t
+combine_tile_counts(const int64_t* __restrict__ first_count, const int64_t* __restrict__ last_count, int64_t ta, int64_t tb, int lane) {
+  unsigned long long middle = 0;
+  for (int64_t t = ta + 1 + lane; t < tb; t += kWarp) {
+    middle += static_cast<unsigned long long>(first_count[t]);
+  }
+  middle = warp_sum(middle);
+  return last_count[ta] + static_cast<int64_t>(middle) + first_count[tb];
+}
+
 // Pass 2 (fix-up). grid: (ceil(B / kSegmentsPerBlock), min(K, kMaxGridY)). Completes
-// out[k, s] for empty segments and segments that cross tiles. With kReduce (K == 1) it
+// out[k, s] (and counts[s], when counting) for empty segments and segments that cross
+// tiles; with an inconsistent cu_seqlens the counts are -1. With kReduce (K == 1) it
 // also computes sum_s out[s] / denoms[s]: each block sums its segments in order, and the
 // last block to finish (an integer counter) adds the block sums in block order into
 // *result. With an inconsistent cu_seqlens (seen by a tile, or by this segment's own
@@ -301,7 +336,10 @@ __global__ void segment_sum_fixup_kernel(
     const acc_t* __restrict__ denoms,
     acc_t* __restrict__ block_sums,
     unsigned int* __restrict__ counter,
-    acc_t* __restrict__ result) {
+    acc_t* __restrict__ result,
+    int64_t* __restrict__ counts,
+    const int64_t* __restrict__ first_count,
+    const int64_t* __restrict__ last_count) {
   __shared__ acc_t weighted[kSegmentsPerBlock];
   __shared__ bool is_last_block;
   const int lane = threadIdx.x % kWarp;
@@ -319,15 +357,23 @@ __global__ void segment_sum_fixup_kernel(
         const int64_t b0 = seg.begin(s);
         const int64_t e0 = seg.end(s);
         const bool bad = table_bad || b0 < 0 || b0 > e0 || e0 > num_tokens || (s == 0 && b0 != 0) || (s + 1 == num_segments && e0 != num_tokens);
+        const bool count = counts != nullptr && k == 0;
+        int64_t kept = bad ? -1 : 0;
         if (bad) {
           value = quiet_nan<acc_t>();
         } else if (e0 > b0) {
           const int64_t ta = b0 / kTileTokens;
           const int64_t tb = (e0 - 1) / kTileTokens;
           value = ta != tb ? combine_tiles(first_partial + k * tiles, last_partial + k * tiles, ta, tb, lane) : out_k[s];
+          if (count) {
+            kept = ta != tb ? combine_tile_counts(first_count, last_count, ta, tb, lane) : counts[s];
+          }
         }
         if (lane == 0) {
           out_k[s] = value;
+          if (count) {
+            counts[s] = kept;
+          }
         }
         if constexpr (kReduce) {
           value = value / denoms[s];

@@ -283,6 +283,28 @@ void run_case(const Case& c, uint64_t case_seed) {
   }
   expect(same, "reduce bitwise identical across block orders and reruns");
 
+  // segment_sum_and_count (the K == 1 view of metric 0): segment_sum's bits and the exact
+  // kept tokens of each segment, in every block order.
+  std::vector<int64_t> want_counts(static_cast<size_t>(c.B), 0);
+  for (int64_t s = 0; s < c.B; ++s) {
+    for (int64_t t = seg_begin(c, s); t < seg_end(c, s); ++t) {
+      want_counts[s] += in.m64[t] != 0.0;  // NaN counts as kept
+    }
+  }
+  bool counts_ok = true, count_sums_same = true;
+  for (BlockOrder order : {BlockOrder::InOrder, BlockOrder::Reversed, BlockOrder::Shuffled}) {
+    std::vector<acc_t> sums(static_cast<size_t>(c.B), acc_t(12345));
+    std::vector<int64_t> counts(static_cast<size_t>(c.B), 12345);
+    HostDevice dev(order, case_seed + 2);
+    if (c.B > 0) {
+      lossagg::cuda::launch_segment_sum_and_count<acc_t>(dev, one, seg, in.values.data, in.mask.data, sums.data(), counts.data());
+    }
+    counts_ok = counts_ok && counts == want_counts;
+    count_sums_same = count_sums_same && (c.B == 0 || std::memcmp(sums.data(), outs[0].data(), sums.size() * sizeof(acc_t)) == 0);
+  }
+  expect(counts_ok, "segment_sum_and_count: exact kept tokens in every block order");
+  expect(count_sums_same, "segment_sum_and_count: the sums have segment_sum's bits in every block order");
+
   // segment_sum_backward: out[k, t] = m[t] * g[k, s(t)], in S.
   std::vector<acc_t> g(static_cast<size_t>(c.K * c.B));
   for (auto& x : g) {
@@ -404,6 +426,19 @@ void run_bad_table_case(Case c, int defect) {
     all_written = all_written && x != acc_t(12345);
   }
   expect(any_nan && all_written, "bad cu_seqlens: segment_sum gives NaN, every sum written");
+
+  std::vector<acc_t> sums(static_cast<size_t>(c.B), acc_t(12345));
+  std::vector<int64_t> counts(static_cast<size_t>(c.B), 12345);
+  {
+    HostDevice dev;
+    lossagg::cuda::launch_segment_sum_and_count<acc_t>(dev, layout, seg, in.values.data, in.mask.data, sums.data(), counts.data());
+  }
+  bool counts_marked = true, any_marked = false;
+  for (size_t s = 0; s < counts.size(); ++s) {
+    counts_marked = counts_marked && (counts[s] == -1) == std::isnan(static_cast<double>(sums[s]));
+    any_marked = any_marked || counts[s] == -1;
+  }
+  expect(any_marked && counts_marked, "bad cu_seqlens: segment_sum_and_count gives count -1 exactly where the sum is NaN");
 
   std::vector<acc_t> denoms(static_cast<size_t>(c.B), acc_t(2));
   acc_t result = acc_t(12345);
