@@ -243,6 +243,53 @@ class StepPlan:
         contrib = (sums.to(torch.float64) / d).sum(-1)
         return {k: contrib[i] for i, k in enumerate(names)}
 
+    def token_weights(
+        self,
+        mask: torch.Tensor,
+        samples: Samples,
+        cu_seqlens: torch.Tensor | None = None,
+        *,
+        convention: str,
+        dp_size: int = 1,
+        cp_size: int = 1,
+        num_micro_batches: int = 1,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """Per-token weights of a micro-batch, for trainers that fold the reduction into the advantages
+        (SkyRL's style; docs/integration.md, "Advantage scaling (SkyRL)").
+
+        The result has the token shape of ``mask`` (padded ``[B, T]``, or packed ``[T]`` with
+        ``cu_seqlens``), on its device, in ``dtype`` (a floating dtype, float32 by default): every
+        token of sample ``i``, masked or not, holds ``gradient_scale(convention, dp_size=...,
+        cp_size=..., num_micro_batches=...) / d[i]``. The mask is not in the weights (the
+        trainer masks the loss itself), so::
+
+            (weights * per_token_loss * mask).sum() == plan.loss(per_token_loss, mask, samples, cu_seqlens) * scale
+
+        up to float rounding, wherever ``per_token_loss`` is finite (``plan.loss`` drops a NaN
+        or inf under a zero mask, a product does not). Scaling the advantages instead,
+        ``advantages * weights``, gives the same loss when the per-token loss scales with its
+        advantage, ``l(w·A) = w·l(A)`` for ``w > 0`` (PPO-clip, dual clip, a plain policy
+        gradient); terms without the advantage (a KL or entropy term) are
+        not reweighted and need their own reduction (``plan.loss`` or ``plan.metrics``).
+        ``mask`` and ``cu_seqlens`` are checked as the ops check them (docs/ops.md, "Bad input").
+        """
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating torch.dtype (the weights are 1/d[i]), got {dtype!r}")
+        scale = gradient_scale(convention, dp_size=dp_size, cp_size=cp_size, num_micro_batches=num_micro_batches)
+        try:  # the layout checks of the ops, on mask and cu_seqlens (one pass over the mask; the counts are not needed)
+            _token_counts(mask, cu_seqlens)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(str(exc).replace("lossagg.token_counts: ", "StepPlan.token_weights: ", 1)) from None
+        d = self._micro_batch_denoms(samples, mask, cu_seqlens, mask.device)
+        per_sample = d.new_full(d.shape, scale) / d  # float64, rounded once (a number over a tensor is its reciprocal times it)
+        if cu_seqlens is None:
+            weights = per_sample[:, None].expand(mask.shape)
+        else:
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device=mask.device, dtype=torch.long)
+            weights = torch.repeat_interleave(per_sample, lengths, output_size=mask.shape[0])
+        return weights.to(dtype).contiguous()
+
 
 def gradient_scale(convention: str, *, dp_size: int = 1, cp_size: int = 1, num_micro_batches: int = 1) -> float:
     """Factor to multiply each contribution by so the final gradient is dJ/dθ.
