@@ -14,7 +14,7 @@ before it, and never in a circle (tests/test_import_graph.py checks both against
 2. declarations (no torch at import): totals, modes
 3. configuration (no torch): config.errors, config.files, config.model, config.flags, config
 4. native ops: _native, ops
-5. planning: layout, context_parallel, denominators, step, aggregate, testing
+5. planning: layout, context_parallel, denominators, step, aggregate, sequence, testing
 6. front ends: integrations, integrations.verl, integrations.megatron, integrations.trl, demo.report, demo.train, demo, cli, __main__, lossagg
 """
 
@@ -75,6 +75,19 @@ _EXPORTS = {
     "zigzag_local_cu_seqlens": "lossagg.context_parallel",
     "zigzag_positions": "lossagg.context_parallel",
     "zigzag_shard": "lossagg.context_parallel",
+    # sequence-level objectives (GSPO, GMPO, LUSPO, CISPO)
+    "SEQUENCE_OBJECTIVES": "lossagg.sequence",
+    "SequenceObjective": "lossagg.sequence",
+    "all_reduce_sum": "lossagg.sequence",
+    "broadcast_to_tokens": "lossagg.sequence",
+    "cispo_token_loss": "lossagg.sequence",
+    "gmpo_token_loss": "lossagg.sequence",
+    "gspo_token_loss": "lossagg.sequence",
+    "luspo_token_loss": "lossagg.sequence",
+    "objective_config": "lossagg.sequence",
+    "sequence_loss": "lossagg.sequence",
+    "sequence_mean": "lossagg.sequence",
+    "sequence_sum": "lossagg.sequence",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -102,5 +115,19 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from lossagg.layout import cu_seqlens_from_lengths, token_counts  # noqa: F401
     from lossagg.modes import ALIASES, MODES, REFUSED_NAMES, DenomInputs, ModeSpec, ReferenceInputs, register_mode, unregister_mode  # noqa: F401
     from lossagg.ops import reduce, segment_sum  # noqa: F401
+    from lossagg.sequence import (  # noqa: F401
+        SEQUENCE_OBJECTIVES,
+        SequenceObjective,
+        all_reduce_sum,
+        broadcast_to_tokens,
+        cispo_token_loss,
+        gmpo_token_loss,
+        gspo_token_loss,
+        luspo_token_loss,
+        objective_config,
+        sequence_loss,
+        sequence_mean,
+        sequence_sum,
+    )
     from lossagg.step import StepPlan, gradient_scale  # noqa: F401
     from lossagg.totals import TOTALS, StepTotal, StepTotals  # noqa: F401

@@ -195,3 +195,45 @@ def loss_like(mask, seed=0):
     """A float64 per-token loss of the mask's shape."""
     g = torch.Generator().manual_seed(seed)
     return torch.randn(mask.shape, generator=g, dtype=torch.float64)
+
+
+# ------------------------------------------------------- sequence-level objectives
+@dataclass
+class PolicyBatch:
+    """One step of a sequence-level objective (docs/sequence.md), in one layout: per-token
+    ``log_prob`` (a float64 leaf that requires grad), ``old_log_prob``, the 0/1 ``mask`` (float64,
+    as TRL and verl hand it), ``cu_seqlens`` (None when padded) and per-sample ``advantages``."""
+
+    log_prob: torch.Tensor
+    old_log_prob: torch.Tensor
+    mask: torch.Tensor
+    cu_seqlens: torch.Tensor | None
+    advantages: torch.Tensor
+
+
+def policy_batch(seed=0, layout="padded", lengths=(3, 0, 9, 5, 1, 7, 4, 6), spread=0.45) -> PolicyBatch:
+    """Samples of ``lengths`` tokens (sample 1 empty, sample 5 fully masked, a few tokens of
+    the others masked), log ratios of about ``±spread`` per sample plus token noise (so that
+    clipping happens on both sides at epsilons of 0.2-0.3), advantages of both signs and one 0.
+    Padded: rows of ``max(lengths)`` with finite junk after each sample's end; packed: the same
+    samples back to back."""
+    g = torch.Generator().manual_seed(seed)
+    b, width = len(lengths), max(lengths)
+    within = torch.arange(width)[None] < torch.tensor(lengths)[:, None]
+    mask = within & (torch.rand(b, width, generator=g) < 0.85)
+    mask[5] = False
+    log_prob = -(0.1 + 2.0 * torch.rand(b, width, generator=g, dtype=torch.float64))
+    offsets = spread * (2 * torch.rand(b, 1, generator=g, dtype=torch.float64) - 1)
+    old = log_prob - offsets - 0.25 * torch.randn(b, width, generator=g, dtype=torch.float64)
+    log_prob = torch.where(within, log_prob, torch.full((), -5.0, dtype=torch.float64))
+    old = torch.where(within, old, torch.full((), 3.0, dtype=torch.float64))
+    advantages = torch.randn(b, generator=g, dtype=torch.float64)
+    advantages[3] = 0.0
+    mask = mask.to(torch.float64)
+    if layout == "padded":
+        return PolicyBatch(log_prob.requires_grad_(True), old, mask, None, advantages)
+    pick = within.reshape(-1)
+    cu = lossagg.cu_seqlens_from_lengths(torch.tensor(lengths), dtype=torch.int32 if layout == "packed32" else torch.int64)
+    return PolicyBatch(
+        log_prob.reshape(-1)[pick].clone().requires_grad_(True), old.reshape(-1)[pick].clone(), mask.reshape(-1)[pick].clone(), cu, advantages
+    )
