@@ -16,7 +16,7 @@ from types import MappingProxyType
 import torch
 
 from lossagg.modes import METRIC_MODE, DenomInputs, ModeSpec, mode_spec
-from lossagg.totals import RankShare, StepTotals, check_group_label_count, gather_totals
+from lossagg.totals import DEFAULT_EMPTY_SAMPLES, RankShare, StepTotals, check_group_label_count, gather_totals, read_as, stand_in
 from lossagg.validate import check_group_index, check_group_sizes, check_token_counts  # shared with the step totals
 
 
@@ -25,9 +25,18 @@ def check_divisor(spec: ModeSpec, divisor) -> None:
         raise ValueError(f"divisor must be a finite number > 0 under mode={spec.name}, got {divisor!r}")
 
 
-def needed_totals(spec: ModeSpec) -> tuple[str, ...]:
-    """The totals a plan of ``spec`` holds: the mode's own and the metric reducer's."""
-    return tuple(dict.fromkeys((*spec.totals, *mode_spec(METRIC_MODE).totals)))
+def mode_totals(spec: ModeSpec, empty_samples: str = DEFAULT_EMPTY_SAMPLES) -> tuple[str, ...]:
+    """The totals ``d[i]`` of ``spec`` is made of under the ``empty_samples`` convention: the
+    mode's own, each replaced by its stand-in (``num_samples`` by ``num_nonempty_samples`` under skip)."""
+    return tuple(dict.fromkeys(stand_in(name, empty_samples) for name in spec.totals))
+
+
+def needed_totals(spec: ModeSpec, empty_samples: str = DEFAULT_EMPTY_SAMPLES) -> tuple[str, ...]:
+    """The totals a plan of ``spec`` gathers: the mode's own and the metric reducer's, with their
+    stand-ins under the convention (the totals they stand in for are gathered too: ``P`` checks
+    the group sizes against ``n_samples_per_prompt``)."""
+    metric = mode_spec(METRIC_MODE)
+    return tuple(dict.fromkeys((*spec.totals, *mode_totals(spec, empty_samples), *metric.totals, *mode_totals(metric, empty_samples))))
 
 
 def rank_share(
@@ -64,20 +73,29 @@ def rank_share(
 BASE_TOTALS = ("num_samples", "total_tokens")
 
 
-def plan_totals(spec: ModeSpec, share: RankShare, process_group=None) -> StepTotals:
-    """The totals a plan of ``spec`` holds, gathered from the rank's share over ``process_group``."""
-    return gather_totals((*needed_totals(spec), *BASE_TOTALS), share, process_group, spec.name)
+def plan_totals(spec: ModeSpec, share: RankShare, process_group=None, empty_samples: str = DEFAULT_EMPTY_SAMPLES) -> StepTotals:
+    """The totals a plan of ``spec`` holds, gathered from the rank's share over ``process_group``
+    (a stand-in, such as ``N'`` under ``empty_samples="skip"``, travels in the same all-reduce as ``N``)."""
+    return gather_totals((*needed_totals(spec, empty_samples), *BASE_TOTALS), share, process_group, spec.name)
 
 
-def denoms_from_totals(spec: ModeSpec, token_counts: torch.Tensor, totals: StepTotals, divisor: float | None = None) -> torch.Tensor:
-    """``d[i]`` (float64) of local samples with counts ``M[i]``, given the step totals of ``spec``."""
+def denoms_from_totals(
+    spec: ModeSpec, token_counts: torch.Tensor, totals: StepTotals, divisor: float | None = None, empty_samples: str = DEFAULT_EMPTY_SAMPLES
+) -> torch.Tensor:
+    """``d[i]`` (float64) of local samples with counts ``M[i]``, given the step totals of ``spec``.
+
+    Under ``empty_samples="skip"`` the mode reads ``c(N')`` as its ``num_samples`` and ``c(P')`` as
+    its ``num_groups`` (:func:`lossagg.totals.read_as`).
+    """
     check_divisor(spec, divisor)
-    missing = [name for name in spec.totals if name not in totals]
+    missing = [name for name in mode_totals(spec, empty_samples) if name not in totals]
     if missing:
         raise ValueError(f"mode={spec.name} needs the step total(s) {', '.join(missing)}")
-    view = StepTotals({name: totals[name] for name in spec.totals}, spec.name)  # only what the mode declared
+    # only what the mode declared, under the names it declared them
+    view = StepTotals({name: read_as(name, totals, empty_samples) for name in spec.totals}, spec.name)
     d = spec.denoms(DenomInputs(token_counts.to(torch.float64), view, None if divisor is None else float(divisor)))
-    inputs = {name: view[name] for name in spec.totals if isinstance(view[name], (int, float))}
+    # named in an error as the user knows them: the totals gathered (or given to from_totals)
+    inputs = {stand_in(name, empty_samples): view[name] for name in spec.totals if isinstance(view[name], (int, float))}
     if spec.needs_divisor:
         inputs["divisor"] = divisor
     return check_denoms(d, f"mode={spec.name}", tuple(token_counts.shape), inputs, token_counts.device)

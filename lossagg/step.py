@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from lossagg.config import LossAggregationConfig
-from lossagg.denominators import denoms_from_totals, plan_totals, rank_share
+from lossagg.denominators import denoms_from_totals, mode_totals, plan_totals, rank_share
 from lossagg.layout import token_counts as _token_counts
 from lossagg.modes import METRIC_MODE, ModeSpec, mode_spec
 from lossagg.ops import reduce, segment_sum
-from lossagg.totals import RankShare, given_totals
+from lossagg.totals import DEFAULT_EMPTY_SAMPLES, RankShare, given_totals
 from lossagg.validate import as_int, check_token_counts
 
 GRADIENT_CONVENTIONS = ("sum", "mean", "micro_batch_mean", "megatron")
@@ -90,7 +90,9 @@ class StepPlan:
 
     ``plan.totals`` holds the step totals the mode declares and, gathered by every plan built
     here, ``num_samples`` and ``total_tokens`` (the metrics reducer and Megatron's
-    per-token-loss scale use them), by name.
+    per-token-loss scale use them), by name. Under ``config.empty_samples == "skip"`` it holds the
+    stand-ins the mode reads instead (``num_nonempty_samples`` for ``N``, ``num_nonempty_groups``
+    for ``P``; gathered in the same all-reduce), and ``num_samples`` still.
 
     ``_totals`` is private: :meth:`from_totals` hands a trainer's step totals through it
     (checked by :func:`lossagg.totals.given_totals` instead of gathered), so that every plan is
@@ -110,25 +112,29 @@ class StepPlan:
         config = _as_config(config)
         spec = mode_spec(config.mode)
         counts = check_token_counts(token_counts)
+        empty = config.empty_samples
         if _totals is not None:  # from_totals: the trainer's totals, checked against this rank's counts
             share = RankShare(counts, n_samples_per_prompt=config.n_samples_per_prompt)
-            totals = given_totals(spec.totals, _totals, share, spec.name)
+            what = spec.name if empty == DEFAULT_EMPTY_SAMPLES else f"{spec.name} with empty_samples={empty}"
+            totals = given_totals(mode_totals(spec, empty), _totals, share, what)
         else:
-            totals = plan_totals(spec, _rank_share(spec, config, counts, group_index, process_group, num_group_labels), process_group)
+            share = _rank_share(spec, config, counts, group_index, process_group, num_group_labels)
+            totals = plan_totals(spec, share, process_group, empty)
         self.config = config
         self.token_counts = counts
         self.device = counts.device
         self.totals = totals
-        self.sample_denoms = denoms_from_totals(spec, counts, totals, config.divisor)
+        self.sample_denoms = denoms_from_totals(spec, counts, totals, config.divisor, empty)
 
     @functools.cached_property
     def metric_denoms(self) -> torch.Tensor:
-        """``d[i]`` of the default reducer (sample_mean), for metrics other than the PG loss."""
+        """``d[i]`` of the default reducer (sample_mean), for metrics other than the PG loss, under
+        the config's ``empty_samples`` (under skip, empty samples do not count in its N either)."""
         spec = mode_spec(METRIC_MODE)
-        missing = [name for name in spec.totals if name not in self.totals]
+        missing = [name for name in mode_totals(spec, self.config.empty_samples) if name not in self.totals]
         if missing:
             raise ValueError(f"StepPlan.metrics reduces by {spec.name} and needs the step total(s) {', '.join(missing)}: pass them to from_totals")
-        return denoms_from_totals(spec, self.token_counts, self.totals)
+        return denoms_from_totals(spec, self.token_counts, self.totals, empty_samples=self.config.empty_samples)
 
     @classmethod
     def from_mask(
@@ -146,12 +152,15 @@ class StepPlan:
         """The plan of this rank's samples from step totals a trainer already has (no collective).
 
         The keywords are the step totals of :data:`lossagg.totals.TOTALS`: ``num_samples``
-        (``N``, verl's ``global_batch_size``), ``total_tokens`` (``T``, verl's
-        ``batch_num_tokens``, TRL's ``num_items_in_batch``), ``max_tokens`` (``L_max``),
-        ``num_groups`` (``P``) and ``group_token_sums`` (``Sg[g(i)]`` of each local sample).
-        The mode's totals (``lossagg.MODES[mode].totals``) are required, ``num_samples`` also
-        for :meth:`metrics`; each value is checked against this rank's own ``token_counts``
-        and against the others.
+        (``N``, verl's ``global_batch_size``), ``num_nonempty_samples`` (``N'``, NeMo-RL's
+        ``global_valid_seqs``), ``total_tokens`` (``T``, verl's ``batch_num_tokens``, TRL's
+        ``num_items_in_batch``), ``max_tokens`` (``L_max``), ``num_groups`` (``P``),
+        ``num_nonempty_groups`` (``P'``) and ``group_token_sums`` (``Sg[g(i)]`` of each local
+        sample). The mode's totals (``lossagg.MODES[mode].totals``) are required, ``num_samples``
+        also for :meth:`metrics`; under ``empty_samples="skip"`` their stand-ins instead
+        (``num_nonempty_samples`` for ``num_samples``, ``num_nonempty_groups`` for
+        ``num_groups``). Each value is checked against this rank's own ``token_counts`` and
+        against the others.
         """
         return cls(config, token_counts, _totals=totals)
 

@@ -44,6 +44,10 @@ def reference_loss(
 ) -> torch.Tensor:
     """J of the mode (docs/modes.md) in float64, from the mode's own formula (a loop over samples, for clarity).
 
+    Under ``config.empty_samples == "skip"`` it is the mode's formula over the step without its
+    empty samples (no rollout token; docs/modes.md, "Empty samples"), 0 when none is left. A
+    sample with loss tokens but no rollout token has no such reading and is refused, naming it.
+
     Raises ValueError for a mode without an entry in :data:`lossagg.modes.MODES`.
     """
     spec = mode_spec(config.mode)
@@ -60,6 +64,15 @@ def reference_loss(
     if spec.needs_groups and group_index is None:
         raise ValueError(f"reference_loss: mode={spec.name} needs group_index")
     groups = None if group_index is None else [int(g) for g in torch.as_tensor(group_index).tolist()]
+    if config.empty_samples == "skip":
+        kept = [i for i in range(n) if counts[i] > 0]
+        for i in range(n):
+            if counts[i] == 0 and bool((w[cu[i] : cu[i + 1]] != 0).any()):
+                raise ValueError(f"reference_loss with empty_samples=skip: sample {i} has loss tokens (mask) but no rollout token (rollout_mask)")
+        if not kept:
+            return sum(numerators) * 0.0  # every sample is left out: J = 0 (differentiable, zero gradients)
+        numerators, counts = [numerators[i] for i in kept], [counts[i] for i in kept]
+        groups = None if groups is None else [groups[i] for i in kept]
     return torch.as_tensor(spec.reference(ReferenceInputs(numerators, counts, groups, config.divisor)), dtype=torch.float64)
 
 

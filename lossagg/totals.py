@@ -8,6 +8,11 @@ lists the totals it needs (``ModeSpec.totals``); the planner gathers exactly tho
 one only when the mode has any), and ``from_totals`` asks for exactly those
 (:func:`given_totals`): a missing one is a named error, never a rank-local stand-in.
 
+How empty samples (no rollout token) count is the config's ``empty_samples``
+(:data:`EMPTY_SAMPLES`, docs/modes.md, "Empty samples"): under ``skip`` a total a mode
+declares is gathered as its stand-in (``N`` as ``N'``, ``P`` as ``P'``, :func:`stand_in`)
+and read by the mode as ``c(stand-in)`` (:func:`read_as`).
+
 Inside a mode's ``denoms`` the totals are read as attributes (``x.totals.num_samples``);
 reading one the mode did not declare is an error, so a mode cannot silently depend on a
 number the planner never gathered across ranks.
@@ -27,8 +32,9 @@ from typing import Any
 from lossagg.messages import did_you_mean
 
 COMBINES = ("sum", "max")
-# A bound on the group labels of one step (the all-reduce buffer holds two float64 per label):
-# 2**24 prompt groups is far beyond any real step and keeps the buffer at 256 MiB.
+# A bound on the group labels of one step (the all-reduce buffer holds two float64 per label,
+# three with empty_samples=skip): 2**24 prompt groups is far beyond any real step and keeps the
+# buffer at 256 MiB (384 MiB).
 MAX_GROUP_LABELS = 2**24
 
 
@@ -143,12 +149,38 @@ def _num_groups(sizes, share: RankShare) -> int:
     return int((sizes > 0).sum().item())
 
 
+def _nonempty(counts):
+    """1.0 for each sample with at least one rollout token (a weight sum > 0), else 0.0 (float64)."""
+    return (counts > 0).to(_torch().float64)
+
+
+def _nonempty_group_sizes(share: RankShare):
+    torch = _torch()
+    sizes = torch.zeros(share.num_labels, dtype=torch.float64, device=share.token_counts.device)
+    return sizes.index_add_(0, share.group_dense, _nonempty(share.token_counts))
+
+
 def _given_num_samples(value, share: RankShare) -> int:
     n = share.token_counts.shape[0]
     value = _checks().as_int("num_samples", value, minimum=0)
     if value < n:
         raise ValueError(f"num_samples (N, the step's samples) must be >= this rank's {n} sample(s), got {value}")
     return value
+
+
+def _given_num_nonempty_samples(value, share: RankShare) -> int:
+    own = int(_nonempty(share.token_counts).sum())
+    value = _checks().as_int("num_nonempty_samples", value, minimum=0)
+    if value < own:
+        raise ValueError(
+            f"num_nonempty_samples (N', the step's samples with at least one rollout token) must be >= this rank's {own} such sample(s), got {value}"
+        )
+    return value
+
+
+def _given_num_nonempty_groups(value, share: RankShare) -> int:
+    own = bool(_nonempty(share.token_counts).any())
+    return _checks().as_int("num_nonempty_groups", value, minimum=1 if own else 0)
 
 
 def _given_at_least_local(name: str, what: str, local: Callable[[Any], float]) -> Callable[[Any, RankShare], float]:
@@ -196,6 +228,15 @@ _ENTRIES = (
         given=_given_num_samples,
     ),
     StepTotal(
+        name="num_nonempty_samples",
+        symbol="N'",
+        combine="sum",
+        meaning="samples in the step with at least one rollout token",
+        share=lambda s: _nonempty(s.token_counts).sum().reshape(1),
+        value=lambda x, s: int(round(x.item())),
+        given=_given_num_nonempty_samples,
+    ),
+    StepTotal(
         name="total_tokens",
         symbol="T",
         combine="sum",
@@ -224,6 +265,16 @@ _ENTRIES = (
         per_group=True,
     ),
     StepTotal(
+        name="num_nonempty_groups",
+        symbol="P'",
+        combine="sum",
+        meaning="prompt groups in the step with at least one rollout token",
+        share=_nonempty_group_sizes,
+        value=lambda x, s: int((x > 0).sum().item()),
+        given=_given_num_nonempty_groups,
+        per_group=True,
+    ),
+    StepTotal(
         name="group_token_sums",
         symbol="Sg[g(i)]",
         combine="sum",
@@ -239,6 +290,32 @@ _ENTRIES = (
 #: Every step total a mode can declare, by name.
 TOTALS: Mapping[str, StepTotal] = MappingProxyType({t.name: t for t in _ENTRIES})
 
+#: How empty samples (samples with no rollout token) count, the config's ``empty_samples``
+#: (docs/modes.md, "Empty samples"): for each convention, the totals gathered in place of the
+#: ones a mode declares. ``count`` (the default): every sample counts in ``N`` and every group
+#: present in ``P``. ``skip``: ``N`` is read as ``c(N')`` and ``P`` as ``c(P')``, so a step's
+#: empty samples, and its groups that hold only empty samples, count nowhere.
+EMPTY_SAMPLES: Mapping[str, Mapping[str, str]] = MappingProxyType(
+    {
+        "count": MappingProxyType({}),
+        "skip": MappingProxyType({"num_samples": "num_nonempty_samples", "num_groups": "num_nonempty_groups"}),
+    }
+)
+DEFAULT_EMPTY_SAMPLES = "count"
+
+
+def stand_in(name: str, empty_samples: str = DEFAULT_EMPTY_SAMPLES) -> str:
+    """The total gathered (or asked of ``from_totals``) for a mode that declares ``name``."""
+    return EMPTY_SAMPLES[empty_samples].get(name, name)
+
+
+def read_as(name: str, totals: Mapping[str, Any], empty_samples: str = DEFAULT_EMPTY_SAMPLES) -> Any:
+    """The value a mode that declares ``name`` reads: the total itself, or ``c(x) = max(x, 1)`` of its
+    stand-in (a step whose samples are all empty has J = 0 whatever N is; a count of 0 would make
+    every d[i] 0)."""
+    gathered = stand_in(name, empty_samples)
+    return totals[gathered] if gathered == name else max(totals[gathered], 1)
+
 
 # ----------------------------------------------------------------- consistency
 def _consistency(values: Mapping[str, Any], n_samples_per_prompt: int | None) -> None:
@@ -252,7 +329,24 @@ def _consistency(values: Mapping[str, Any], n_samples_per_prompt: int | None) ->
                 f"num_samples (N, {n}) must equal n_samples_per_prompt ({n_samples_per_prompt}) × num_groups (P, {p}) = "
                 f"{n_samples_per_prompt * p}: the config promises whole groups of n_samples_per_prompt samples"
             )
+    n_ne, p_ne = values.get("num_nonempty_samples"), values.get("num_nonempty_groups")
+    if n_ne is not None and n is not None and n_ne > n:
+        raise ValueError(f"num_nonempty_samples (N', {n_ne}) cannot exceed num_samples (N, {n}): the non-empty samples are part of the step's")
+    if p_ne is not None and p is not None and p_ne > p:
+        raise ValueError(f"num_nonempty_groups (P', {p_ne}) cannot exceed num_groups (P, {p}): the non-empty groups are part of the step's")
+    if p_ne is not None and n_ne is not None:
+        if p_ne > n_ne:
+            raise ValueError(
+                f"num_nonempty_groups (P', {p_ne}) cannot exceed num_nonempty_samples (N', {n_ne}): every non-empty group holds a non-empty sample"
+            )
+        if n_ne > 0 and p_ne == 0:
+            raise ValueError(f"num_nonempty_groups (P') is 0 but num_nonempty_samples (N') is {n_ne}: a non-empty sample makes its group non-empty")
     t, sg, lmax = values.get("total_tokens"), values.get("group_token_sums"), values.get("max_tokens")
+    if t is not None and n_ne is not None and (t > 0) != (n_ne > 0):
+        raise ValueError(
+            f"num_nonempty_samples (N', {n_ne}) and total_tokens (T, {t:g}) disagree: the step has rollout tokens exactly when it has a "
+            "non-empty sample"
+        )
     if t is not None and sg is not None and sg.numel() and float(sg.max()) > t:
         raise ValueError(f"group_token_sums holds {float(sg.max()):g}, more than total_tokens (T, {t:g}): a group's tokens are part of the step's")
     if t is not None and lmax is not None and lmax > t:
@@ -313,4 +407,6 @@ def given_totals(names: Iterable[str], given: Mapping[str, Any], share: RankShar
 
 def check_group_label_count(num_labels: int, what: str = "num_group_labels") -> None:
     if num_labels > MAX_GROUP_LABELS:
-        raise ValueError(f"{what} must be <= {MAX_GROUP_LABELS} (the planner all-reduces two float64 per label), got {num_labels}")
+        raise ValueError(
+            f"{what} must be <= {MAX_GROUP_LABELS} (the planner all-reduces two float64 per label, three with empty_samples=skip), got {num_labels}"
+        )

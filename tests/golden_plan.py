@@ -70,6 +70,13 @@ CHANGED: dict[str, str] = {
     for mode in ("sample_mean", "token_mean", "constant", "prompt_mean")
     for scale in VERL_SCALES
 }
+CHANGED.update(
+    {
+        f"resolve/{i}/{json.dumps(data, sort_keys=True)}": "the config gained the setting empty_samples (issue 30): summary() lists it, "
+        "'count' (the default) here; every other entry of the resolved config is unchanged"
+        for i, data in enumerate(RESOLVE)
+    }
+)
 
 
 def _digest(t) -> str:

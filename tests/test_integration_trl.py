@@ -232,6 +232,57 @@ def test_loss_aggregation_config_argument(tmp_path, tokenizer, dataset):
     assert relative_difference(one, grads) < 1e-6
 
 
+class Emptying(Recorder):
+    """Makes some completions empty: their loss mask is 0 when their first token id is even (the rule
+    reads the completion, so the generation batch and TRL's shuffled micro-batches agree)."""
+
+    def _loss_mask(self, batch):
+        mask = super()._loss_mask(batch)
+        return mask * (batch["completion_ids"][:, :1] % 2 == 1)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "prompt_mean"])
+def test_empty_samples_skip_through_the_trainer(loss_type, tmp_path, tokenizer, dataset):
+    """GRPOTrainer(..., empty_samples="skip"): the step loss is J under skip (docs/modes.md, "Empty
+    samples"), which differs from count's on this batch, and does not depend on the accumulation split."""
+    trainer, two = run(Emptying, loss_type, 2, tmp_path, tokenizer, dataset, trainer_kwargs={"empty_samples": "skip"})
+    assert trainer.loss_aggregation.empty_samples == "skip"
+    batch = trainer.generated[0]
+    mask = trainer._loss_mask(batch)
+    empty = int((mask.sum(-1) == 0).sum())
+    assert 0 < empty < mask.shape[0], "the batch must hold empty and non-empty completions for the check to mean anything"
+    values = (-batch["advantages"].to(torch.float64))[:, None].expand_as(mask)
+    cu_seqlens = torch.arange(0, mask.numel() + 1, mask.shape[1])
+    group_index = torch.arange(mask.shape[0]) // NUM_GENERATIONS
+    config = trainer.loss_aggregation
+    expected = reference_loss(config, values.reshape(-1), mask.reshape(-1), cu_seqlens, group_index)
+    got = torch.stack(trainer.losses[:2]).sum()
+    assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-7), (got, expected)
+    counted = reference_loss(config.model_copy(update={"empty_samples": "count"}), values.reshape(-1), mask.reshape(-1), cu_seqlens, group_index)
+    group_tokens = torch.zeros(int(group_index.max()) + 1, dtype=mask.dtype).index_add_(0, group_index, mask.sum(-1))
+    if loss_type == "prompt_mean" and bool((group_tokens > 0).all()):  # P' = P: skip changes only N, which prompt_mean does not read
+        assert torch.allclose(counted, expected, rtol=1e-12, atol=0)
+    else:
+        assert not torch.allclose(counted, expected, rtol=1e-3), "count and skip must differ on this batch"
+    _, one = run(Emptying, loss_type, 1, tmp_path, tokenizer, dataset, trainer_kwargs={"empty_samples": "skip"})
+    assert relative_difference(one, two) < 1e-6
+
+
+def test_empty_samples_through_config_for_loss_type():
+    for loss_type, mode in (("grpo", "sample_mean"), ("dr_grpo", "constant"), ("prompt_mean", "prompt_mean")):
+        config = config_for_loss_type(loss_type, num_generations=4, max_completion_length=8, empty_samples="skip")
+        assert (config.mode, config.empty_samples) == (mode, "skip")
+    assert config_for_loss_type("grpo", num_generations=4, max_completion_length=8).empty_samples == "count"
+    with pytest.raises(ValueError, match=r"empty_samples: Input should be 'count' or 'skip', got 'Skip'"):
+        config_for_loss_type("grpo", num_generations=4, max_completion_length=8, empty_samples="Skip")
+
+
+def test_empty_samples_beside_a_loss_aggregation_config_is_refused():
+    """One place for each setting: with loss_aggregation, empty_samples belongs in it (refused before TRL is set up)."""
+    with pytest.raises(ValueError, match=r"empty_samples='skip' is for the config loss_type stands for; with loss_aggregation, set"):
+        GRPOTrainer(model=None, loss_aggregation={"mode": "grpo"}, empty_samples="skip")
+
+
 # ------------------------------------------------------------------ refusals
 def test_loss_type_names():
     assert config_for_loss_type("grpo", num_generations=4, max_completion_length=8).mode == "sample_mean"

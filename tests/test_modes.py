@@ -62,6 +62,15 @@ def test_the_docs_table_of_modes_is_the_registry():
         assert cells[3] == ", ".join(TOTALS[t].symbol for t in spec.totals) + (", L" if spec.needs_divisor else ""), name
 
 
+def test_the_docs_table_of_step_totals_is_lossagg_totals():
+    rows = _docs_table("<!-- totals table")
+    assert list(rows) == list(TOTALS), "docs/modes.md lists the step totals of lossagg.TOTALS, in the same order"
+    for name, cells in rows.items():
+        total = TOTALS[name]
+        assert (cells[1], cells[3]) == (total.symbol, total.meaning), name
+        assert cells[2].startswith(total.combine), name
+
+
 def test_the_docs_table_of_other_trainers_names_is_the_registry():
     rows = _docs_table("<!-- aliases table")
     assert set(rows) == set(ALIASES) | set(REFUSED_NAMES)

@@ -26,6 +26,11 @@ CFG = {
     "prompt_mean_any": LossAggregationConfig(mode="prompt_mean"),
     "max_length": LossAggregationConfig(mode="max_length"),
     "constant": LossAggregationConfig(mode="constant", divisor=8.0),
+    # empty_samples=skip: N and P are read from N' and P' (this rank: 3 non-empty samples)
+    "sample_mean_skip": LossAggregationConfig(mode="sample_mean", empty_samples="skip"),
+    "prompt_mean_skip": LossAggregationConfig(mode="prompt_mean", empty_samples="skip"),
+    "constant_skip": LossAggregationConfig(mode="constant", divisor=8.0, empty_samples="skip"),
+    "max_length_skip": LossAggregationConfig(mode="max_length", empty_samples="skip"),
 }
 
 # (case, config, keywords, error type, the message, as a regex)
@@ -145,6 +150,65 @@ FROM_TOTALS_REFUSED = [
         ValueError,
         r"group_token_sums holds 20, more than total_tokens \(T, 12\)",
     ),
+    (
+        "N' missing under skip",
+        "sample_mean_skip",
+        dict(num_samples=8),
+        ValueError,
+        r"mode=sample_mean with empty_samples=skip needs the step total\(s\) num_nonempty_samples \(N', samples in the step with at least",
+    ),
+    (
+        "N' below the rank's non-empty samples",
+        "sample_mean_skip",
+        dict(num_nonempty_samples=2),
+        ValueError,
+        r"num_nonempty_samples \(N', the step's samples with at least one rollout token\) must be >= this rank's 3 such sample\(s\), got 2",
+    ),
+    ("N' a float", "sample_mean_skip", dict(num_nonempty_samples=5.5), ValueError, r"num_nonempty_samples must be an integer >= 0, got 5.5"),
+    ("N' a bool", "constant_skip", dict(num_nonempty_samples=True), ValueError, r"num_nonempty_samples must be an integer"),
+    ("N' a string", "max_length_skip", dict(num_nonempty_samples="6", max_tokens=5), ValueError, r"num_nonempty_samples must be an integer"),
+    (
+        "N' above N",
+        "sample_mean_skip",
+        dict(num_nonempty_samples=9, num_samples=8),
+        ValueError,
+        r"num_nonempty_samples \(N', 9\) cannot exceed num_samples \(N, 8\)",
+    ),
+    (
+        "N' given under count is checked too",
+        "sample_mean",
+        dict(num_samples=8, num_nonempty_samples=2),
+        ValueError,
+        r"num_nonempty_samples .* >= this rank's 3 such sample\(s\), got 2",
+    ),
+    (
+        "P' missing under skip",
+        "prompt_mean_skip",
+        dict(num_samples=4, num_groups=2, group_token_sums=GROUP_SUMS),
+        ValueError,
+        r"mode=prompt_mean with empty_samples=skip needs the step total\(s\) num_nonempty_groups \(P', prompt groups in the step with",
+    ),
+    (
+        "P' 0 with a non-empty sample",
+        "prompt_mean_skip",
+        dict(num_nonempty_groups=0, group_token_sums=GROUP_SUMS),
+        ValueError,
+        r"num_nonempty_groups must be an integer >= 1, got 0",
+    ),
+    (
+        "P' above P",
+        "prompt_mean_skip",
+        dict(num_groups=2, num_nonempty_groups=3, group_token_sums=GROUP_SUMS),
+        ValueError,
+        r"num_nonempty_groups \(P', 3\) cannot exceed num_groups \(P, 2\)",
+    ),
+    (
+        "P' above N'",
+        "prompt_mean_skip",
+        dict(num_nonempty_groups=4, num_nonempty_samples=3, group_token_sums=GROUP_SUMS),
+        ValueError,
+        r"num_nonempty_groups \(P', 4\) cannot exceed num_nonempty_samples \(N', 3\)",
+    ),
 ]
 
 
@@ -175,6 +239,11 @@ FROM_TOTALS_ACCEPTED = [
         [3 * 3.0, 3 * 7.0, 3 * 9.0, 3 * 4.0],
     ),
     ("totals not needed are checked and kept", "sample_mean", dict(num_samples=8, total_tokens=40, max_tokens=5), [8 * 3, 8 * 1, 8 * 5, 8 * 4]),
+    ("N' under skip", "sample_mean_skip", dict(num_nonempty_samples=6), [6 * 3, 6 * 1, 6 * 5, 6 * 4]),
+    ("N' as a NumPy int, beside N", "constant_skip", dict(num_nonempty_samples=np.int64(6), num_samples=8), [6 * 8.0] * 4),
+    ("N' with L_max under skip", "max_length_skip", dict(num_nonempty_samples=torch.tensor(6), max_tokens=9), [6 * 9.0] * 4),
+    ("P' under skip", "prompt_mean_skip", dict(num_nonempty_groups=2, group_token_sums=GROUP_SUMS), [2 * 3.0, 2 * 7.0, 2 * 9.0, 2 * 4.0]),
+    ("N' given under count is kept, N used", "sample_mean", dict(num_samples=8, num_nonempty_samples=6), [8 * 3, 8 * 1, 8 * 5, 8 * 4]),
 ]
 
 
@@ -192,14 +261,16 @@ def test_from_totals_refuses_an_integral_float_count():
         StepPlan.from_totals(CFG["constant"], COUNTS, num_samples=np.float64(8.0))
 
 
-def test_from_totals_and_the_all_reduce_agree_for_every_mode():
+@pytest.mark.parametrize("empty_samples", ["count", "skip"])
+def test_from_totals_and_the_all_reduce_agree_for_every_mode(empty_samples):
     """The same numbers by both paths (the step is this rank's samples)."""
     groups = torch.tensor([0, 0, 1, 1])
     for name, spec in lossagg.MODES.items():
-        config = LossAggregationConfig(mode=name, n_samples_per_prompt=2, **spec.example_settings)
+        config = LossAggregationConfig(mode=name, n_samples_per_prompt=2, empty_samples=empty_samples, **spec.example_settings)
         gathered = StepPlan(config, COUNTS, group_index=groups)
         from_totals = StepPlan.from_totals(config, COUNTS, **rank_totals(config, COUNTS, torch.arange(4), groups))
         assert torch.equal(gathered.sample_denoms, from_totals.sample_denoms), name
+        assert torch.equal(gathered.metric_denoms, from_totals.metric_denoms), name
 
 
 @PROPERTY
@@ -225,3 +296,28 @@ def test_from_totals_numbers(num_samples, total_tokens, max_tokens):
     if bad:
         return refused_naming(call, *bad)
     assert call().sample_denoms.tolist() == [n * max(lmax, 1.0)] * 4
+
+
+@PROPERTY
+@given(num_nonempty_samples=numbers, num_samples=numbers, total_tokens=numbers)
+def test_from_totals_non_empty_numbers(num_nonempty_samples, num_samples, total_tokens):
+    counts = torch.tensor([3, 0, 5, 4])  # 4 samples, 3 of them non-empty, 12 tokens
+    config = lossagg.LossAggregationConfig(mode="sample_mean", empty_samples="skip")
+    call = lambda: lossagg.StepPlan.from_totals(  # noqa: E731
+        config, counts, num_nonempty_samples=num_nonempty_samples, num_samples=num_samples, total_tokens=total_tokens
+    )
+    k, n, t = int_like(num_nonempty_samples), int_like(num_samples), number_like(total_tokens)
+    if num_nonempty_samples is None:
+        return refused_naming(call, "num_nonempty_samples")
+    bad = []
+    if k is None or k < 3:
+        bad.append("num_nonempty_samples")
+    if num_samples is not None and (n is None or n < 4):
+        bad.append("num_samples")
+    if total_tokens is not None and (t is None or t < 12):
+        bad.append("total_tokens")
+    if not bad and n is not None and k > n:
+        bad.append("num_nonempty_samples")
+    if bad:
+        return refused_naming(call, *bad)
+    assert call().sample_denoms.tolist() == [k * 3.0, k * 1.0, k * 5.0, k * 4.0]

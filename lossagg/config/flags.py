@@ -47,6 +47,16 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("--n-samples-per-prompt", "n_samples_per_prompt", dict(type=int, default=None, help="samples per prompt group")),
     Flag("--global-batch-size", "global_batch_size", dict(type=int, default=None, help="samples per optimizer step")),
+    Flag(
+        "--loss-aggregation-empty-samples",
+        "empty_samples",
+        dict(
+            type=str,
+            default=None,
+            metavar="{count,skip}",
+            help="how samples with no loss token count in N and P: count (default) or skip (docs/modes.md, 'Empty samples')",
+        ),
+    ),
 )
 
 

@@ -14,6 +14,9 @@
   it true exactly under that mode.
 * ``n_samples_per_prompt >= 1`` or unset (groups of any size); under a mode with prompt
   groups a ``global_batch_size`` must be a multiple of it.
+* ``empty_samples``: how samples with no rollout token count, one of
+  :data:`lossagg.totals.EMPTY_SAMPLES` (``count``, the default: in ``N`` and ``P`` like any
+  other; ``skip``: nowhere, as NeMo-RL and AReaL count them). Valid with every mode.
 * Unknown keys are errors ("did you mean"); every error is reported at once, with its
   field path (and the file's name when loaded from a file); nothing is half-applied.
 
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr, StrictBool, StrictFloat, StrictInt, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
@@ -38,11 +41,14 @@ from lossagg.config.errors import ConfigError, issues_from_validation
 from lossagg.config.files import read_file, select_section
 from lossagg.messages import short_repr
 from lossagg.modes import ALIASES, DEFAULT_MODE, MODES, ModeSpec, add_registration_check, canonical_mode, mode_spec
+from lossagg.totals import DEFAULT_EMPTY_SAMPLES, EMPTY_SAMPLES
 
 # The mode the legacy flag calculate_per_token_loss means: Megatron's per-token loss, as the registry maps it.
 _PER_TOKEN_MODE = ALIASES["per_token"].mode
 # Sample counts travel in float64 between ranks: exact up to 2**53.
 MAX_COUNT = 2**53
+#: The conventions for empty samples, as the step totals declare them (lossagg/totals.py).
+EmptySamples = Literal[tuple(EMPTY_SAMPLES)]  # type: ignore[valid-type]
 
 
 def _registered_mode(value: Any) -> str:
@@ -98,6 +104,11 @@ class LossAggregationConfig(BaseModel):
     )
     global_batch_size: StrictInt | None = Field(
         None, ge=1, le=MAX_COUNT, description="Samples per optimizer step; a multiple of n_samples_per_prompt under prompt_mean."
+    )
+    empty_samples: EmptySamples = Field(
+        DEFAULT_EMPTY_SAMPLES,
+        description="How samples with no rollout token count: 'count' (in N and P like any other sample) or 'skip' (N and P count "
+        "only samples, and groups, with at least one rollout token; NeMo-RL's and AReaL's convention). See docs/modes.md, 'Empty samples'.",
     )
 
     _notes: tuple[str, ...] = PrivateAttr(default=())

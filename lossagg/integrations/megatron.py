@@ -16,6 +16,10 @@ the final gradient the gradient of the step scalar J of the plan's mode, on any 
                                calculate_per_token_loss=args.calculate_per_token_loss)
     return output_tensor, functools.partial(loss_func)   # in forward_step
 
+Everything about the mode, ``empty_samples`` included, comes from the plan's config
+(``plan.config``; a NeMo-RL-style ``global_valid_seqs`` goes to
+``StepPlan.from_totals(..., num_nonempty_samples=...)`` with ``empty_samples: skip``).
+
 ``output_tensor`` is the per-token loss of this micro-batch on this rank (packed ``[T]``
 with ``cu_seqlens``, or padded ``[B, T]``). The reports are this micro-batch's
 contributions (sum them over micro-batches and ranks for the step's value): ``pg_loss``

@@ -23,7 +23,10 @@ a mode        any of lossagg's modes (:data:`lossagg.MODES`); a mode with prompt
 ============  ==============================================================================
 
 A full :class:`lossagg.LossAggregationConfig` can be given instead with
-``GRPOTrainer(..., loss_aggregation=config)``.
+``GRPOTrainer(..., loss_aggregation=config)``. ``GRPOTrainer(..., empty_samples="skip")``
+sets the config's ``empty_samples`` for the config ``loss_type`` stands for (docs/modes.md,
+"Empty samples"): completions without a loss token then count nowhere, where TRL's own
+``grpo`` and ``dr_grpo`` count every completion (the default, ``"count"``, keeps TRL's number).
 
 How it stays exact: when TRL generates a generation batch (which, with
 ``steps_per_generation == gradient_accumulation_steps``, TRL's default, is exactly one
@@ -93,8 +96,11 @@ _MODEL_INPUT_KEYS = (
 DENOMS_KEY = "lossagg_sample_denoms"
 
 
-def config_for_loss_type(loss_type: str, *, num_generations: int, max_completion_length: int | None) -> LossAggregationConfig:
-    """The lossagg config a ``GRPOConfig.loss_type`` stands for (see the module docstring)."""
+def config_for_loss_type(
+    loss_type: str, *, num_generations: int, max_completion_length: int | None, empty_samples: str | None = None
+) -> LossAggregationConfig:
+    """The lossagg config a ``GRPOConfig.loss_type`` stands for (see the module docstring), with
+    ``empty_samples`` when given (the config's default, ``"count"``, otherwise)."""
     if not isinstance(loss_type, str):
         raise TypeError(f"loss_type must be a string, got {type(loss_type).__name__}")
     given, loss_type = loss_type, loss_type.strip().lower()  # TRL's names, as the config reads mode names
@@ -118,7 +124,7 @@ def config_for_loss_type(loss_type: str, *, num_generations: int, max_completion
         canonical, alias = canonical_mode(mode)
     except ValueError as exc:
         raise ValueError(f"loss_type={given!r}: {exc}") from None
-    settings: dict[str, Any] = {"mode": mode}
+    settings: dict[str, Any] = {"mode": mode, **({} if empty_samples is None else {"empty_samples": empty_samples})}
     if canonical in MODES:
         try:
             divisor = divisor_for(MODES[canonical], default=max_completion_length, alias=alias, default_name="GRPOConfig.max_completion_length")
@@ -129,6 +135,8 @@ def config_for_loss_type(loss_type: str, *, num_generations: int, max_completion
     try:
         config = LossAggregationConfig.from_dict(settings, source="GRPOConfig.loss_type")
     except ConfigError as exc:
+        if any(path == "empty_samples" for path, _ in exc.issues):
+            raise ValueError(f"empty_samples: {dict(exc.issues)['empty_samples']}") from None
         raise ValueError(
             f"loss_type must be one of TRL's {', '.join(TRL_LOSS_TYPES)} or lossagg's {', '.join(MODES)} (or a migration name), got {given!r}: {exc}"
         ) from None
@@ -158,10 +166,16 @@ class GRPOTrainer(_TRLGRPOTrainer):
 
     Takes TRL's arguments, plus ``loss_aggregation`` (a :class:`lossagg.LossAggregationConfig`
     or a mapping of its settings) to set the mode directly instead of through
-    ``args.loss_type``.
+    ``args.loss_type``, or ``empty_samples`` (``"count"`` or ``"skip"``) for the config that
+    ``args.loss_type`` stands for (with ``loss_aggregation``, set it there).
     """
 
-    def __init__(self, *args, loss_aggregation: LossAggregationConfig | Mapping | None = None, **kwargs):
+    def __init__(self, *args, loss_aggregation: LossAggregationConfig | Mapping | None = None, empty_samples: str | None = None, **kwargs):
+        if loss_aggregation is not None and empty_samples is not None:
+            raise ValueError(
+                f"empty_samples={empty_samples!r} is for the config loss_type stands for; with loss_aggregation, set empty_samples "
+                "in it (one place for each setting)"
+            )
         super().__init__(*args, **kwargs)
         targs = self.args
         if loss_aggregation is not None:
@@ -179,7 +193,9 @@ class GRPOTrainer(_TRLGRPOTrainer):
                         f"GRPOConfig.num_generations={self.num_generations}: TRL's advantage groups are num_generations completions"
                     )
         else:
-            config = config_for_loss_type(targs.loss_type, num_generations=self.num_generations, max_completion_length=targs.max_completion_length)
+            config = config_for_loss_type(
+                targs.loss_type, num_generations=self.num_generations, max_completion_length=targs.max_completion_length, empty_samples=empty_samples
+            )
         refused = []
         if targs.loss_type in _OTHER_OBJECTIVES and loss_aggregation is not None:
             refused.append(f"loss_type={targs.loss_type!r} (a different per-token objective; set loss_type to grpo, dapo, dr_grpo or a lossagg mode)")

@@ -30,6 +30,13 @@ With no global-batch argument and ``dp_size=1`` the micro-batch is the whole ste
 otherwise ``global_batch_size`` is the step's ``N`` and ``batch_num_tokens`` its ``T``,
 and a mode that needs a total verl does not pass (``L_max``, prompt groups) is refused,
 naming it, rather than computed from the micro-batch alone.
+
+``empty_samples`` (keyword only) is the config's setting for lossagg's modes (docs/modes.md,
+"Empty samples"): ``"skip"`` leaves samples without a loss token out of ``N`` and ``P``, as
+verl's own ``seq-mean-*`` modes do when no ``global_batch_size`` is given. verl's trainer
+passes ``global_batch_size`` as every sample of the mini-batch (empty ones included), so under
+``skip`` a mode that reads ``N`` or ``P`` is refused with global-batch arguments (verl carries
+no count of non-empty samples). verl's own mode names keep verl's convention and refuse it.
 """
 
 from __future__ import annotations
@@ -39,11 +46,14 @@ import math
 import torch
 
 from lossagg.config import LossAggregationConfig
+from lossagg.denominators import mode_totals
 from lossagg.dtypes import MASK_DTYPES, VALUE_DTYPES, VALUE_DTYPES_TEXT, values_dtype_error
 from lossagg.layout import token_counts
+from lossagg.messages import short_repr
 from lossagg.modes import MODES, divisor_for
 from lossagg.ops import reduce
 from lossagg.step import StepPlan
+from lossagg.totals import DEFAULT_EMPTY_SAMPLES, EMPTY_SAMPLES
 from lossagg.validate import as_int, as_number, as_tensor
 
 VERL_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
@@ -171,26 +181,31 @@ def _padded_width(loss_mask: torch.Tensor) -> int:
 _VERL_TOTALS = {"num_samples": "global_batch_size", "total_tokens": "batch_num_tokens"}
 
 
-def _lossagg_denoms(loss_mask, mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor, group_index) -> torch.Tensor:
+def _lossagg_denoms(loss_mask, mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor, group_index, empty_samples) -> torch.Tensor:
     """d[i] of a lossagg mode: the micro-batch alone when it is the whole step, else from verl's global-batch arguments."""
     spec = MODES[mode]
+    convention = DEFAULT_EMPTY_SAMPLES if empty_samples is None else empty_samples
+    if not isinstance(convention, str) or convention not in tuple(EMPTY_SAMPLES):  # named before any total is asked for
+        raise ValueError(f"empty_samples must be one of {', '.join(map(repr, EMPTY_SAMPLES))}, got {short_repr(empty_samples)}")
     if dp_size > 1 or batch_num_tokens is not None or global_batch_size is not None:
         # the totals verl cannot carry first: no argument would help
-        uncarried = [total for total in spec.totals if total not in _VERL_TOTALS]
+        needed = mode_totals(spec, convention)
+        uncarried = [total for total in needed if total not in _VERL_TOTALS]
         if uncarried:
+            skipped = f" (with empty_samples={convention})" if convention != DEFAULT_EMPTY_SAMPLES else ""
             raise ValueError(
-                f"loss_agg_mode={mode} needs the step total(s) {', '.join(uncarried)}, which verl's agg_loss arguments do not carry: "
+                f"loss_agg_mode={mode}{skipped} needs the step total(s) {', '.join(uncarried)}, which verl's agg_loss arguments do not carry: "
                 "use it where the micro-batch is its rank's whole step (dp_size=1, no global-batch arguments), "
                 "or build a lossagg.StepPlan over the step"
             )
         given = {"global_batch_size": global_batch_size, "batch_num_tokens": batch_num_tokens}
-        missing = [f"{_VERL_TOTALS[total]} (the step's {total})" for total in spec.totals if given[_VERL_TOTALS[total]] is None]
+        missing = [f"{_VERL_TOTALS[total]} (the step's {total})" for total in needed if given[_VERL_TOTALS[total]] is None]
         if missing:
             raise ValueError(f"loss_agg_mode={mode} with dp_size={dp_size} or other global-batch arguments needs {' and '.join(missing)}")
     _check_zero_one(loss_mask, mode)
     given = None if loss_scale_factor is None else as_number("loss_scale_factor", loss_scale_factor)
     divisor = divisor_for(spec, given, _padded_width(loss_mask))
-    config = LossAggregationConfig(mode=mode, **({} if divisor is None else {"divisor": divisor}))
+    config = LossAggregationConfig(mode=mode, empty_samples=convention, **({} if divisor is None else {"divisor": divisor}))
     counts = token_counts(loss_mask)
     if dp_size == 1 and batch_num_tokens is None and global_batch_size is None:
         return StepPlan(config, counts, group_index=group_index).sample_denoms
@@ -230,12 +245,14 @@ def agg_loss(
     loss_scale_factor: int | None = None,
     *,
     group_index: torch.Tensor | None = None,
+    empty_samples: str | None = None,
 ):
     """verl's ``agg_loss``: ``loss_mat`` and ``loss_mask`` are ``(bs, response_length)``.
 
     Returns a 0-dim tensor, differentiable in ``loss_mat``. ``loss_agg_mode`` is one of
     verl's modes (:data:`VERL_MODES`), where ``loss_mask`` is a weight (bool, integer or
-    floating, finite and >= 0), or one of lossagg's (``group_index`` for ``prompt_mean``),
+    floating, finite and >= 0), or one of lossagg's (``group_index`` for ``prompt_mean``,
+    ``empty_samples`` for how samples without a loss token count, the config's setting),
     where it must be 0/1.
     """
     as_tensor("loss_mat", loss_mat)
@@ -257,10 +274,19 @@ def agg_loss(
     dp_size = as_int("dp_size", dp_size, minimum=1)
     after = None
     if loss_agg_mode in VERL_MODES:
+        if empty_samples is not None:
+            raise ValueError(
+                f"empty_samples applies to lossagg's modes, got empty_samples={empty_samples!r} with verl's loss_agg_mode={loss_agg_mode!r}, "
+                "which keeps verl's own convention (its seq-mean modes count the sequences whose loss_mask sums to more than 0 when no "
+                "global_batch_size is given, and take global_batch_size as given otherwise): drop it, or use a lossagg mode"
+            )
         _check_weights(loss_mask)
         d, after = _verl_denoms(loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
     elif loss_agg_mode in MODES:
-        d = _lossagg_denoms(loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor, group_index) / dp_size
+        d = (
+            _lossagg_denoms(loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor, group_index, empty_samples)
+            / dp_size
+        )
     else:
         raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode!r}; expected one of {', '.join(VERL_MODES + tuple(MODES))}")
     loss = reduce(loss_mat, loss_mask, sample_denoms=d.to(loss_mat.device))
