@@ -121,7 +121,8 @@ def reduce_with_counts(
         or values.dim() != (1 if cu_seqlens is not None else 2)
         or torch.compiler.is_compiling()
     ):
-        _token_layout("reduce", values, mask, cu_seqlens, allow_metric_dim=False)  # names a wrong layout as reduce would
+        check_readable("reduce", _SEGMENT_SUM_ARGS, (values, mask, cu_seqlens))  # names a non-tensor as reduce would
+        _token_layout("reduce", values, mask, cu_seqlens, allow_metric_dim=False)  # and a wrong layout
         counts = torch.ops.lossagg.token_counts(mask, cu_seqlens)  # traced (torch.compile): the two ops
         return torch.ops.lossagg.reduce(values, mask, cu_seqlens, denoms_of(counts))
     check_readable("reduce", _SEGMENT_SUM_ARGS, (values, mask, cu_seqlens), (_token_layout, ("reduce", values, mask, cu_seqlens, False)), needs_grad)

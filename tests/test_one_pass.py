@@ -176,6 +176,8 @@ def test_aggregate_names_bad_input_as_reduce_does():
         lossagg.aggregate(config, torch.zeros(2, 5), torch.ones(5, dtype=torch.bool), cu_seqlens=torch.tensor([0, 5]))
     with pytest.raises(ValueError, match=r"cu_seqlens\[-1\] must equal the number of tokens T = 5, got 4"):
         lossagg.aggregate(config, torch.zeros(5), torch.ones(5, dtype=torch.bool), cu_seqlens=torch.tensor([0, 4]))
+    with pytest.raises(TypeError, match="lossagg.reduce: values must be a torch.Tensor, got list"):
+        lossagg.aggregate(config, [0.0] * 5, torch.ones(5, dtype=torch.bool), cu_seqlens=torch.tensor([0, 5]))
     mask = torch.ones(5, requires_grad=True)
     with pytest.raises(ValueError, match="not differentiable in mask"):
         lossagg.aggregate(config, torch.zeros(5, requires_grad=True), mask, cu_seqlens=torch.tensor([0, 5]))
