@@ -1,5 +1,6 @@
 #include "checks.h"
 
+#include "denom_program.h"
 #include "dtypes.h"
 
 #include "lossagg.h"
@@ -254,6 +255,14 @@ TokenLayout check_segment_sum_inputs(const Tensor& values, const Tensor& mask, c
   const char* op = allow_metric_dim ? "segment_sum" : "segment_sum_and_count";
   TokenLayout layout = check_token_layout(op, values, mask, cu_seqlens, allow_metric_dim);
   layout.max_segment_tokens = check_cu_seqlens_data(op, cu_seqlens, layout);
+  return layout;
+}
+
+TokenLayout check_aggregate_inputs(
+    const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, int64_t denom_program, double divisor) {
+  TokenLayout layout = check_token_layout("aggregate", values, mask, cu_seqlens, /*allow_metric_dim=*/false);
+  check_denom_program("aggregate", denom_program, divisor);
+  layout.max_segment_tokens = check_cu_seqlens_data("aggregate", cu_seqlens, layout);
   return layout;
 }
 

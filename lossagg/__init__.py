@@ -50,6 +50,7 @@ _EXPORTS = {
     "ALIASES": "lossagg.modes",
     "REFUSED_NAMES": "lossagg.modes",
     "ModeSpec": "lossagg.modes",
+    "DenomProduct": "lossagg.modes",
     "DenomInputs": "lossagg.modes",
     "ReferenceInputs": "lossagg.modes",
     "register_mode": "lossagg.modes",

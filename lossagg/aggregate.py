@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from lossagg.config import LossAggregationConfig
-from lossagg.ops import reduce, reduce_with_counts
-from lossagg.step import StepPlan
+from lossagg.modes import DenomProduct, mode_spec
+from lossagg.ops import reduce, reduce_by_program, reduce_with_counts
+from lossagg.step import StepPlan, _as_config
 
 
 def aggregate(
@@ -32,6 +33,13 @@ def aggregate(
     """
     if sample_denoms is None:
         if rollout_mask is None or rollout_mask is mask:
-            return reduce_with_counts(per_token_loss, mask, cu_seqlens, lambda m: StepPlan(config, m, group_index=group_index).sample_denoms)
+            if not isinstance(config, LossAggregationConfig):
+                config = _as_config(config)
+            denoms = mode_spec(config.mode).denoms
+            program = denoms.program(config.empty_samples) if type(denoms) is DenomProduct else None
+            plan = lambda m: StepPlan(config, m, group_index=group_index).sample_denoms  # noqa: E731
+            if program is not None:
+                return reduce_by_program(per_token_loss, mask, cu_seqlens, program, config.divisor, plan)
+            return reduce_with_counts(per_token_loss, mask, cu_seqlens, plan)
         sample_denoms = StepPlan.from_mask(config, rollout_mask, cu_seqlens, group_index=group_index).sample_denoms
     return reduce(per_token_loss, mask, cu_seqlens=cu_seqlens, sample_denoms=sample_denoms)

@@ -34,7 +34,7 @@ from types import MappingProxyType
 from typing import Any
 
 from lossagg.messages import did_you_mean
-from lossagg.totals import TOTALS, StepTotals, needs_groups
+from lossagg.totals import EMPTY_SAMPLES, TOTALS, StepTotals, needs_groups, stand_in
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,92 @@ class ReferenceInputs:
 
 def _c(x: float) -> float:
     return max(float(x), 1.0)
+
+
+# The factors a DenomProduct multiplies: symbol -> the step total it reads (None: the divisor or
+# the sample's own count). Their codes in the native program (csrc/denom_program.h), by what is
+# read: under empty_samples="skip" N reads c(N') (lossagg.totals.read_as), code 2.
+_FACTORS: Mapping[str, str | None] = MappingProxyType(
+    {
+        "N": "num_samples",
+        "P": "num_groups",
+        "c(T)": "total_tokens",
+        "c(L_max)": "max_tokens",
+        "L": None,
+        "c(M[i])": None,
+        "c(Sg[g(i)])": "group_token_sums",
+    }
+)
+_CODES: Mapping[str, int] = MappingProxyType({"num_samples": 1, "num_nonempty_samples": 2, "total_tokens": 3, "max_tokens": 4, "L": 5, "c(M[i])": 6})
+_FACTOR_BITS, _MAX_FACTORS = 4, 15
+
+
+def _program(factors: tuple[str, ...], empty_samples: str) -> int | None:
+    program = 0
+    for k, f in enumerate(factors):
+        code = _CODES.get(f) if _FACTORS[f] is None else _CODES.get(stand_in(_FACTORS[f], empty_samples))
+        if code is None:
+            return None
+        program |= code << (_FACTOR_BITS * k)
+    return program
+
+
+class DenomProduct:
+    """``d[i]`` as a product of factors, e.g. ``DenomProduct("N", "c(M[i])")``: a mode's ``denoms``
+    written declaratively (every built-in mode but prompt_mean's groups is one).
+
+    The factors, as docs/modes.md writes them: ``N``, ``P``, ``c(T)``, ``c(L_max)``, ``L`` (the
+    divisor), ``c(M[i])`` and ``c(Sg[g(i)])``. Called like any ``denoms`` (on
+    :class:`DenomInputs`) it multiplies them left to right in float64. A product of ``N``,
+    ``c(T)``, ``c(L_max)``, ``L`` and ``c(M[i])`` also has a native program
+    (:meth:`program`, csrc/denom_program.h) that multiplies the same numbers in the same order,
+    so :func:`lossagg.aggregate` computes ``d[i]`` and ``J`` in the one pass over the tokens,
+    with the bits of this evaluation. A mode defined this way is defined once for both.
+    """
+
+    __slots__ = ("factors", "formula", "totals", "_programs")
+
+    def __init__(self, *factors: str):
+        if not factors or len(factors) > _MAX_FACTORS:
+            raise ValueError(f"DenomProduct takes 1 to {_MAX_FACTORS} factors, got {len(factors)}")
+        for f in factors:
+            if f not in _FACTORS:
+                raise ValueError(f"DenomProduct factor {f!r} is not one of {', '.join(_FACTORS)}{did_you_mean(str(f), _FACTORS)}")
+        self.factors = tuple(factors)
+        self.formula = " · ".join(factors)
+        #: the step totals the product reads (a mode using it must declare them)
+        self.totals = tuple(dict.fromkeys(_FACTORS[f] for f in factors if _FACTORS[f] is not None))
+        self._programs = {empty: _program(self.factors, empty) for empty in EMPTY_SAMPLES}
+
+    def program(self, empty_samples: str = "count") -> int | None:
+        """The native program of this product under the ``empty_samples`` convention, or None
+        where a factor has none (``P``, ``c(Sg[g(i)])``: the groups are planned in Python)."""
+        return self._programs.get(empty_samples)
+
+    def __call__(self, x: DenomInputs):
+        acc = None
+        for f in self.factors:
+            if f == "N":
+                v = float(x.totals.num_samples)
+            elif f == "P":
+                v = float(x.totals.num_groups)
+            elif f == "c(T)":
+                v = _c(x.totals.total_tokens)
+            elif f == "c(L_max)":
+                v = _c(x.totals.max_tokens)
+            elif f == "L":
+                v = float(x.divisor)
+            elif f == "c(M[i])":
+                v = x.token_counts.clamp(min=1.0)
+            else:
+                v = x.totals.group_token_sums.clamp(min=1.0)
+            acc = v if acc is None else acc * v
+        if isinstance(acc, float):
+            return x.token_counts.new_full(x.token_counts.shape, acc)
+        return acc
+
+    def __repr__(self) -> str:
+        return f"DenomProduct({', '.join(map(repr, self.factors))})"
 
 
 @dataclass(frozen=True)
@@ -136,7 +222,7 @@ _ENTRIES = (
         formula="(1/N) Σ_i Σ_t m·l / c(M[i])",
         denom_formula="N · c(M[i])",
         totals=("num_samples",),
-        denoms=lambda x: float(x.totals.num_samples) * x.token_counts.clamp(min=1.0),
+        denoms=DenomProduct("N", "c(M[i])"),
         reference=_sample_mean_reference,
     ),
     ModeSpec(
@@ -145,7 +231,7 @@ _ENTRIES = (
         formula="(1/P) Σ_g Σ_{i∈g} Σ_t m·l / c(Sg[g])",
         denom_formula="P · c(Sg[g(i)])",
         totals=("num_groups", "group_token_sums"),
-        denoms=lambda x: float(x.totals.num_groups) * x.totals.group_token_sums.clamp(min=1.0),
+        denoms=DenomProduct("P", "c(Sg[g(i)])"),
         reference=_prompt_mean_reference,
     ),
     ModeSpec(
@@ -154,7 +240,7 @@ _ENTRIES = (
         formula="Σ_i Σ_t m·l / c(T)",
         denom_formula="c(T)",
         totals=("total_tokens",),
-        denoms=lambda x: x.token_counts.new_full(x.token_counts.shape, _c(x.totals.total_tokens)),
+        denoms=DenomProduct("c(T)"),
         reference=_token_mean_reference,
     ),
     ModeSpec(
@@ -164,7 +250,7 @@ _ENTRIES = (
         denom_formula="N · L",
         totals=("num_samples",),
         needs_divisor=True,
-        denoms=lambda x: x.token_counts.new_full(x.token_counts.shape, float(x.totals.num_samples) * float(x.divisor)),
+        denoms=DenomProduct("N", "L"),
         reference=_constant_reference,
         example_settings={"divisor": 64.0},
     ),
@@ -174,7 +260,7 @@ _ENTRIES = (
         formula="(1/N) Σ_i Σ_t m·l / c(L_max)",
         denom_formula="N · c(L_max)",
         totals=("num_samples", "max_tokens"),
-        denoms=lambda x: x.token_counts.new_full(x.token_counts.shape, float(x.totals.num_samples) * _c(x.totals.max_tokens)),
+        denoms=DenomProduct("N", "c(L_max)"),
         reference=_max_length_reference,
     ),
 )
@@ -304,6 +390,20 @@ def _check_spec(spec: Any) -> None:
     for what in ("denoms", "reference"):
         if not callable(getattr(spec, what)):
             raise TypeError(f"ModeSpec.{what} of mode {name!r} must be callable, got {type(getattr(spec, what)).__name__}")
+    if isinstance(spec.denoms, DenomProduct):
+        if spec.denoms.formula != spec.denom_formula:
+            raise ValueError(
+                f"ModeSpec.denom_formula of mode {name!r} must be the formula of its DenomProduct, {spec.denoms.formula!r}, "
+                f"got {spec.denom_formula!r}"
+            )
+        undeclared = [t for t in spec.denoms.totals if t not in spec.totals]
+        if undeclared:
+            raise ValueError(
+                f"ModeSpec.denoms of mode {name!r} reads the step total(s) {', '.join(undeclared)}, which ModeSpec.totals does not declare"
+            )
+        if ("L" in spec.denoms.factors) != spec.needs_divisor:
+            divides = "L" in spec.denoms.factors
+            raise ValueError(f"ModeSpec.needs_divisor of mode {name!r} must be {divides}: its DenomProduct is {spec.denoms.formula!r}")
     if not isinstance(spec.needs_divisor, bool):
         raise TypeError(f"ModeSpec.needs_divisor of mode {name!r} must be a bool, got {spec.needs_divisor!r}")
     if not isinstance(spec.example_settings, Mapping):

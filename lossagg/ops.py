@@ -14,6 +14,7 @@ not leak). Accumulation is float32 (float64 for float64 values).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -29,6 +30,9 @@ _REDUCE_BACKWARD = torch.ops.lossagg.reduce_backward.default
 _SEGMENT_SUM = torch.ops.lossagg.segment_sum.default
 _SEGMENT_SUM_BACKWARD = torch.ops.lossagg.segment_sum_backward.default
 _SEGMENT_SUM_AND_COUNT = torch.ops.lossagg.segment_sum_and_count.default
+_AGGREGATE = torch.ops.lossagg.aggregate.default
+# the native op's error for a d[i] that is not finite and > 0 starts with this (csrc/denom_program.h)
+_DENOMS_NOT_POSITIVE = "lossagg.aggregate: a denominator is not finite and > 0"
 # the dispatcher below the autograd key: the kernels themselves, for calls whose autograd
 # the wrappers handle (or that need none)
 _BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
@@ -131,6 +135,49 @@ def reduce_with_counts(
     if needs_grad:
         return _ReduceWithCounts.apply(values, mask, cu_seqlens, denoms_of)
     return _reduce_with_counts(values, mask, cu_seqlens, denoms_of)[0]
+
+
+def reduce_by_program(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    denom_program: int,
+    divisor: float | None,
+    denoms_of: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """:func:`reduce_with_counts` for denominators that are a native program (a
+    :class:`lossagg.modes.DenomProduct`, csrc/denom_program.h): the sums, the counts, ``d`` and
+    ``J`` all come from the one native call ``torch.ops.lossagg.aggregate``, with no Python
+    between the pass and ``J``. ``denoms_of(counts)`` must compute the same ``d`` (the product's
+    Python evaluation through a StepPlan); it serves the routes the native op does not take
+    (torch.compile, devices without its kernel, input the checks refuse) and names the numbers
+    when a ``d[i]`` overflows. Same bits as ``reduce_with_counts`` and as
+    ``reduce(values, mask, cu_seqlens=cu_seqlens, sample_denoms=denoms_of(counts))``.
+    """
+    if (
+        not isinstance(values, torch.Tensor)
+        or not isinstance(mask, torch.Tensor)
+        or not values.is_cpu
+        or values.dim() != (1 if cu_seqlens is not None else 2)
+        or torch.compiler.is_compiling()
+    ):
+        return reduce_with_counts(values, mask, cu_seqlens, denoms_of)
+    grad_mode = torch.is_grad_enabled()
+    needs_grad = grad_mode and values.requires_grad
+    check_readable("reduce", _SEGMENT_SUM_ARGS, (values, mask, cu_seqlens), (_token_layout, ("reduce", values, mask, cu_seqlens, False)), needs_grad)
+    if grad_mode and mask.requires_grad:
+        _not_differentiable("reduce", mask=mask)
+    divisor = 0.0 if divisor is None else float(divisor)
+    try:
+        if needs_grad:
+            return _Aggregate.apply(values, mask, cu_seqlens, denom_program, divisor)
+        with _BELOW_AUTOGRAD():
+            return _AGGREGATE(values, mask, cu_seqlens, denom_program, divisor)[0]
+    except RuntimeError as exc:
+        error = python_error(exc)
+        if isinstance(error, ValueError) and str(error).startswith(_DENOMS_NOT_POSITIVE):
+            return reduce_with_counts(values, mask, cu_seqlens, denoms_of)  # the plan's error names the settings and totals
+        raise error from None
 
 
 def _reduce_with_counts(values, mask, cu_seqlens, denoms_of):
@@ -379,6 +426,59 @@ def _token_counts_composite(mask, cu_seqlens):
 torch.library.impl("lossagg::token_counts", "CUDA")(_token_counts_composite)
 
 
+@torch.library.register_fake("lossagg::aggregate")
+def _aggregate_fake(values, mask, cu_seqlens, denom_program, divisor):
+    b, _ = _token_layout("aggregate", values, mask, cu_seqlens, allow_metric_dim=False)
+    return values.new_empty((), dtype=_acc_dtype(values.dtype)), values.new_empty((b,), dtype=torch.float64)
+
+
+# The codes of csrc/denom_program.h, for the composite below.
+_PROGRAM_BITS, _PROGRAM_FACTORS = 4, 15
+
+
+def _eval_denom_program(program: int, divisor: float, counts: torch.Tensor) -> torch.Tensor:
+    """d[i] of a denominator program from the int64 counts, in float64 tensor ops: the left fold
+    of csrc/denom_program.h, factor by factor (so the bits of the native evaluation)."""
+    if not (0 < program < 1 << (_PROGRAM_BITS * _PROGRAM_FACTORS)):
+        _fail(ValueError, "aggregate", f"denom_program must be a product of 1 to 15 factors, 4 bits each (csrc/denom_program.h), got {program}")
+    m = counts.to(torch.float64)
+    scalars = {
+        1: lambda: float(m.shape[0]),
+        2: lambda: max(float((m > 0).sum()), 1.0),
+        3: lambda: max(float(m.sum()), 1.0),
+        4: lambda: max(float(m.max()) if m.numel() else 0.0, 1.0),
+        5: lambda: float(divisor),
+    }
+    acc, ended = None, False
+    for k in range(_PROGRAM_FACTORS):
+        code = (program >> (_PROGRAM_BITS * k)) & 0xF
+        if code == 0:
+            ended = True
+            continue
+        if ended or code > 6:
+            _fail(ValueError, "aggregate", f"denom_program factor {k} must be 1 to 6 with no gap before it, got {code} (program {program})")
+        if code == 5 and not (math.isfinite(divisor) and divisor > 0):
+            _fail(ValueError, "aggregate", f"divisor must be finite and > 0 (the program divides by L), got {divisor}")
+        f = m.clamp(min=1.0) if code == 6 else scalars[code]()
+        acc = f if acc is None else acc * f
+    return m.new_full(m.shape, acc) if isinstance(acc, float) else acc
+
+
+def _aggregate_composite(values, mask, cu_seqlens, denom_program, divisor):
+    """aggregate on devices without a native kernel (CUDA): segment_sum_and_count, d from the
+    program in tensor ops, then J as reduce adds the B quotients (same bits as the CPU kernel)."""
+    sums, counts = torch.ops.lossagg.segment_sum_and_count(values, mask, cu_seqlens)
+    d = _eval_denom_program(denom_program, divisor, counts)
+    if d.numel() and not bool(torch.isfinite(d).all() & (d > 0).all()):
+        i = int(torch.nonzero(~torch.isfinite(d) | (d <= 0))[0, 0])
+        _fail(ValueError, "aggregate", f"a denominator is not finite and > 0: d[{i}] = {float(d[i])} (program {denom_program}, divisor {divisor})")
+    ones = torch.ones((sums.shape[0], 1), dtype=torch.bool, device=sums.device)
+    return torch.ops.lossagg.reduce(sums.unsqueeze(1), ones, None, d), d
+
+
+torch.library.impl("lossagg::aggregate", "CUDA")(_aggregate_composite)
+
+
 # ------------------------------------------------------------------------- autograd
 # Registered here over the backward ops (the native library holds kernels only: the
 # LibTorch stable ABI has no C++ autograd). Each forward op's backward is a registered op
@@ -486,6 +586,22 @@ class _ReduceWithCounts(torch.autograd.Function):
     backward = staticmethod(_reduce_grad)
 
 
+class _Aggregate(torch.autograd.Function):
+    """The native aggregate op with reduce's backward over the d it returns."""
+
+    @staticmethod
+    def forward(ctx, values, mask, cu_seqlens, denom_program, divisor):
+        with _BELOW_AUTOGRAD():
+            out, d = _AGGREGATE(values, mask, cu_seqlens, denom_program, divisor)
+        ctx.save_for_backward(mask, cu_seqlens, d)
+        ctx.values_dtype = values.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (*_reduce_grad(ctx, grad), None)
+
+
 class _SegmentSum(torch.autograd.Function):
     """segment_sum with its backward, as the wrapper :func:`segment_sum` calls it (see _Reduce)."""
 
@@ -511,7 +627,21 @@ def _segment_sum_and_count_grad(ctx, grad_sums, grad_counts):
     )
 
 
+def _setup_aggregate(ctx, inputs, output):
+    values, mask, cu_seqlens, _, _ = inputs
+    _not_differentiable("aggregate", mask=mask)
+    ctx.mark_non_differentiable(output[1])  # d is made of the mask's counts
+    ctx.save_for_backward(mask, cu_seqlens, output[1])
+    ctx.values_dtype = values.dtype
+
+
+def _aggregate_grad(ctx, grad, grad_d):
+    # J's gradient is reduce's with the d the op returned; d itself depends on the mask only
+    return (*_reduce_grad(ctx, grad), None)
+
+
 torch.library.register_autograd("lossagg::reduce", _reduce_grad, setup_context=_setup_reduce)
+torch.library.register_autograd("lossagg::aggregate", _aggregate_grad, setup_context=_setup_aggregate)
 torch.library.register_autograd("lossagg::segment_sum_and_count", _segment_sum_and_count_grad, setup_context=_setup_segment_sum_and_count)
 torch.library.register_autograd("lossagg::segment_sum", _segment_sum_grad, setup_context=_setup_segment_sum)
 torch.library.register_autograd("lossagg::reduce_backward", _reduce_backward_grad, setup_context=_setup_reduce_backward)

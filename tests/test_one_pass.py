@@ -15,6 +15,7 @@ from batches import LAYOUTS, MASK_DTYPES, VALUE_DTYPES, every_path_batch, long_b
 
 import lossagg
 from lossagg.modes import MODES
+from lossagg.testing import reference_loss
 
 _ORDER = ("baseline", "avx2", "avx512")
 ISAS = [isa for isa in _ORDER if _ORDER.index(isa) <= _ORDER.index(lossagg._native.cpu_best_isa())]
@@ -139,24 +140,21 @@ def test_aggregate_one_pass_equals_the_float64_reference():
         assert got.item() == pytest.approx(float(want), rel=1e-13, abs=1e-15)
 
 
-def test_aggregate_reads_the_tokens_once(monkeypatch):
-    """No token_counts or segment_sum pass besides the one segment_sum_and_count (the final
-    reduce reads B values)."""
-    calls = []
-    real = torch.ops.lossagg.token_counts.default
-
-    def counting(*args):
-        calls.append("token_counts")
-        return real(*args)
-
+def test_aggregate_reads_the_tokens_once():
+    """On the CPU a mode whose d[i] is a DenomProduct is one native call (sums, counts, d and J);
+    a mode planned in Python (prompt_mean's groups, a registered callable) is one
+    segment_sum_and_count and a reduce over the B sums. No token_counts or segment_sum pass."""
     b = make_batch("packed32", requires_grad=True)
-    monkeypatch.setattr(torch.ops.lossagg.token_counts, "default", counting)
-    with torch.autograd.profiler.profile() as prof:
-        lossagg.aggregate(lossagg.LossAggregationConfig(mode="token_mean"), b.values, b.mask, cu_seqlens=b.cu_seqlens)
-    names = [e.name for e in prof.function_events if e.name.startswith("lossagg::")]
-    assert names.count("lossagg::segment_sum_and_count") == 1
-    assert "lossagg::token_counts" not in names and "lossagg::segment_sum" not in names, names
-    assert [n for n in names if n == "lossagg::reduce"] == ["lossagg::reduce"]
+
+    def ops(mode, **kw):
+        with torch.autograd.profiler.profile() as prof:
+            lossagg.aggregate(_config(mode), b.values, b.mask, cu_seqlens=b.cu_seqlens, **kw)
+        return [e.name for e in prof.function_events if e.name.startswith("lossagg::")]
+
+    for mode in ("sample_mean", "token_mean", "constant", "max_length"):
+        assert ops(mode) == ["lossagg::aggregate"], mode
+    names = ops("prompt_mean", group_index=torch.tensor([0, 0, 1, 1, 2, 2]))
+    assert sorted(names) == ["lossagg::reduce", "lossagg::segment_sum_and_count"], names
 
 
 def test_aggregate_with_another_rollout_mask_counts_that_mask():
@@ -213,3 +211,177 @@ def test_aggregate_under_torch_compile():
     got = compiled(b.values)
     want = _plan_then_reduce(config, b.values, b.mask, b.cu_seqlens, None)
     assert torch.equal(got, want)
+
+
+# ------------------------------------------- the native denominators (DenomProduct programs)
+PROGRAM_MODES = [name for name, spec in MODES.items() if isinstance(spec.denoms, lossagg.DenomProduct) and spec.denoms.program() is not None]
+
+
+def test_every_built_in_mode_but_the_grouped_one_is_a_native_program():
+    assert PROGRAM_MODES == ["sample_mean", "token_mean", "constant", "max_length"]
+    assert MODES["prompt_mean"].denoms.program() is None  # its groups are planned in Python
+    for name in PROGRAM_MODES:
+        assert MODES[name].denom_formula == MODES[name].denoms.formula
+
+
+@pytest.mark.parametrize("empty_samples", ["count", "skip"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_native_d_is_the_plans_d(empty_samples, layout, dtype):
+    """d from the one native call equals the StepPlan's (DenomProduct's Python evaluation) bit for
+    bit, with empty samples in the batch, and so does J."""
+    b = make_batch(layout, dtype=dtype, mask_dtype=torch.float32)
+    mask = b.mask.clone()
+    if b.cu_seqlens is None:
+        mask[1] = 0  # an empty sample
+    else:
+        mask[int(b.cu_seqlens[1]) : int(b.cu_seqlens[2])] = 0
+    for mode in PROGRAM_MODES:
+        config = lossagg.LossAggregationConfig(mode=mode, empty_samples=empty_samples, **dict(MODES[mode].example_settings))
+        program = MODES[mode].denoms.program(empty_samples)
+        got_j, got_d = torch.ops.lossagg.aggregate(b.values, mask, b.cu_seqlens, program, float(config.divisor or 0.0))
+        plan_d = lossagg.StepPlan.from_mask(config, mask, b.cu_seqlens).sample_denoms
+        assert got_d.dtype == torch.float64 and torch.equal(bits(got_d), bits(plan_d)), (mode, got_d, plan_d)
+        want = lossagg.reduce(b.values, mask, cu_seqlens=b.cu_seqlens, sample_denoms=plan_d)
+        assert torch.equal(bits(got_j), bits(want)), mode
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_aggregate_on_every_summation_path(isa, threads):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        lossagg.set_cpu_isa(isa)
+        for b in (every_path_batch(torch.float32, torch.bool), long_batch("cpu"), many_short_batch()):
+            for mode in PROGRAM_MODES:
+                config = _config(mode)
+                got = lossagg.aggregate(config, b.values.detach(), b.mask, cu_seqlens=b.cu_seqlens)
+                want = _plan_then_reduce(config, b.values.detach(), b.mask, b.cu_seqlens, None)
+                assert torch.equal(bits(got), bits(want)) or (torch.isnan(got) and torch.isnan(want)), (mode, got, want)
+    finally:
+        lossagg.set_cpu_isa("auto")
+        torch.set_num_threads(before)
+
+
+def test_the_composite_other_devices_run_has_the_bits_of_the_native_kernel():
+    """CUDA runs aggregate as segment_sum_and_count + d in tensor ops + reduce (lossagg/ops.py);
+    on CPU tensors that composite must give the native kernel's J and d exactly."""
+    from lossagg.ops import _aggregate_composite
+
+    for layout in LAYOUTS:
+        b = make_batch(layout, dtype=torch.float32, mask_dtype=torch.bool)
+        for mode in PROGRAM_MODES:
+            for empty in ("count", "skip"):
+                program = MODES[mode].denoms.program(empty)
+                divisor = float(MODES[mode].example_settings.get("divisor", 0.0))
+                got_j, got_d = _aggregate_composite(b.values, b.mask, b.cu_seqlens, program, divisor)
+                want_j, want_d = torch.ops.lossagg.aggregate(b.values, b.mask, b.cu_seqlens, program, divisor)
+                assert torch.equal(bits(got_j), bits(want_j)) and torch.equal(bits(got_d), bits(want_d)), (layout, mode, empty)
+
+
+def test_empty_and_all_empty_batches():
+    config = lossagg.LossAggregationConfig(mode="sample_mean", empty_samples="skip")
+    for values, mask, cu in (
+        (torch.zeros(0), torch.zeros(0, dtype=torch.bool), torch.tensor([0])),  # no sample
+        (torch.randn(5), torch.zeros(5, dtype=torch.bool), torch.tensor([0, 2, 5])),  # no kept token
+        (torch.zeros(0, 4), torch.zeros(0, 4, dtype=torch.bool), None),
+    ):
+        got = lossagg.aggregate(config, values, mask, cu_seqlens=cu)
+        want = _plan_then_reduce(config, values, mask, cu, None)
+        assert got.item() == 0.0 and torch.equal(bits(got), bits(want))
+
+
+def test_an_overflowing_denominator_is_named_as_the_plan_names_it():
+    config = lossagg.LossAggregationConfig(mode="constant", divisor=1e308)
+    values, mask, cu = torch.randn(6), torch.ones(6, dtype=torch.bool), torch.tensor([0, 3, 6])
+    with pytest.raises(ValueError) as plan_error:
+        lossagg.StepPlan.from_mask(config, mask, cu)
+    assert "overflows float64" in str(plan_error.value)
+    with pytest.raises(ValueError) as got:
+        lossagg.aggregate(config, values, mask, cu_seqlens=cu)
+    assert str(got.value) == str(plan_error.value)
+    with pytest.raises(RuntimeError, match=r"ValueError: lossagg.aggregate: a denominator is not finite and > 0: d\[0\] = inf"):
+        torch.ops.lossagg.aggregate(values, mask, cu, 0x51, 1e308)
+
+
+@pytest.mark.parametrize(
+    ("program", "divisor", "message"),
+    [
+        (0, 0.0, "denom_program must be a product of 1 to 15 factors, 4 bits each"),
+        (1 << 60, 0.0, "denom_program must be a product of 1 to 15 factors, 4 bits each"),
+        (0x601, 0.0, "denom_program factor 2 must be 1 to 6 with no gap before it, got 6"),
+        (0x7, 0.0, "denom_program factor 0 must be 1 to 6 with no gap before it, got 7"),
+        (0x51, 0.0, r"divisor must be finite and > 0 \(the program divides by L\), got 0"),
+        (0x51, float("nan"), r"divisor must be finite and > 0 \(the program divides by L\), got nan"),
+    ],
+)
+def test_a_malformed_program_is_refused_by_name(program, divisor, message):
+    values, mask, cu = torch.randn(6), torch.ones(6, dtype=torch.bool), torch.tensor([0, 3, 6])
+    with pytest.raises(RuntimeError, match="ValueError: lossagg.aggregate: " + message):
+        torch.ops.lossagg.aggregate(values, mask, cu, program, divisor)
+    from lossagg.ops import _aggregate_composite  # the composite refuses the same programs
+
+    with pytest.raises(ValueError, match="lossagg.aggregate: " + message):
+        _aggregate_composite(values, mask, cu, program, divisor)
+
+
+def test_the_op_gives_reduces_gradient():
+    b = make_batch("packed32", dtype=torch.float64, requires_grad=True)
+    j, d = torch.ops.lossagg.aggregate(b.values, b.mask, b.cu_seqlens, 0x61, 0.0)
+    (g,) = torch.autograd.grad(j, b.values)
+    want = torch.autograd.grad(lossagg.reduce(b.values, b.mask, cu_seqlens=b.cu_seqlens, sample_denoms=d), b.values)[0]
+    assert torch.equal(g, want) and not d.requires_grad
+    assert torch.autograd.gradcheck(lambda v: torch.ops.lossagg.aggregate(v, b.mask, b.cu_seqlens, 0x61, 0.0)[0], (b.values,))
+
+
+def _product_mode(name, product, **changes):
+    fields = dict(
+        name=name,
+        summary="test mode: a declared product",
+        formula="Σ_i Σ_t m·l / (N · c(T))",
+        denom_formula=product.formula,
+        totals=("num_samples", "total_tokens"),
+        denoms=product,
+        reference=lambda r: sum(r.numerators) / (len(r.numerators) * max(sum(r.token_counts), 1.0)),
+    )
+    fields.update(changes)
+    return lossagg.ModeSpec(**fields)
+
+
+def test_a_registered_product_mode_runs_natively_with_the_plans_bits():
+    spec = lossagg.register_mode(_product_mode("one_pass_product", lossagg.DenomProduct("N", "c(T)")))
+    try:
+        assert spec.denoms.program() == 0x31
+        b = make_batch("packed32", requires_grad=True)
+        config = lossagg.LossAggregationConfig(mode=spec.name)
+        with torch.autograd.profiler.profile() as prof:
+            got = lossagg.aggregate(config, b.values, b.mask, cu_seqlens=b.cu_seqlens)
+        assert [e.name for e in prof.function_events if e.name.startswith("lossagg::")] == ["lossagg::aggregate"]
+        want = _plan_then_reduce(config, b.values, b.mask, b.cu_seqlens, None)
+        assert torch.equal(bits(got), bits(want))
+        reference = reference_loss(config, b.values.detach(), b.mask, b.cu_seqlens)  # the mode's own formula, float64
+        assert got.item() == pytest.approx(float(reference), rel=1e-5)
+    finally:
+        lossagg.unregister_mode(spec.name)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"denom_formula": "N · T"}, r"denom_formula of mode 'bad_product' must be the formula of its DenomProduct, 'N · c\(T\)'"),
+        ({"totals": ("num_samples",)}, "reads the step total\\(s\\) total_tokens, which ModeSpec.totals does not declare"),
+        ({"needs_divisor": True}, "needs_divisor of mode 'bad_product' must be False"),
+    ],
+)
+def test_a_product_mode_that_contradicts_its_entry_is_refused(changes, message):
+    with pytest.raises(ValueError, match=message):
+        lossagg.register_mode(_product_mode("bad_product", lossagg.DenomProduct("N", "c(T)"), **changes))
+    assert "bad_product" not in MODES
+
+
+def test_denom_product_refuses_unknown_factors():
+    with pytest.raises(ValueError, match=r"DenomProduct factor 'c\(M\)' is not one of N, P, c\(T\)"):
+        lossagg.DenomProduct("N", "c(M)")
+    with pytest.raises(ValueError, match="DenomProduct takes 1 to 15 factors, got 0"):
+        lossagg.DenomProduct()

@@ -152,8 +152,14 @@ float masked_sum_f32_avx512(const float* v, const mask_t* m, int64_t lo, int64_t
     acc1 = _mm512_add_ps(acc1, x[3]);
   }
   if constexpr (kCount) {
-    for (int64_t j = i; j < hi; ++j) {
-      n += is_kept(m[j]);
+    if constexpr (is_binary_mask_v<mask_t>) {  // the tail's < 64 mask bytes: one masked load and compare
+      const __mmask64 tail = _cvtu64_mask64((hi - i) >= 64 ? ~uint64_t{0} : (uint64_t{1} << (hi - i)) - 1);
+      const __m512i bytes = _mm512_maskz_loadu_epi8(tail, m + i);
+      n += _mm_popcnt_u64(_mm512_test_epi8_mask(bytes, bytes));
+    } else {
+      for (int64_t j = i; j < hi; ++j) {
+        n += is_kept(m[j]);
+      }
     }
     *kept = n;
   }

@@ -1,12 +1,14 @@
 // The CPU kernels of every lossagg op, registered in one place. Checks, conversions to
 // kernel types and dispatch are shared with CUDA (op_setup.h); the loops are the engine
 // (engine.h), whose instruction set is chosen once per op.
+#include "../denom_program.h"
 #include "../op_setup.h"
 #include "../torch_api.h"
 #include "engine.h"
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace lossagg::cpu {
 namespace {
@@ -23,18 +25,20 @@ const Engine& engine() {
 
 // sum_s x[s] / d[s] in a fixed order: lane l takes s = l, l + kLanes, ...; lanes are
 // combined pairwise as in the engine's sums. Depends only on the input.
-template <typename acc_t>
-acc_t weighted_total(const acc_t* x, const acc_t* d, int64_t n) {
+// d may be float64 for float32 x: each d[s] is then rounded to acc_t as it is read, the one
+// rounding kernel_denoms does before reduce's call.
+template <typename acc_t, typename d_t>
+acc_t weighted_total(const acc_t* x, const d_t* d, int64_t n) {
   constexpr int kLanes = 32;
   acc_t lane[kLanes] = {};
   int64_t s = 0;
   for (; s + kLanes <= n; s += kLanes) {
     for (int l = 0; l < kLanes; ++l) {
-      lane[l] += x[s + l] / d[s + l];
+      lane[l] += x[s + l] / static_cast<acc_t>(d[s + l]);
     }
   }
   for (; s < n; ++s) {
-    lane[0] += x[s] / d[s];
+    lane[0] += x[s] / static_cast<acc_t>(d[s]);
   }
   for (int width = kLanes / 2; width > 0; width /= 2) {
     for (int l = 0; l < width; ++l) {
@@ -75,6 +79,30 @@ Tensor reduce(const Tensor& values, const Tensor& mask, const std::optional<Tens
     *out.mutable_data_ptr<A>() = weighted_total(sums.const_data_ptr<A>(), denoms.const_data_ptr<A>(), b);
   });
   return out;
+}
+
+// J and d of a mode whose d[i] is a denominator program (denom_program.h), from one read of
+// values and mask: the engine's sums and counts, d from the counts, then J as reduce adds the
+// quotients (weighted_total, d rounded once to the accumulation dtype as kernel_denoms does),
+// so J has the bits of reduce(values, mask, cu_seqlens, d).
+std::tuple<Tensor, Tensor> aggregate(
+    const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, int64_t denom_program, double divisor) {
+  const TokenCall call = aggregate_call(values, mask, cu_seqlens, denom_program, divisor);
+  const ScalarType acc_dtype = acc_scalar_type(values.scalar_type());
+  const int64_t b = call.layout.num_segments;
+  Tensor sums = new_tensor(values, {b}, acc_dtype);
+  std::vector<int64_t> counts(static_cast<size_t>(b));
+  engine().segment_sums(kernel_args(call, values.scalar_type()), sums.mutable_data_ptr(), counts.data());
+  Tensor d = new_tensor(values, {b}, ScalarType::Double);
+  double* dd = d.mutable_data_ptr<double>();
+  const int64_t bad = eval_denom_program(denom_program, divisor, counts.data(), b, dd);
+  LOSSAGG_CHECK_VALUE(
+      bad < 0, "lossagg.aggregate: ", kDenomsNotPositive, ": d[", bad, "] = ", dd[bad < 0 ? 0 : bad], " (program ", denom_program, ", divisor ",
+      divisor, ")");
+  Tensor out = new_tensor(values, {}, acc_dtype);
+  dispatch_values(
+      acc_dtype, "values", [&]<typename A>(type_tag<A>) { *out.mutable_data_ptr<A>() = weighted_total(sums.const_data_ptr<A>(), dd, b); });
+  return {out, d};
 }
 
 // Each segment's gradient broadcast to its tokens, weighted by the mask.
@@ -121,6 +149,7 @@ STABLE_TORCH_LIBRARY_IMPL(lossagg, CPU, m) {
   m.impl("token_counts", TORCH_BOX(&token_counts));
   m.impl("segment_sum", TORCH_BOX(&segment_sum));
   m.impl("segment_sum_and_count", TORCH_BOX(&segment_sum_and_count));
+  m.impl("aggregate", TORCH_BOX(&aggregate));
   m.impl("segment_sum_backward", TORCH_BOX(&segment_sum_backward));
   m.impl("reduce", TORCH_BOX(&reduce));
   m.impl("reduce_backward", TORCH_BOX(&reduce_backward));
