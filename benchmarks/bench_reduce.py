@@ -24,6 +24,7 @@ this run.
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 import weakref
@@ -157,17 +158,20 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def interleaved_medians(runners: dict, device, repeats, warmup=3) -> dict:
-    """Median ms of each runner, timed one call per round in a rotating order."""
+def interleaved_medians(runners: dict, device, repeats, warmup=3, seed=0) -> dict:
+    """Median ms of each runner, timed one call per round, the runners in a fresh random order
+    every round (seeded): each follows every other about equally often, so none always runs
+    right after the one that leaves the cache coldest (a fixed rotation keeps the same
+    predecessor for each runner in every round)."""
     names = list(runners)
+    order = random.Random(seed)
     for name in names:
         for _ in range(warmup):
             runners[name]()
     sync(device)
     times = {name: [] for name in names}
-    for r in range(repeats):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
+    for _ in range(repeats):
+        for name in order.sample(names, len(names)):
             t0 = time.perf_counter()
             runners[name]()
             sync(device)
@@ -245,7 +249,7 @@ def runner(fn, b, pass_name, values_key="values"):
 
 
 def bench_case(name, b, device, repeats, contenders, passes, table=None, values_key="values"):
-    """Rows (case, pass, contender, median ms, peak extra bytes); contenders interleaved."""
+    """Rows (case, pass, contender, median ms, peak extra bytes); the contenders of each pass interleaved."""
     table = CONTENDERS if table is None else table
     runners = {
         (cname, pass_name): runner(table[cname], b, pass_name, values_key)
@@ -253,7 +257,9 @@ def bench_case(name, b, device, repeats, contenders, passes, table=None, values_
         for cname in contenders
         if not (pass_name != "fwd" and cname == "floor")
     }
-    medians = interleaved_medians(runners, device, repeats)
+    medians = {}
+    for pass_name in passes:  # the contenders of one pass against each other (a backward's writes would cool the cache for the next one)
+        medians.update(interleaved_medians({key: run for key, run in runners.items() if key[1] == pass_name}, device, repeats))
     return [(name, pass_name, cname, medians[(cname, pass_name)], peak_extra_bytes(run)) for (cname, pass_name), run in runners.items()]
 
 
@@ -370,7 +376,8 @@ def main(argv=None):
             "lossagg": lambda bb, v, d=denoms: lossagg.reduce(v, bb["mask"], cu_seqlens=bb["cu"], sample_denoms=d),
             "aggregate": lambda bb, v, c=cfg: lossagg.aggregate(c, v, bb["mask"], cu_seqlens=bb["cu"]),
         }
-        rows += bench_case(f"{front}, {mode}", b, device, repeats, list(table), ["fwd", "fwd+bwd"], table)
+        # calls of ~0.1 ms: many rounds, so that the medians settle
+        rows += bench_case(f"{front}, {mode}", b, device, max(repeats, 101), list(table), ["fwd", "fwd+bwd"], table)
     print_table(rows, bytes_by_pass, {f"{front}, {m}": b["total"] for m in ("sample_mean", "token_mean")}, copy_gbps)
     for mode in ("sample_mean", "token_mean"):
         case = f"{front}, {mode}"
