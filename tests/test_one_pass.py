@@ -385,3 +385,54 @@ def test_denom_product_refuses_unknown_factors():
         lossagg.DenomProduct("N", "c(M)")
     with pytest.raises(ValueError, match="DenomProduct takes 1 to 15 factors, got 0"):
         lossagg.DenomProduct()
+
+
+# ------------------------------------- segments summed side by side (csrc/cpu/engine_loops.h)
+def _runs_of_long_segments(mask_dtype):
+    """Runs of segments of kBlock (64) tokens or more, whose blocks and tails the AVX-512 kernel
+    interleaves four at a time, broken by short ones and ending in a partial run; tails of 0 to
+    63 tokens, NaN and inf under a zero mask, -0.0 values and weights."""
+    g = torch.Generator().manual_seed(28)
+    lengths = [64, 127, 128, 300, 65, 191, 64, 64, 5, 70, 700, 256, 63, 64, 129, 130, 131, 200, 77, 3, 64, 100, 90]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    t = int(cu[-1])
+    values = torch.randn(3, t, generator=g)
+    values[:, ::17] = float("nan")
+    values[:, 5::23] = float("inf")
+    values[:, 7::29] = -0.0
+    keep = torch.rand(t, generator=g) < 0.8
+    keep[::17] = False
+    keep[5::23] = False
+    mask = keep if mask_dtype == torch.bool else torch.where(keep, torch.rand(t, generator=g) * 2 - 0.5, torch.zeros(t))
+    if mask_dtype != torch.bool:
+        mask[11::31] = -0.0
+    return values, mask, cu
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_segments_side_by_side_have_the_bits_of_every_instruction_set(mask_dtype, threads):
+    values, mask, cu = _runs_of_long_segments(mask_dtype)
+    before = torch.get_num_threads()
+    got = {}
+    try:
+        torch.set_num_threads(threads)
+        for isa in ISAS:
+            lossagg.set_cpu_isa(isa)
+            sums, counts = torch.ops.lossagg.segment_sum_and_count(values[0], mask, cu)
+            got[isa] = (
+                torch.ops.lossagg.segment_sum(values, mask, cu),
+                sums,
+                counts,
+                torch.ops.lossagg.reduce(values[1], mask, cu, torch.linspace(0.5, 3.0, cu.numel() - 1, dtype=torch.float64)),
+            )
+    finally:
+        lossagg.set_cpu_isa("auto")
+        torch.set_num_threads(before)
+    want = got["baseline"]
+    assert torch.equal(bits(want[0][0]), bits(want[1]))  # the one pass sums as segment_sum does
+    for isa, outs in got.items():
+        for a, b in zip(outs, want, strict=True):
+            assert torch.equal(bits(a), bits(b)), isa
+    kept = [int((mask[s:e] != 0).sum()) for s, e in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)]
+    assert got["avx512" if "avx512" in got else ISAS[-1]][2].tolist() == kept

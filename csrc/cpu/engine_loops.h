@@ -57,6 +57,18 @@ static_assert(kLanes == 32 && kBlock == 64, "the float32 paths hard-code 32 lane
 // [i, hi) added to lane 0 in token order, then the lanes combined pairwise (l with l + 16,
 // then l + 8, 4, 2, 1). The tail's terms are computed first, independently, so that what
 // must be sequential is one addition per token; the combine stays in registers.
+// The lanes combined, lane 0 of a0 replaced by l0 (the lane with the tail added).
+inline float combine_lanes_f32(__m256 a0, __m256 a1, __m256 a2, __m256 a3, float l0) {
+  a0 = _mm256_blend_ps(a0, _mm256_castps128_ps256(_mm_set_ss(l0)), 1);
+  const __m256 w16a = _mm256_add_ps(a0, a2);  // lanes 0..7 (+ 16..23)
+  const __m256 w16b = _mm256_add_ps(a1, a3);  // lanes 8..15 (+ 24..31)
+  const __m256 w8 = _mm256_add_ps(w16a, w16b);
+  const __m128 w4 = _mm_add_ps(_mm256_castps256_ps128(w8), _mm256_extractf128_ps(w8, 1));
+  const __m128 w2 = _mm_add_ps(w4, _mm_movehl_ps(w4, w4));
+  const __m128 w1 = _mm_add_ss(w2, _mm_shuffle_ps(w2, w2, 1));
+  return _mm_cvtss_f32(w1);
+}
+
 template <typename mask_t>
 inline float finish_lanes_f32(__m256 a0, __m256 a1, __m256 a2, __m256 a3, const float* v, const mask_t* m, int64_t i, int64_t hi) {
   const int n = static_cast<int>(hi - i);
@@ -69,7 +81,7 @@ inline float finish_lanes_f32(__m256 a0, __m256 a1, __m256 a2, __m256 a3, const 
     for (int j = 0; j < n; ++j) {
       l0 += t[j];
     }
-    a0 = _mm256_blend_ps(a0, _mm256_castps128_ps256(_mm_set_ss(l0)), 1);
+    return combine_lanes_f32(a0, a1, a2, a3, l0);
   }
   const __m256 w16a = _mm256_add_ps(a0, a2);  // lanes 0..7 (+ 16..23)
   const __m256 w16b = _mm256_add_ps(a1, a3);  // lanes 8..15 (+ 24..31)
@@ -120,50 +132,155 @@ float masked_sum_f32_avx2(const float* v, const mask_t* m, int64_t lo, int64_t h
 // Lanes 8..15 of a 16-float register (AVX-512F has no float32 extract of 256 bits).
 inline __m256 high_half(__m512 x) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)); }
 
+// One block of 64 tokens at v + i into acc0 (tokens 0..15 and 32..47) and acc1 (16..31 and
+// 48..63), in that order; returns its kept tokens when kCount.
+// One block of 64 tokens at v + i into acc0 (tokens 0..15 and 32..47) and acc1 (16..31 and
+// 48..63), in that order; returns its kept tokens when kCount.
+template <bool kCount, typename mask_t>
+inline int64_t masked_block_f32_avx512(const float* v, const mask_t* m, int64_t i, __m512& acc0, __m512& acc1) {
+  __m512 x[4];
+  int64_t n = 0;
+  if constexpr (is_binary_mask_v<mask_t>) {
+    const __m512i bytes = _mm512_loadu_si512(m + i);
+    const uint64_t keep = _mm512_test_epi8_mask(bytes, bytes);
+    for (int q = 0; q < 4; ++q) {
+      x[q] = _mm512_maskz_loadu_ps(static_cast<__mmask16>(keep >> (16 * q)), v + i + 16 * q);
+    }
+    if constexpr (kCount) {
+      n = _mm_popcnt_u64(keep);
+    }
+  } else {
+    for (int q = 0; q < 4; ++q) {
+      const __m512 w = _mm512_loadu_ps(m + i + 16 * q);
+      const __mmask16 keep = _mm512_cmp_ps_mask(w, _mm512_setzero_ps(), _CMP_NEQ_UQ);  // w != 0, true for NaN
+      x[q] = _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, v + i + 16 * q), w);
+      if constexpr (kCount) {
+        n += _mm_popcnt_u32(keep);
+      }
+    }
+  }
+  acc0 = _mm512_add_ps(acc0, x[0]);
+  acc1 = _mm512_add_ps(acc1, x[1]);
+  acc0 = _mm512_add_ps(acc0, x[2]);
+  acc1 = _mm512_add_ps(acc1, x[3]);
+  return n;
+}
+
+// The kept tokens of the tail m[i, hi) (fewer than kBlock).
+template <typename mask_t>
+inline int64_t tail_kept_avx512(const mask_t* m, int64_t i, int64_t hi) {
+  if constexpr (is_binary_mask_v<mask_t>) {  // one masked load and compare
+    const __mmask64 tail = _cvtu64_mask64((hi - i) >= 64 ? ~uint64_t{0} : (uint64_t{1} << (hi - i)) - 1);
+    const __m512i bytes = _mm512_maskz_loadu_epi8(tail, m + i);
+    return _mm_popcnt_u64(_mm512_test_epi8_mask(bytes, bytes));
+  } else {
+    int64_t n = 0;
+    for (int64_t j = i; j < hi; ++j) {
+      n += is_kept(m[j]);
+    }
+    return n;
+  }
+}
+
 template <bool kCount, typename mask_t>
 float masked_sum_f32_avx512(const float* v, const mask_t* m, int64_t lo, int64_t hi, int64_t* kept) {
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   int64_t n = 0;
   int64_t i = lo;
   for (; i + kBlock <= hi; i += kBlock) {
-    __m512 x[4];
-    if constexpr (is_binary_mask_v<mask_t>) {
-      const __m512i bytes = _mm512_loadu_si512(m + i);
-      const uint64_t keep = _mm512_test_epi8_mask(bytes, bytes);
-      for (int q = 0; q < 4; ++q) {
-        x[q] = _mm512_maskz_loadu_ps(static_cast<__mmask16>(keep >> (16 * q)), v + i + 16 * q);
-      }
-      if constexpr (kCount) {
-        n += _mm_popcnt_u64(keep);
-      }
-    } else {
-      for (int q = 0; q < 4; ++q) {
-        const __m512 w = _mm512_loadu_ps(m + i + 16 * q);
-        const __mmask16 keep = _mm512_cmp_ps_mask(w, _mm512_setzero_ps(), _CMP_NEQ_UQ);  // w != 0, true for NaN
-        x[q] = _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, v + i + 16 * q), w);
-        if constexpr (kCount) {
-          n += _mm_popcnt_u32(keep);
-        }
-      }
-    }
-    acc0 = _mm512_add_ps(acc0, x[0]);
-    acc1 = _mm512_add_ps(acc1, x[1]);
-    acc0 = _mm512_add_ps(acc0, x[2]);
-    acc1 = _mm512_add_ps(acc1, x[3]);
+    n += masked_block_f32_avx512<kCount>(v, m, i, acc0, acc1);
   }
   if constexpr (kCount) {
-    if constexpr (is_binary_mask_v<mask_t>) {  // the tail's < 64 mask bytes: one masked load and compare
-      const __mmask64 tail = _cvtu64_mask64((hi - i) >= 64 ? ~uint64_t{0} : (uint64_t{1} << (hi - i)) - 1);
-      const __m512i bytes = _mm512_maskz_loadu_epi8(tail, m + i);
-      n += _mm_popcnt_u64(_mm512_test_epi8_mask(bytes, bytes));
-    } else {
-      for (int64_t j = i; j < hi; ++j) {
-        n += is_kept(m[j]);
-      }
-    }
-    *kept = n;
+    *kept = n + tail_kept_avx512(m, i, hi);
   }
   return finish_lanes_f32(_mm512_castps512_ps256(acc0), high_half(acc0), _mm512_castps512_ps256(acc1), high_half(acc1), v, m, i, hi);
+}
+
+// The masked terms of the tail v[i, hi) (fewer than kBlock tokens) into t[0, kBlock), +0.0
+// past it: masked_term's values (a zeroing masked load where the mask is non-zero, times the
+// weight for a float mask).
+template <typename mask_t>
+inline void tail_terms_f32_avx512(const float* v, const mask_t* m, int64_t i, int64_t hi, float* t) {
+  const int64_t n = hi - i;
+  const uint64_t in_tail = n >= 64 ? ~uint64_t{0} : (uint64_t{1} << n) - 1;
+  if constexpr (is_binary_mask_v<mask_t>) {
+    const __m512i bytes = _mm512_maskz_loadu_epi8(_cvtu64_mask64(in_tail), m + i);
+    const uint64_t keep = _mm512_test_epi8_mask(bytes, bytes);
+    for (int q = 0; q < 4; ++q) {
+      _mm512_storeu_ps(t + 16 * q, _mm512_maskz_loadu_ps(static_cast<__mmask16>(keep >> (16 * q)), v + i + 16 * q));
+    }
+  } else {
+    for (int q = 0; q < 4; ++q) {
+      const __mmask16 part = static_cast<__mmask16>(in_tail >> (16 * q));
+      const __m512 w = _mm512_maskz_loadu_ps(part, m + i + 16 * q);
+      const __mmask16 keep = _mm512_cmp_ps_mask(w, _mm512_setzero_ps(), _CMP_NEQ_UQ);  // +0.0 past the tail: not kept
+      _mm512_storeu_ps(t + 16 * q, _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, v + i + 16 * q), w));
+    }
+  }
+}
+
+// masked_sum_f32_avx512 of kGroup consecutive segments at once, each with its own bits
+// (out[g], and kept[g] with kCount, for segment s + g). A lane's additions form a chain (two
+// per block, in the fixed order), so one segment's blocks wait on the adder's latency, and so
+// does its tail (one addition per token into lane 0); here the blocks and the tail additions
+// of the group's segments alternate, so their chains advance together.
+constexpr int kGroup = 4;
+
+template <bool kCount, typename mask_t>
+void masked_sums_f32_avx512_group(const float* v, const mask_t* m, const Segments& seg, int64_t s, float* out, int64_t* kept) {
+  __m512 acc0[kGroup], acc1[kGroup];
+  int64_t i[kGroup], hi[kGroup], n[kGroup];
+  int64_t common = std::numeric_limits<int64_t>::max();
+  for (int g = 0; g < kGroup; ++g) {
+    acc0[g] = _mm512_setzero_ps();
+    acc1[g] = _mm512_setzero_ps();
+    i[g] = seg.begin(s + g);
+    hi[g] = seg.end(s + g);
+    n[g] = 0;
+    common = std::min(common, (hi[g] - i[g]) / kBlock);
+  }
+  for (int64_t b = 0; b < common; ++b) {
+    for (int g = 0; g < kGroup; ++g) {
+      n[g] += masked_block_f32_avx512<kCount>(v, m, i[g], acc0[g], acc1[g]);
+      i[g] += kBlock;
+    }
+  }
+  for (bool more = true; more;) {  // the longer segments' remaining blocks, still side by side
+    more = false;
+    for (int g = 0; g < kGroup; ++g) {
+      if (i[g] + kBlock <= hi[g]) {
+        n[g] += masked_block_f32_avx512<kCount>(v, m, i[g], acc0[g], acc1[g]);
+        i[g] += kBlock;
+        more = true;
+      }
+    }
+  }
+  alignas(64) float t[kGroup][kBlock];
+  float l0[kGroup];
+  int64_t shortest = kBlock, longest = 0;
+  for (int g = 0; g < kGroup; ++g) {
+    if constexpr (kCount) {
+      kept[g] = n[g] + tail_kept_avx512(m, i[g], hi[g]);
+    }
+    tail_terms_f32_avx512(v, m, i[g], hi[g], t[g]);
+    l0[g] = _mm512_cvtss_f32(acc0[g]);
+    shortest = std::min(shortest, hi[g] - i[g]);
+    longest = std::max(longest, hi[g] - i[g]);
+  }
+  int64_t j = 0;
+  for (; j < shortest; ++j) {
+    for (int g = 0; g < kGroup; ++g) {
+      l0[g] += t[g][j];
+    }
+  }
+  for (; j < longest; ++j) {  // +0.0 past a tail leaves its lane 0 as it is (never -0.0: it starts at +0.0)
+    for (int g = 0; g < kGroup; ++g) {
+      l0[g] += t[g][j];
+    }
+  }
+  for (int g = 0; g < kGroup; ++g) {
+    out[g] = combine_lanes_f32(_mm512_castps512_ps256(acc0[g]), high_half(acc0[g]), _mm512_castps512_ps256(acc1[g]), high_half(acc1[g]), l0[g]);
+  }
 }
 #endif
 
@@ -342,6 +459,27 @@ void segment_sums(const scalar_t* v, const mask_t* m, const TokenLayout& layout,
       int64_t s = first;
       while (s < last) {
         const int64_t e = short_batch_end(seg, s, last);
+#if LOSSAGG_ISA_LEVEL >= 2
+        if constexpr (
+            std::is_same_v<acc_t, float> && std::is_same_v<scalar_t, float> && (is_binary_mask_v<mask_t> || std::is_same_v<mask_t, float>)) {
+          // kGroup consecutive segments of kBlock tokens or more: their blocks alternate
+          bool group = e == s && s + kGroup <= last;
+          for (int64_t g = 0; group && g < kGroup; ++g) {
+            group = seg.end(s + g) - seg.begin(s + g) >= kBlock;
+          }
+          if (group) {
+            for (int64_t k = 0; k < num_metrics; ++k) {
+              if (k == 0 && counts) {
+                masked_sums_f32_avx512_group<true>(v, m, seg, s, out + s, counts + s);
+              } else {
+                masked_sums_f32_avx512_group<false>(v + k * num_tokens, m, seg, s, out + k * num_segments + s, nullptr);
+              }
+            }
+            s += kGroup;
+            continue;
+          }
+        }
+#endif
         if (e == s) {  // a longer segment
           for (int64_t k = 0; k < num_metrics; ++k) {
             out[k * num_segments + s] = masked_sum<acc_t>(v + k * num_tokens, m, seg.begin(s), seg.end(s), k == 0 && counts ? counts + s : nullptr);
