@@ -9,8 +9,8 @@ One run measures every contender on the same packed batches:
   floor        forward: values.sum() (one read of the values);
                CUDA: also a device-to-device copy of values+mask, for achieved GB/s
 
-Contenders of a case are timed interleaved (one call of each per round, the order
-rotated every round) and each figure is the median of the rounds, so a slow spell of a
+Contenders of a case are timed interleaved, pass by pass (one call of each per round, in a
+fresh seeded random order every round) and each figure is the median of the rounds, so a slow spell of a
 shared machine hits every contender alike. It prints medians (ms), ratios against lossagg,
 GB/s where the bytes moved are clear, and the peak extra memory each contender allocates as
 tensors (tracked through a dispatch mode, so it counts every intermediate tensor, not
