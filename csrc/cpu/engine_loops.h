@@ -53,11 +53,8 @@ acc_t masked_sum_lanes(const scalar_t* __restrict v, const mask_t* __restrict m,
 // takes tokens lo+l, lo+l+32, ... as there.
 static_assert(kLanes == 32 && kBlock == 64, "the float32 paths hard-code 32 lanes and 64-token blocks");
 
-// The end of masked_sum_lanes from lanes 0..7, 8..15, 16..23, 24..31: the tail tokens
-// [i, hi) added to lane 0 in token order, then the lanes combined pairwise (l with l + 16,
-// then l + 8, 4, 2, 1). The tail's terms are computed first, independently, so that what
-// must be sequential is one addition per token; the combine stays in registers.
-// The lanes combined, lane 0 of a0 replaced by l0 (the lane with the tail added).
+// The lanes combined pairwise (l with l + 16, then l + 8, 4, 2, 1), lane 0 of a0 replaced by
+// l0 (the lane with the tail added).
 inline float combine_lanes_f32(__m256 a0, __m256 a1, __m256 a2, __m256 a3, float l0) {
   a0 = _mm256_blend_ps(a0, _mm256_castps128_ps256(_mm_set_ss(l0)), 1);
   const __m256 w16a = _mm256_add_ps(a0, a2);  // lanes 0..7 (+ 16..23)
@@ -69,27 +66,22 @@ inline float combine_lanes_f32(__m256 a0, __m256 a1, __m256 a2, __m256 a3, float
   return _mm_cvtss_f32(w1);
 }
 
+// The end of masked_sum_lanes from lanes 0..7, 8..15, 16..23, 24..31: the tail tokens
+// [i, hi) added to lane 0 in token order, then the lanes combined. The tail's terms are
+// computed first, independently, so that what must be sequential is one addition per token;
+// the combine stays in registers.
 template <typename mask_t>
 inline float finish_lanes_f32(__m256 a0, __m256 a1, __m256 a2, __m256 a3, const float* v, const mask_t* m, int64_t i, int64_t hi) {
   const int n = static_cast<int>(hi - i);
-  if (n > 0) {
-    float t[kBlock];
-    for (int j = 0; j < n; ++j) {
-      t[j] = masked_term(v[i + j], m[i + j]);
-    }
-    float l0 = _mm256_cvtss_f32(a0);
-    for (int j = 0; j < n; ++j) {
-      l0 += t[j];
-    }
-    return combine_lanes_f32(a0, a1, a2, a3, l0);
+  float t[kBlock];
+  for (int j = 0; j < n; ++j) {
+    t[j] = masked_term(v[i + j], m[i + j]);
   }
-  const __m256 w16a = _mm256_add_ps(a0, a2);  // lanes 0..7 (+ 16..23)
-  const __m256 w16b = _mm256_add_ps(a1, a3);  // lanes 8..15 (+ 24..31)
-  const __m256 w8 = _mm256_add_ps(w16a, w16b);
-  const __m128 w4 = _mm_add_ps(_mm256_castps256_ps128(w8), _mm256_extractf128_ps(w8, 1));
-  const __m128 w2 = _mm_add_ps(w4, _mm_movehl_ps(w4, w4));
-  const __m128 w1 = _mm_add_ss(w2, _mm_shuffle_ps(w2, w2, 1));
-  return _mm_cvtss_f32(w1);
+  float l0 = _mm256_cvtss_f32(a0);
+  for (int j = 0; j < n; ++j) {
+    l0 += t[j];
+  }
+  return combine_lanes_f32(a0, a1, a2, a3, l0);
 }
 
 template <typename mask_t>
@@ -132,8 +124,6 @@ float masked_sum_f32_avx2(const float* v, const mask_t* m, int64_t lo, int64_t h
 // Lanes 8..15 of a 16-float register (AVX-512F has no float32 extract of 256 bits).
 inline __m256 high_half(__m512 x) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)); }
 
-// One block of 64 tokens at v + i into acc0 (tokens 0..15 and 32..47) and acc1 (16..31 and
-// 48..63), in that order; returns its kept tokens when kCount.
 // One block of 64 tokens at v + i into acc0 (tokens 0..15 and 32..47) and acc1 (16..31 and
 // 48..63), in that order; returns its kept tokens when kCount.
 template <bool kCount, typename mask_t>
@@ -257,23 +247,18 @@ void masked_sums_f32_avx512_group(const float* v, const mask_t* m, const Segment
   }
   alignas(64) float t[kGroup][kBlock];
   float l0[kGroup];
-  int64_t shortest = kBlock, longest = 0;
+  int64_t longest = 0;
   for (int g = 0; g < kGroup; ++g) {
     if constexpr (kCount) {
       kept[g] = n[g] + tail_kept_avx512(m, i[g], hi[g]);
     }
     tail_terms_f32_avx512(v, m, i[g], hi[g], t[g]);
     l0[g] = _mm512_cvtss_f32(acc0[g]);
-    shortest = std::min(shortest, hi[g] - i[g]);
     longest = std::max(longest, hi[g] - i[g]);
   }
-  int64_t j = 0;
-  for (; j < shortest; ++j) {
-    for (int g = 0; g < kGroup; ++g) {
-      l0[g] += t[g][j];
-    }
-  }
-  for (; j < longest; ++j) {  // +0.0 past a tail leaves its lane 0 as it is (never -0.0: it starts at +0.0)
+  // each lane 0 adds its tail's terms in token order; past its own tail it adds +0.0, which
+  // leaves it as it is (a lane 0 is never -0.0: it starts at +0.0)
+  for (int64_t j = 0; j < longest; ++j) {
     for (int g = 0; g < kGroup; ++g) {
       l0[g] += t[g][j];
     }
