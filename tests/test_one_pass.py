@@ -388,12 +388,17 @@ def test_denom_product_refuses_unknown_factors():
 
 
 # ------------------------------------- segments summed side by side (csrc/cpu/engine_loops.h)
-def _runs_of_long_segments(mask_dtype):
-    """Runs of segments of kBlock (64) tokens or more, whose blocks and tails the AVX-512 kernel
-    interleaves four at a time, broken by short ones and ending in a partial run; tails of 0 to
-    63 tokens, NaN and inf under a zero mask, -0.0 values and weights."""
+def _runs_of_long_segments(mask_dtype, many=False):
+    """Runs of segments of kBlock (64) tokens or more, whose blocks the AVX-512 kernel
+    interleaves two at a time and whose tails it finishes sixteen at a time, broken by short
+    ones and ending in a partial run; tails of 0 to 63 tokens, NaN and inf under a zero mask,
+    -0.0 values and weights. ``many``: 700 segments (most of them long, every tail length),
+    enough tokens for the call to be split between threads, so every thread's batch is
+    flushed part-full."""
     g = torch.Generator().manual_seed(28)
     lengths = [64, 127, 128, 300, 65, 191, 64, 64, 5, 70, 700, 256, 63, 64, 129, 130, 131, 200, 77, 3, 64, 100, 90]
+    if many:
+        lengths = torch.randint(1, 400, (700,), generator=g).tolist()
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
     t = int(cu[-1])
     values = torch.randn(3, t, generator=g)
@@ -411,8 +416,9 @@ def _runs_of_long_segments(mask_dtype):
 
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_segments_side_by_side_have_the_bits_of_every_instruction_set(mask_dtype, threads):
-    values, mask, cu = _runs_of_long_segments(mask_dtype)
+@pytest.mark.parametrize("many", [False, True], ids=["runs", "many"])
+def test_segments_side_by_side_have_the_bits_of_every_instruction_set(mask_dtype, threads, many):
+    values, mask, cu = _runs_of_long_segments(mask_dtype, many)
     before = torch.get_num_threads()
     got = {}
     try:

@@ -124,6 +124,23 @@ float masked_sum_f32_avx2(const float* v, const mask_t* m, int64_t lo, int64_t h
 // Lanes 8..15 of a 16-float register (AVX-512F has no float32 extract of 256 bits).
 inline __m256 high_half(__m512 x) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)); }
 
+// The cache lines of [p + kPrefetchTokens, + bytes) asked for ahead of their use (a hint: it
+// never faults, the address is not dereferenced). Each block asks for the lines it will read
+// kPrefetchTokens tokens later: segments are short streams (an RL sample is a few KiB), which
+// the hardware's stream detectors pick up late, and one long segment's sum is a chain of
+// additions that keeps few loads in flight; either way the next lines would arrive late.
+// Measured on the benchmark's batches (docs/benchmarks.md); at 1024 tokens the values are
+// 4 KiB ahead.
+constexpr int64_t kPrefetchTokens = 1024;
+
+template <typename T>
+inline void prefetch_ahead(const T* p, int bytes) {
+  const uintptr_t ahead = reinterpret_cast<uintptr_t>(p) + kPrefetchTokens * sizeof(T);
+  for (int b = 0; b < bytes; b += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + b), _MM_HINT_T0);
+  }
+}
+
 // One block of 64 tokens at v + i into acc0 (tokens 0..15 and 32..47) and acc1 (16..31 and
 // 48..63), in that order; returns its kept tokens when kCount.
 template <bool kCount, typename mask_t>
@@ -131,6 +148,8 @@ inline int64_t masked_block_f32_avx512(const float* v, const mask_t* m, int64_t 
   __m512 x[4];
   int64_t n = 0;
   if constexpr (is_binary_mask_v<mask_t>) {
+    prefetch_ahead(v + i, 4 * kBlock);
+    prefetch_ahead(m + i, kBlock);
     const __m512i bytes = _mm512_loadu_si512(m + i);
     const uint64_t keep = _mm512_test_epi8_mask(bytes, bytes);
     for (int q = 0; q < 4; ++q) {
@@ -209,19 +228,120 @@ inline void tail_terms_f32_avx512(const float* v, const mask_t* m, int64_t i, in
   }
 }
 
-// masked_sum_f32_avx512 of kGroup consecutive segments at once, each with its own bits
-// (out[g], and kept[g] with kCount, for segment s + g). A lane's additions form a chain (two
-// per block, in the fixed order), so one segment's blocks wait on the adder's latency, and so
-// does its tail (one addition per token into lane 0); here the blocks and the tail additions
-// of the group's segments alternate, so their chains advance together.
-constexpr int kGroup = 4;
+// The ends of up to kTailBatch segments' sums, done together. A segment of kBlock tokens or
+// more leaves its 32 lanes and its tail; what remains is a chain of one addition per tail
+// token into lane 0, then the combine. One segment's chain waits on the adder's latency at
+// every token; here lane g of one register is segment g's lane 0, so one vector addition
+// advances up to kTailBatch chains. The tails' terms are transposed 16 x 16 at a time (token
+// j of every segment into one register), and every segment adds its terms in token order,
+// then +0.0 up to the longest tail of the batch, which leaves it as it is (a lane 0 is never
+// -0.0: it starts at +0.0). So each segment keeps its bits.
+constexpr int kTailBatch = 16;
 
-template <bool kCount, typename mask_t>
-void masked_sums_f32_avx512_group(const float* v, const mask_t* m, const Segments& seg, int64_t s, float* out, int64_t* kept) {
-  __m512 acc0[kGroup], acc1[kGroup];
-  int64_t i[kGroup], hi[kGroup], n[kGroup];
+// r[j] = column j of the 16 x 16 block whose row g is r[g] (the usual four rounds of
+// shuffles: pairs of floats, then of pairs, then 128-bit quarters twice).
+inline void transpose_16x16(__m512 r[16]) {
+  __m512 t[16];
+  for (int g = 0; g < 16; g += 2) {
+    t[g] = _mm512_unpacklo_ps(r[g], r[g + 1]);
+    t[g + 1] = _mm512_unpackhi_ps(r[g], r[g + 1]);
+  }
+  for (int g = 0; g < 16; g += 4) {
+    const __m512d a = _mm512_castps_pd(t[g]), b = _mm512_castps_pd(t[g + 1]), c = _mm512_castps_pd(t[g + 2]), d = _mm512_castps_pd(t[g + 3]);
+    r[g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int g = 0; g < 4; ++g) {
+    t[g] = _mm512_shuffle_f32x4(r[g], r[g + 4], 0x88);
+    t[g + 4] = _mm512_shuffle_f32x4(r[g], r[g + 4], 0xdd);
+    t[g + 8] = _mm512_shuffle_f32x4(r[g + 8], r[g + 12], 0x88);
+    t[g + 12] = _mm512_shuffle_f32x4(r[g + 8], r[g + 12], 0xdd);
+  }
+  for (int g = 0; g < 8; ++g) {
+    r[g] = _mm512_shuffle_f32x4(t[g], t[g + 8], 0x88);
+    r[g + 8] = _mm512_shuffle_f32x4(t[g], t[g + 8], 0xdd);
+  }
+}
+
+// Segments whose blocks are summed and whose tails wait: add() stages one (its lanes, its
+// tail's terms, where its sum goes), flush() finishes every staged one. A batch belongs to
+// one thread's task and is flushed before the task ends.
+class TailBatch {
+ public:
+  // The lanes acc0 (0..15) and acc1 (16..31) of a segment whose tail is v[i, hi) (fewer than
+  // kBlock tokens); its sum goes to *dst.
+  template <typename mask_t>
+  void add(__m512 acc0, __m512 acc1, const float* v, const mask_t* m, int64_t i, int64_t hi, float* dst) {
+    _mm512_store_ps(lanes_[n_], acc0);
+    _mm512_store_ps(lanes_[n_] + 16, acc1);
+    tail_terms_f32_avx512(v, m, i, hi, terms_[n_]);
+    longest_ = std::max(longest_, hi - i);
+    out_[n_] = dst;
+    if (++n_ == kTailBatch) {
+      flush();
+    }
+  }
+
+  void flush() {
+    if (n_ == 0) {
+      return;
+    }
+    alignas(64) float l0[kTailBatch];
+    for (int g = 0; g < kTailBatch; ++g) {
+      if (g < n_) {
+        l0[g] = lanes_[g][0];
+      } else {  // rows of no segment: +0.0, their lanes unused
+        l0[g] = 0.0f;
+        for (int q = 0; q < kBlock / 16; ++q) {
+          _mm512_store_ps(terms_[g] + 16 * q, _mm512_setzero_ps());
+        }
+      }
+    }
+    __m512 chains = _mm512_load_ps(l0);
+    for (int64_t q = 0; 16 * q < longest_; ++q) {  // tokens 16q .. 16q+15 of every tail
+      __m512 r[16];
+      for (int g = 0; g < 16; ++g) {
+        r[g] = _mm512_load_ps(terms_[g] + 16 * q);
+      }
+      transpose_16x16(r);
+      for (int j = 0; j < 16; ++j) {  // past a tail (and the longest) the terms are +0.0
+        chains = _mm512_add_ps(chains, r[j]);
+      }
+    }
+    _mm512_store_ps(l0, chains);
+    for (int g = 0; g < n_; ++g) {
+      const float* a = lanes_[g];
+      *out_[g] = combine_lanes_f32(_mm256_load_ps(a), _mm256_load_ps(a + 8), _mm256_load_ps(a + 16), _mm256_load_ps(a + 24), l0[g]);
+    }
+    n_ = 0;
+    longest_ = 0;
+  }
+
+ private:
+  alignas(64) float terms_[kTailBatch][kBlock];
+  alignas(64) float lanes_[kTailBatch][kLanes];
+  float* out_[kTailBatch];
+  int n_ = 0;
+  int64_t longest_ = 0;
+};
+
+// The blocks of kSegments (1 or kGroup) consecutive segments of kBlock tokens or more at once
+// (segment s + g, and kept[g] with kCount), each with its own bits; their tails go to the
+// batch. A lane's additions form a chain (two per block, in the fixed order), so one
+// segment's blocks wait on the adder's latency; here the blocks of the group's segments
+// alternate, so their chains advance together. Two at a time measured faster than four on
+// cache-sized batches (fewer streams of lines at once; the tails, which four had helped,
+// are the batch's now).
+constexpr int kGroup = 2;
+
+template <int kSegments, bool kCount, typename mask_t>
+void masked_sums_f32_avx512_group(const float* v, const mask_t* m, const Segments& seg, int64_t s, float* out, int64_t* kept, TailBatch& tails) {
+  __m512 acc0[kSegments], acc1[kSegments];
+  int64_t i[kSegments], hi[kSegments], n[kSegments];
   int64_t common = std::numeric_limits<int64_t>::max();
-  for (int g = 0; g < kGroup; ++g) {
+  for (int g = 0; g < kSegments; ++g) {
     acc0[g] = _mm512_setzero_ps();
     acc1[g] = _mm512_setzero_ps();
     i[g] = seg.begin(s + g);
@@ -229,42 +349,34 @@ void masked_sums_f32_avx512_group(const float* v, const mask_t* m, const Segment
     n[g] = 0;
     common = std::min(common, (hi[g] - i[g]) / kBlock);
   }
+  auto block = [&](int g) {
+    n[g] += masked_block_f32_avx512<kCount>(v, m, i[g], acc0[g], acc1[g]);
+    i[g] += kBlock;
+  };
   for (int64_t b = 0; b < common; ++b) {
-    for (int g = 0; g < kGroup; ++g) {
-      n[g] += masked_block_f32_avx512<kCount>(v, m, i[g], acc0[g], acc1[g]);
-      i[g] += kBlock;
+    for (int g = 0; g < kSegments; ++g) {
+      block(g);
     }
   }
   for (bool more = true; more;) {  // the longer segments' remaining blocks, still side by side
     more = false;
-    for (int g = 0; g < kGroup; ++g) {
+    for (int g = 0; g < kSegments; ++g) {
       if (i[g] + kBlock <= hi[g]) {
-        n[g] += masked_block_f32_avx512<kCount>(v, m, i[g], acc0[g], acc1[g]);
-        i[g] += kBlock;
+        block(g);
         more = true;
       }
     }
   }
-  alignas(64) float t[kGroup][kBlock];
-  float l0[kGroup];
-  int64_t longest = 0;
-  for (int g = 0; g < kGroup; ++g) {
+  for (int g = 0; g < kSegments; ++g) {
     if constexpr (kCount) {
       kept[g] = n[g] + tail_kept_avx512(m, i[g], hi[g]);
     }
-    tail_terms_f32_avx512(v, m, i[g], hi[g], t[g]);
-    l0[g] = _mm512_cvtss_f32(acc0[g]);
-    longest = std::max(longest, hi[g] - i[g]);
-  }
-  // each lane 0 adds its tail's terms in token order; past its own tail it adds +0.0, which
-  // leaves it as it is (a lane 0 is never -0.0: it starts at +0.0)
-  for (int64_t j = 0; j < longest; ++j) {
-    for (int g = 0; g < kGroup; ++g) {
-      l0[g] += t[g][j];
+    if (i[g] == hi[g]) {  // no tail: lane 0 is done
+      out[g] = combine_lanes_f32(
+          _mm512_castps512_ps256(acc0[g]), high_half(acc0[g]), _mm512_castps512_ps256(acc1[g]), high_half(acc1[g]), _mm512_cvtss_f32(acc0[g]));
+    } else {
+      tails.add(acc0[g], acc1[g], v, m, i[g], hi[g], out + g);
     }
-  }
-  for (int g = 0; g < kGroup; ++g) {
-    out[g] = combine_lanes_f32(_mm512_castps512_ps256(acc0[g]), high_half(acc0[g]), _mm512_castps512_ps256(acc1[g]), high_half(acc1[g]), l0[g]);
   }
 }
 #endif
@@ -441,26 +553,38 @@ void segment_sums(const scalar_t* v, const mask_t* m, const TokenLayout& layout,
   if (plan.pieces_are_segments()) {
     for_each_task(plan, num_tokens, num_metrics, [&](int64_t first, int64_t last) {
       acc_t buf[kBatchTokens + kWindow];
+#if LOSSAGG_ISA_LEVEL >= 2
+      TailBatch tails;  // used by float32 sums only
+#endif
       int64_t s = first;
       while (s < last) {
         const int64_t e = short_batch_end(seg, s, last);
 #if LOSSAGG_ISA_LEVEL >= 2
         if constexpr (
             std::is_same_v<acc_t, float> && std::is_same_v<scalar_t, float> && (is_binary_mask_v<mask_t> || std::is_same_v<mask_t, float>)) {
-          // kGroup consecutive segments of kBlock tokens or more: their blocks alternate
-          bool group = e == s && s + kGroup <= last;
-          for (int64_t g = 0; group && g < kGroup; ++g) {
-            group = seg.end(s + g) - seg.begin(s + g) >= kBlock;
+          // segments of kBlock tokens or more: kGroup consecutive ones have their blocks
+          // alternate; every one's tail goes to the batch
+          int64_t run = 0;
+          while (run < kGroup && s + run < last && seg.end(s + run) - seg.begin(s + run) >= kBlock) {
+            ++run;
           }
-          if (group) {
-            for (int64_t k = 0; k < num_metrics; ++k) {
-              if (k == 0 && counts) {
-                masked_sums_f32_avx512_group<true>(v, m, seg, s, out + s, counts + s);
-              } else {
-                masked_sums_f32_avx512_group<false>(v + k * num_tokens, m, seg, s, out + k * num_segments + s, nullptr);
+          if (run > 0) {
+            const auto group = [&]<int kSegments>(std::integral_constant<int, kSegments>) {
+              for (int64_t k = 0; k < num_metrics; ++k) {
+                if (k == 0 && counts) {
+                  masked_sums_f32_avx512_group<kSegments, true>(v, m, seg, s, out + s, counts + s, tails);
+                } else {
+                  masked_sums_f32_avx512_group<kSegments, false>(v + k * num_tokens, m, seg, s, out + k * num_segments + s, nullptr, tails);
+                }
               }
+            };
+            if (run == kGroup) {
+              group(std::integral_constant<int, kGroup>{});
+            } else {
+              group(std::integral_constant<int, 1>{});
+              run = 1;
             }
-            s += kGroup;
+            s += run;
             continue;
           }
         }
@@ -489,6 +613,9 @@ void segment_sums(const scalar_t* v, const mask_t* m, const TokenLayout& layout,
         }
         s = e;
       }
+#if LOSSAGG_ISA_LEVEL >= 2
+      tails.flush();
+#endif
     });
     return;
   }
