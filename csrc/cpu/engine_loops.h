@@ -331,9 +331,9 @@ class TailBatch {
 // (segment s + g, and kept[g] with kCount), each with its own bits; their tails go to the
 // batch. A lane's additions form a chain (two per block, in the fixed order), so one
 // segment's blocks wait on the adder's latency; here the blocks of the group's segments
-// alternate, so their chains advance together. Two at a time measured faster than four on
-// cache-sized batches (fewer streams of lines at once; the tails, which four had helped,
-// are the batch's now).
+// alternate, so their chains advance together. With the tails in the batch, two at a time
+// measured at least as fast as one or four on cache-sized batches, with fewer streams of
+// lines at once (docs/benchmarks.md).
 constexpr int kGroup = 2;
 
 template <int kSegments, bool kCount, typename mask_t>
