@@ -11,6 +11,11 @@
 #   >= 3.12 too), plus only what `skyrl.backends.skyrl_train.utils.ppo_utils` imports: skyrl-gym
 #   0.4.0 (--no-deps) and jaxtyping, loguru, ray, omegaconf, PyYAML, pandas, requests
 #   (tests/skyrl_peer.py says how that module is imported on Python < 3.12).
+# * miles-rl 0.0.2 with --no-deps --target build/peers/miles: it vendors its own `megatron` (and
+#   parts of `sglang`), which would overwrite megatron-core's files in site-packages, so it lives in
+#   a directory of its own that only the processes testing miles put first on sys.path
+#   (tests/miles_peer.py); what `miles.utils.arguments` and `miles.backends.megatron_utils.model`
+#   import, pinned, with --no-deps into build/peers/miles-deps beside it.
 # A failure leaves that peer's tests skipped with the reason, never failed. pip's output is in
 # build/logs/peers-*.log: installing verl with --no-deps makes pip's resolver list the
 # dependencies verl declares and the tests do not need, which is expected, not an error.
@@ -48,6 +53,33 @@ install_skyrl() {
   pip_install --no-deps --ignore-requires-python "skyrl==0.4.0" "skyrl-gym==0.4.0" \
     && pip_install -c "$cons" jaxtyping loguru ray omegaconf pyyaml pandas requests
 }
+
+# miles: its own directories, not site-packages (see above); "installed" is the stamp file
+MILES_DIR=build/peers/miles
+MILES_DEPS_DIR=build/peers/miles-deps
+MILES_DEPS="sglang-router==0.3.2 setproctitle==1.3.8 aiohttp==3.14.5 multidict==7.2.1 yarl==1.25.1 propcache==0.5.4 \
+  aiohappyeyeballs==2.7.1 aiosignal==1.4.0 frozenlist==1.8.0 uvicorn==0.54.0 fastapi==0.165.0 starlette==1.10.0 \
+  opentelemetry-api==1.45.2 pybase64==1.5.1 openai==3.57.0 httpx2==2.16.2 partial_json_parser==0.2.1.1.post7 pyzmq==27.3.0 \
+  sentencepiece==0.2.3 torchvision==0.29.1"
+miles_stamp() { echo "miles-rl==0.0.2 $MILES_DEPS python=$("$PY" -c 'import sys; print(sys.version_info[:2])')"; }
+install_miles() {
+  rm -rf "$MILES_DIR" "$MILES_DEPS_DIR"
+  # shellcheck disable=SC2086
+  pip_install --no-deps --target "$MILES_DIR" "miles-rl==0.0.2" && pip_install --no-deps --target "$MILES_DEPS_DIR" $MILES_DEPS \
+    && miles_stamp > "$MILES_DIR/.lossagg-stamp"
+}
+miles_check="import sys; sys.path[:0] = ['$MILES_DIR', '$MILES_DEPS_DIR']; import miles.utils.arguments, miles.backends.megatron_utils.model, miles.backends.training_utils.loss"
+if [ "$(cat "$MILES_DIR/.lossagg-stamp" 2>/dev/null)" = "$(miles_stamp)" ]; then
+  echo "peers: miles-rl 0.0.2 already installed ($MILES_DIR)"
+else
+  log="$LOSSAGG_LOG_DIR/peers-miles-rl.log" start=$SECONDS
+  if install_miles >"$log" 2>&1 && "$PY" -c "$miles_check" >>"$log" 2>&1; then
+    echo "peers: installed miles-rl 0.0.2 into $MILES_DIR ($((SECONDS - start)) s)"
+  else
+    rm -f "$MILES_DIR/.lossagg-stamp"
+    echo "peers: miles-rl 0.0.2 could not be installed or imported (pip's output: $log): its tests will be skipped"
+  fi
+fi
 
 peer verl 0.9.1 "import verl.trainer.ppo.core_algos" install_verl
 peer trl 1.16.0 "from trl import GRPOTrainer, GRPOConfig; import datasets, tokenizers" install_trl

@@ -1,0 +1,476 @@
+"""``--loss-aggregation`` for miles (radixark's ``miles-rl`` 0.0.2) and slime, through the hooks they
+already have (docs/integration.md, "miles and slime"). Nothing of miles is patched.
+
+One line in the launcher (miles' ``train.py``)::
+
+    # from miles.utils.arguments import parse_args
+    from lossagg.integrations.miles import parse_args
+
+Then ``--loss-aggregation {sample_mean,prompt_mean,token_mean,constant,...}`` (every mode of
+``lossagg.MODES``), ``--loss-aggregation-divisor``, ``--loss-aggregation-empty-samples`` and
+``--loss-aggregation-config FILE`` are flags of the launch. :func:`parse_args` runs miles' own
+``parse_args`` (with these flags added to any ``add_custom_arguments`` of the user's), then
+:func:`configure`, which checks the settings against miles' derived ones (``global_batch_size``
+after ``--num-steps-per-rollout``, ``--calculate-per-token-loss``, ``--n-samples-per-prompt``)
+before any rollout and wires three of miles' hooks:
+
+* ``--custom-megatron-before-train-step-hook-path`` -> :func:`before_train_step`: on every rank
+  before each step, the step's denominators ``d[i]`` (``StepPlan``) from this rank's samples of
+  the step and one sum all-reduce over the DP group (a table with one row per sample of the step:
+  its rollout token count, its prompt group, a fingerprint of its prompt). The rank's samples are
+  read from the data iterator of miles' ``train_one_step``, the frame that calls the hook: the
+  hook's arguments do not carry it. A hook the user had set there is called after it.
+* ``--loss-type custom_loss`` with ``--custom-loss-function-path`` -> :func:`loss_function`: runs
+  miles' ``policy_loss_function`` (or the user's own custom loss) unchanged, with the micro-batch
+  at hand for the reducer below.
+* ``--custom-pg-loss-reducer-function-path`` -> :func:`pg_loss_reducer`: pg_loss only, through the
+  mode. ``pg_clipfrac``, ``ppo_kl``, entropy and KL keep miles' default reducer.
+
+Scaling. miles' ``loss_function`` multiplies the loss by ``num_microbatches / global_batch_size ·
+dp·cp`` (per-token path: by ``cp``); Megatron's schedule divides by ``num_microbatches`` and DDP
+averages over DP×CP (per-token path: sums, then divides by the step's reported tokens
+``Σ_i max(M[i], 1)``). The reducer returns this micro-batch's share of ``J`` times
+``global_batch_size`` (per-token path: times ``Σ_i max(M[i], 1)`` of the step), so the gradient
+miles applies is the gradient of the mode's ``J``, on any split over micro-batches, DP and CP.
+
+TIS/RS: a modified mask (``modified_response_masks``) changes pg_loss's numerator only; ``d[i]``
+stays that of the rollout mask (``batch["loss_masks"]``), as in the seed PR.
+
+With no lossagg flag on the command line nothing is wired and miles runs as it does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextvars
+import sys
+from collections.abc import Callable
+from importlib import import_module
+
+import torch
+
+from lossagg.config import ConfigError, LossAggregationConfig, config_from_args
+from lossagg.config.flags import FLAGS
+from lossagg.modes import MODES, mode_spec
+from lossagg.ops import reduce
+from lossagg.step import StepPlan
+
+MILES_VERSION = "0.0.2"  # the miles-rl release this adapter was read against and is tested with
+
+#: The hook paths this module sets (``load_function`` spells a function ``module.name``).
+HOOKS = {
+    "custom_megatron_before_train_step_hook_path": f"{__name__}.before_train_step",
+    "custom_loss_function_path": f"{__name__}.loss_function",
+    "custom_pg_loss_reducer_function_path": f"{__name__}.pg_loss_reducer",
+}
+#: lossagg's own flags beside ``lossagg.config.FLAGS``.
+CONFIG_FLAG = "--loss-aggregation-config"
+#: The flags that switch lossagg on (any one of them given).
+LOSSAGG_FLAGS = ("--loss-aggregation", "--loss-aggregation-divisor", "--loss-aggregation-empty-samples", CONFIG_FLAG)
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _flag_given(args, flag: str) -> bool:
+    return getattr(args, _dest(flag), None) is not None
+
+
+# ----------------------------------------------------------------------- launch
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """lossagg's flags, for ``parse_args(add_custom_arguments=...)``. miles adds a launcher's flags
+    before its own, so the flags miles defines (``--calculate-per-token-loss``,
+    ``--n-samples-per-prompt``, ``--global-batch-size``) are left to miles."""
+    existing = set(parser._option_string_actions)  # noqa: SLF001 - argparse has no public accessor
+    group = parser.add_argument_group("loss aggregation (lossagg)")
+    for f in FLAGS:
+        if f.flag.startswith("--loss-aggregation") and f.flag not in existing:
+            kwargs = dict(f.kwargs)
+            if f.setting == "mode":
+                kwargs["help"] = f"{', '.join(MODES)} (default: miles' own reducer, sample_mean; docs/modes.md); or a migration name, docs/config.md"
+            group.add_argument(f.flag, dest=f.dest, **kwargs)
+    if CONFIG_FLAG not in existing:
+        group.add_argument(
+            CONFIG_FLAG,
+            dest=_dest(CONFIG_FLAG),
+            default=None,
+            metavar="FILE",
+            help="a lossagg config file (JSON, YAML or TOML; docs/config.md) in place of the --loss-aggregation* flags",
+        )
+    return parser
+
+
+def parse_args(add_custom_arguments: Callable | None = None, *, trainer: str = "miles"):
+    """miles' (``trainer="slime"``: slime's) ``parse_args`` with lossagg's flags, then :func:`configure`.
+
+    A refused setting ends the launch as argparse does: ``error: ...`` on stderr, exit status 2.
+    """
+    if trainer not in ("miles", "slime"):
+        raise ValueError(f"trainer must be 'miles' or 'slime', got {trainer!r}")
+    trainer_parse_args = import_module(f"{trainer}.utils.arguments").parse_args
+
+    def add(parser):
+        if add_custom_arguments is not None:
+            parser = add_custom_arguments(parser) or parser
+        return add_arguments(parser)
+
+    args = trainer_parse_args(add_custom_arguments=add)
+    try:
+        configure(args)
+    except ConfigError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        raise SystemExit(2) from None
+    return args
+
+
+def config_of(args) -> LossAggregationConfig | None:
+    """The lossagg config of a parsed miles launch, or None when no lossagg flag was given.
+
+    The checks of :func:`configure` that read only the settings (not the hooks); raises
+    :class:`lossagg.ConfigError` naming the flags.
+    """
+    if not any(_flag_given(args, f) for f in LOSSAGG_FLAGS):
+        return None
+    issues: list[tuple[str, str]] = []
+    n = getattr(args, "n_samples_per_prompt", None)
+    gbs = getattr(args, "global_batch_size", None)
+    per_token = getattr(args, "calculate_per_token_loss", False)
+    if _flag_given(args, CONFIG_FLAG):
+        given = [f for f in LOSSAGG_FLAGS if f != CONFIG_FLAG and _flag_given(args, f)]
+        if given:
+            raise ConfigError(
+                [(CONFIG_FLAG, f"{CONFIG_FLAG} {getattr(args, _dest(CONFIG_FLAG))} and {', '.join(given)} both given: put every setting in one place")],
+                "command line",
+            )
+        path = getattr(args, _dest(CONFIG_FLAG))
+        file_config = LossAggregationConfig.from_file(path)
+        data = {k: getattr(file_config, k) for k in file_config.model_fields_set}
+        for setting, flag, value in (
+            ("n_samples_per_prompt", "--n-samples-per-prompt", n),
+            ("global_batch_size", "--global-batch-size", gbs),
+        ):
+            if setting in data and value is not None and data[setting] != value:
+                issues.append((flag, f"{path} sets {setting}: {data[setting]}, the launch has {flag} {value} (after miles derived it)"))
+        if issues:
+            raise ConfigError(issues, "command line")
+        data.update(n_samples_per_prompt=n, global_batch_size=gbs)
+        if per_token:
+            data["calculate_per_token_loss"] = True
+        try:
+            return LossAggregationConfig.from_dict({k: v for k, v in data.items() if v is not None}, source=f"{path} with the launch's flags")
+        except ConfigError as exc:
+            flag_of = {"calculate_per_token_loss": "--calculate-per-token-loss", "n_samples_per_prompt": "--n-samples-per-prompt"}
+            raise ConfigError([(flag_of.get(p, p), m) for p, m in exc.issues], exc.source) from None
+    return config_from_args(args)
+
+
+def configure(args) -> LossAggregationConfig | None:
+    """Check a parsed miles launch and wire lossagg's hooks into it (in place); returns the config,
+    or None (nothing wired) when no lossagg flag was given.
+
+    Refused, naming the flags and values: any setting ``LossAggregationConfig`` refuses (the mode,
+    the divisor, ``--n-samples-per-prompt`` < 1, ``--calculate-per-token-loss`` with a mode other than
+    token_mean, which it is the legacy spelling of, a divisor-taking mode on the per-token path,
+    prompt groups that cannot be whole in a step: ``global_batch_size % n_samples_per_prompt``),
+    a ``--loss-type`` that has no pg_loss, and a pg_loss reducer already set to another function.
+    Safe to call again on the same args.
+    """
+    config = config_of(args)
+    if config is None:
+        return None
+    issues: list[tuple[str, str]] = []
+    loss_type = getattr(args, "loss_type", "policy_loss")
+    inner = getattr(args, "lossagg_inner_loss", None)
+    if inner is None:  # first call
+        if loss_type == "policy_loss":
+            inner = "policy_loss"
+        elif loss_type == "custom_loss":
+            inner = getattr(args, "custom_loss_function_path", None)
+        else:
+            issues.append(("--loss-type", f"--loss-aggregation reduces pg_loss, which --loss-type {loss_type} has not: use policy_loss or custom_loss"))
+        reducer = getattr(args, "custom_pg_loss_reducer_function_path", None)
+        if reducer not in (None, HOOKS["custom_pg_loss_reducer_function_path"]):
+            issues.append(
+                (
+                    "--custom-pg-loss-reducer-function-path",
+                    f"--custom-pg-loss-reducer-function-path {reducer} and --loss-aggregation {config.mode} both reduce pg_loss: drop one",
+                )
+            )
+    if issues:
+        raise ConfigError(issues, "command line")
+    if getattr(args, "lossagg_inner_loss", None) is None:
+        user_hook = getattr(args, "custom_megatron_before_train_step_hook_path", None)
+        args.lossagg_user_before_train_step_hook_path = user_hook if user_hook != HOOKS["custom_megatron_before_train_step_hook_path"] else None
+        args.lossagg_inner_loss = inner
+        for name, path in HOOKS.items():
+            setattr(args, name, path)
+        args.loss_type = "custom_loss"
+    # miles' per-token path is token_mean's (the config resolves the legacy flag both ways)
+    args.calculate_per_token_loss = bool(config.calculate_per_token_loss)
+    args.lossagg_config = config.summary()
+    return config
+
+
+def _runtime_config(args) -> LossAggregationConfig:
+    summary = getattr(args, "lossagg_config", None)
+    if summary is None:
+        raise RuntimeError(
+            "lossagg's miles hooks are set but the launch was not configured by lossagg: launch with "
+            "lossagg.integrations.miles.parse_args (or call lossagg.integrations.miles.configure(args) after miles' parse_args)"
+        )
+    data = {k: v for k, v in summary.items() if k != "resolution_notes" and v is not None}
+    return LossAggregationConfig.from_dict(data, source="args.lossagg_config")
+
+
+# ------------------------------------------------------------------- the step
+class MilesStep:
+    """The denominators of one train step on this rank, for the micro-batches miles will hand the loss.
+
+    ``plan`` is the :class:`lossagg.StepPlan` of the whole step (every DP rank's samples, in the
+    order of the gathered table); ``sample_denoms`` are ``d[i]`` of this rank's samples, found by
+    their rollout loss-mask tensors (the objects miles' data iterator hands each micro-batch).
+    ``scale`` is what the reducer multiplies its share of J by (see the module docstring).
+    """
+
+    def __init__(
+        self, plan: StepPlan, masks: list[torch.Tensor], local_denoms: torch.Tensor, num_samples: int, reported_tokens: int, per_token: bool, trainer: str
+    ):
+        self.plan = plan
+        self.trainer = trainer
+        self._by_mask = {id(m): (m, i) for i, m in enumerate(masks)}
+        self.local_denoms = local_denoms
+        self.num_samples = num_samples
+        self.reported_tokens = reported_tokens
+        self.per_token = per_token
+
+    def denoms_for(self, loss_masks) -> torch.Tensor:
+        rows = []
+        for k, m in enumerate(loss_masks):
+            hit = self._by_mask.get(id(m))
+            if hit is None or hit[0] is not m:
+                raise RuntimeError(
+                    f"lossagg: sample {k} of this micro-batch is not one of the samples planned for this step (its loss mask is not one the "
+                    "data iterator held when --custom-megatron-before-train-step-hook-path ran): was the rollout data replaced after the hook?"
+                )
+            rows.append(hit[1])
+        return self.local_denoms[rows]
+
+
+_STEP: MilesStep | None = None
+_CURRENT: contextvars.ContextVar = contextvars.ContextVar("lossagg_miles_micro_batch", default=None)
+
+
+def current_step() -> MilesStep | None:
+    """The step planned by the last :func:`before_train_step` in this process."""
+    return _STEP
+
+
+def _trainer_frame():
+    """The frame of miles' (or slime's) ``train_one_step`` that called the hook."""
+    frame = sys._getframe(2)
+    for _ in range(16):
+        if frame is None:
+            break
+        module = frame.f_globals.get("__name__", "")
+        if frame.f_code.co_name == "train_one_step" and module.endswith(".backends.megatron_utils.model"):
+            return frame
+        frame = frame.f_back
+    raise RuntimeError(
+        "lossagg.integrations.miles.before_train_step reads the step's data iterator from miles' train_one_step "
+        f"(miles.backends.megatron_utils.model, miles-rl {MILES_VERSION}), which is not among its callers: call plan_step(args, "
+        "data_iterator, num_microbatches) yourself"
+    )
+
+
+def _step_positions(iterator, num_microbatches: int) -> list[int]:
+    """This rank's sample positions (in its rollout data) of the next ``num_microbatches`` micro-batches."""
+    offset = iterator.offset
+    if iterator.micro_batch_indices is not None:
+        chosen = iterator.micro_batch_indices[offset : offset + num_microbatches]
+        if len(chosen) != num_microbatches:
+            raise RuntimeError(f"lossagg: the data iterator holds {len(chosen)} micro-batches from offset {offset}, the step runs {num_microbatches}")
+        return [int(j) for mb in chosen for j in mb]
+    size = iterator.micro_batch_size
+    return list(range(offset, offset + num_microbatches * size))
+
+
+def _prompt_fingerprint(tokens: torch.Tensor, prompt_length: int) -> int:
+    return hash(tuple(tokens[:prompt_length].tolist())) & ((1 << 62) - 1)
+
+
+def plan_step(args, data_iterator, num_microbatches: int, *, parallel_state=None) -> MilesStep:
+    """The step's denominators from this rank's data iterator, with one sum all-reduce over the DP group.
+
+    ``data_iterator`` is miles' ``DataIterator`` (or the list of them, one per virtual pipeline
+    stage) positioned at the step's first micro-batch; ``parallel_state`` is miles'
+    ``ParallelState`` (default: miles' ``get_parallel_state()``).
+    """
+    global _STEP
+    config = _runtime_config(args)
+    spec = mode_spec(config.mode)
+    iterators = data_iterator if isinstance(data_iterator, (list, tuple)) else [data_iterator]
+    iterator = iterators[0]
+    trainer = type(iterator).__module__.split(".")[0]
+    if parallel_state is None:
+        parallel_state = import_module(f"{trainer}.backends.training_utils.parallel").get_parallel_state()
+    rollout = iterator.rollout_data
+    positions = _step_positions(iterator, num_microbatches)
+    masks = [rollout["loss_masks"][j] for j in positions]
+    n_local = len(masks)
+    dp = parallel_state.intra_dp
+    gbs = rollout.get("dynamic_global_batch_size", args.global_batch_size)
+    if n_local * dp.size != gbs:
+        raise RuntimeError(f"lossagg: this rank's step holds {n_local} samples, times {dp.size} DP ranks is not global_batch_size {gbs}")
+    device = masks[0].device if masks else torch.device("cpu")
+    sums = torch.stack([m.sum() for m in masks]).to(torch.int64) if masks else torch.zeros(0, dtype=torch.int64)
+    counts = torch.stack([(m != 0).sum() for m in masks]).to(torch.int64) if masks else torch.zeros(0, dtype=torch.int64)
+    if not torch.equal(sums, counts) or bool(((sums < 0)).any()):
+        bad = int(torch.nonzero(sums != counts)[0, 0]) if not torch.equal(sums, counts) else 0
+        raise ValueError(
+            f"lossagg: the loss mask of rollout sample {positions[bad]} is not 0/1: d[i] counts tokens, while miles' per-token path divides by the mask's sum"
+        )
+    table = torch.zeros(dp.size * n_local, 3, dtype=torch.int64, device=device)
+    rows = slice(dp.rank * n_local, (dp.rank + 1) * n_local)
+    table[rows, 0] = counts.to(device)
+    if spec.needs_groups:
+        indices = rollout.get("sample_indices")
+        if indices is None:
+            raise ValueError(f"lossagg: mode={config.mode} needs each sample's prompt group, read from the rollout's sample_indices, which this rollout has not")
+        n = config.n_samples_per_prompt
+        keys = torch.tensor([int(indices[j]) // n for j in positions], dtype=torch.int64)
+        prints = torch.tensor(
+            [
+                _prompt_fingerprint(rollout["tokens"][j], int(rollout["total_lengths"][j]) - int(rollout["response_lengths"][j]))
+                for j in positions
+            ],
+            dtype=torch.int64,
+        )
+        table[rows, 1] = keys.to(device)
+        table[rows, 2] = prints.to(device)
+    if dp.size > 1:
+        torch.distributed.all_reduce(table, group=dp.group)
+    table = table.cpu()
+    all_counts = table[:, 0]
+    group_index = None
+    if spec.needs_groups:
+        keys, group_index = torch.unique(table[:, 1], return_inverse=True)
+        for g in range(keys.numel()):
+            prints = torch.unique(table[group_index == g, 2])
+            if prints.numel() != 1:
+                raise ValueError(
+                    f"lossagg: the samples of prompt group {int(keys[g])} (sample.index // n_samples_per_prompt, as miles' data source numbers "
+                    "them) have different prompts: this rollout's samples are not numbered by group"
+                )
+    plan = StepPlan(config, all_counts, group_index=group_index)
+    local = plan.sample_denoms[rows].clone()
+    reported = int(all_counts.clamp(min=1).sum())
+    _STEP = MilesStep(plan, masks, local, gbs, reported, bool(args.calculate_per_token_loss), trainer)
+    return _STEP
+
+
+def before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_scheduler):
+    """miles' ``--custom-megatron-before-train-step-hook-path``: plans the step (see :func:`plan_step`), then
+    calls the hook the user had set there, if any."""
+    if getattr(args, "lossagg_config", None) is not None and getattr(args, "loss_type", None) == "custom_loss":
+        frame = _trainer_frame()
+        local = frame.f_locals
+        if local.get("step_id") != step_id:
+            raise RuntimeError(f"lossagg: train_one_step runs step {local.get('step_id')!r}, the hook was called for step {step_id!r}")
+        plan_step(args, local["data_iterator"], int(local["num_microbatches"]))
+    user = getattr(args, "lossagg_user_before_train_step_hook_path", None)
+    if user:
+        _load(user)(args, rollout_id, step_id, model, optimizer, opt_param_scheduler)
+
+
+def _load(path: str):
+    module, _, name = path.rpartition(".")
+    return getattr(import_module(module), name)
+
+
+# ------------------------------------------------------------------- the loss
+def loss_function(args, batch, logits, sum_of_sample_mean):
+    """miles' ``--loss-type custom_loss`` function: the launch's own loss (``policy_loss_function``, or the
+    user's custom loss), with this micro-batch at hand for :func:`pg_loss_reducer`."""
+    inner = getattr(args, "lossagg_inner_loss", None)
+    if inner is None:
+        raise RuntimeError("lossagg.integrations.miles.loss_function: the launch was not configured by lossagg (lossagg.integrations.miles.configure)")
+    if inner == "policy_loss":
+        func = _trainer_module_by_name(args, "backends.training_utils.loss").policy_loss_function
+    else:
+        func = _load(inner)
+    token = _CURRENT.set((args, batch))
+    try:
+        return func(args, batch, logits, sum_of_sample_mean)
+    finally:
+        _CURRENT.reset(token)
+
+
+def _trainer_module_by_name(args, name: str):
+    """``miles.<name>``, or ``slime.<name>`` in a slime process (the trainer is imported already: these run inside it)."""
+    root = _STEP.trainer if _STEP is not None else next((r for r in ("miles", "slime") if r in sys.modules), "miles")
+    return import_module(f"{root}.{name}")
+
+
+def pg_loss_reducer(total_lengths, response_lengths, pg_loss_masks, calculate_per_token_loss):
+    """miles' ``--custom-pg-loss-reducer-function-path``: the reducer of pg_loss for this micro-batch.
+
+    The returned function takes this CP rank's per-token pg_loss (the micro-batch's samples
+    concatenated, as miles' own reducer takes it) and returns its share of the mode's J times
+    miles' outer divisor (module docstring). ``pg_loss_masks`` give the numerator (the rollout
+    masks, or TIS/RS's modified ones); ``d[i]`` comes from the step's plan.
+    """
+    current = _CURRENT.get()
+    if current is None:
+        raise RuntimeError(
+            "lossagg.integrations.miles.pg_loss_reducer runs inside lossagg.integrations.miles.loss_function "
+            "(--loss-type custom_loss --custom-loss-function-path lossagg.integrations.miles.loss_function)"
+        )
+    args, batch = current
+    step = _STEP
+    if step is None:
+        raise RuntimeError(
+            "lossagg: no step was planned: --custom-megatron-before-train-step-hook-path must be lossagg.integrations.miles.before_train_step"
+        )
+    if bool(calculate_per_token_loss) != step.per_token:
+        raise RuntimeError(f"lossagg: calculate_per_token_loss={calculate_per_token_loss} at the loss, {step.per_token} when the step was planned")
+    d = step.denoms_for(batch["loss_masks"])
+    if step.per_token:
+        scale = step.reported_tokens
+    else:
+        scale = batch.get("dynamic_global_batch_size", args.global_batch_size)
+        if scale != step.num_samples:
+            raise RuntimeError(f"lossagg: miles divides this micro-batch by global_batch_size {scale}, the step was planned for {step.num_samples}")
+    cp_utils = _trainer_module_by_name(args, "backends.training_utils.cp_utils")
+    local_masks = cp_utils.get_local_response_loss_masks(
+        total_lengths, response_lengths, pg_loss_masks, args.qkv_format, batch.get("max_seq_lens", None)
+    )
+    lengths = torch.tensor([m.numel() for m in local_masks], dtype=torch.int64)
+    cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=cu_seqlens[1:])
+
+    def reduce_pg_loss(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 1 or x.shape[0] != int(cu_seqlens[-1]):
+            raise ValueError(f"lossagg: pg_loss holds {tuple(x.shape)} values, this CP rank's response tokens of the micro-batch are {int(cu_seqlens[-1])}")
+        mask = torch.cat([m.to(x.device) for m in local_masks]) if local_masks else x.new_zeros(0)
+        share = reduce(x, mask, cu_seqlens=cu_seqlens.to(x.device), sample_denoms=d.to(x.device))
+        return share * scale
+
+    return reduce_pg_loss
+
+
+__all__ = [
+    "MILES_VERSION",
+    "HOOKS",
+    "MilesStep",
+    "add_arguments",
+    "before_train_step",
+    "config_of",
+    "configure",
+    "current_step",
+    "loss_function",
+    "parse_args",
+    "pg_loss_reducer",
+    "plan_step",
+]
+

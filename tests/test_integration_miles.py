@@ -1,0 +1,400 @@
+"""lossagg.integrations.miles inside miles-rl 0.0.2's own training step, on CPU (gloo).
+
+Each world (DP x CP in {1, 2}^2) runs miles' ``train()`` (``miles.backends.megatron_utils.model``)
+over a rollout of two steps: its ``train_one_step`` (which calls lossagg's before-train-step
+hook), its data iterator and ``get_batch`` (zigzag CP shards), its ``loss_function`` and
+``policy_loss_function`` (its reducers and outer scaling), miles' vendored Megatron schedule,
+``DistributedDataParallel`` and ``finalize_model_grads``. The launch's arguments come from miles'
+own ``parse_args`` (through ``lossagg.integrations.miles.parse_args``, or miles' alone for the
+default). The optimizer is a recorder: each step's ``main_grad`` must equal the gradient of the
+float64 reference J of that step's samples (the unsplit step) to 1e-10 relative, for every mode,
+with per-token loss on (token_mean) and off, fixed and dynamic micro-batches, and an entropy term
+on miles' default reducer. With no lossagg flag the same harness must give miles' own number.
+
+Stand-ins for the CUDA calls miles and its Megatron make on the way (each allowed only from the
+file that makes it, failing the test otherwise): ``Tensor.cuda`` (get_batch's cu_seqlens),
+``torch.cuda.current_device`` (the data iterator and the grad buffers), ``torch.cuda.mem_get_info``
+(miles' finalize wrapper) and ``torch.zeros(..., device="cuda")`` (the schedule's token total).
+The logits stay float64: ``--true-on-policy-mode`` keeps the model's dtype (miles asserts float32
+otherwise) when ``args.bf16`` is off (miles' Megatron defaults set it; the test clears it), and
+changes nothing else on this path (p2p CP).
+
+Skipped, with the reason, when miles-rl cannot be imported from build/peers (tests/miles_peer.py).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+
+import miles_peer
+import pytest
+import torch
+from worlds import report, run_world
+
+import lossagg
+
+pytestmark = pytest.mark.xdist_group("engines")
+
+N_PER_PROMPT, PROMPTS, STEPS, MICRO_BATCH_SIZE = 2, 8, 2, 2
+VOCAB, HIDDEN, PROMPT_LEN = 7, 4, 3
+ENTROPY_COEF = 0.1
+
+BASE_ARGV = [
+    "train.py",
+    "--rollout-batch-size", str(PROMPTS),
+    "--n-samples-per-prompt", str(N_PER_PROMPT),
+    "--num-steps-per-rollout", str(STEPS),
+    "--num-rollout", "1",
+    "--actor-num-nodes", "1",
+    "--actor-num-gpus-per-node", "4",
+    "--num-layers", "1",
+    "--hidden-size", "8",
+    "--num-attention-heads", "1",
+    "--micro-batch-size", str(MICRO_BATCH_SIZE),
+    "--seq-length", "64",
+    "--max-position-embeddings", "64",
+    "--true-on-policy-mode",
+    "--eps-clip", "0.2",
+]  # fmt: skip
+
+#: name -> (extra flags, lossagg config of the reference, or None for miles' own reducer)
+CASES = {
+    "miles_default": ([], None),
+    "miles_per_token": (["--calculate-per-token-loss"], None),
+    "sample_mean": (["--loss-aggregation", "sample_mean"], {"mode": "sample_mean"}),
+    "prompt_mean": (["--loss-aggregation", "prompt_mean"], {"mode": "prompt_mean"}),
+    "token_mean": (["--loss-aggregation", "token_mean"], {"mode": "token_mean"}),
+    "legacy_token_mean": (["--loss-aggregation", "token_mean", "--calculate-per-token-loss"], {"mode": "token_mean"}),
+    "constant": (["--loss-aggregation", "constant", "--loss-aggregation-divisor", "6"], {"mode": "constant", "divisor": 6.0}),
+    "max_length": (["--loss-aggregation", "max_length"], {"mode": "max_length"}),
+    "prompt_mean_skip": (
+        ["--loss-aggregation", "prompt_mean", "--loss-aggregation-empty-samples", "skip"],
+        {"mode": "prompt_mean", "empty_samples": "skip"},
+    ),
+    "sample_mean_entropy": (["--loss-aggregation", "sample_mean", "--entropy-coef", str(ENTROPY_COEF)], {"mode": "sample_mean"}),
+    "token_mean_entropy": (["--loss-aggregation", "token_mean", "--entropy-coef", str(ENTROPY_COEF)], {"mode": "token_mean"}),
+    "prompt_mean_dynamic": (
+        ["--loss-aggregation", "prompt_mean", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "16"],
+        {"mode": "prompt_mean"},
+    ),
+}
+
+PARSE = r"""
+import pickle, sys
+from lossagg.integrations import miles as adapter
+from miles.utils.arguments import parse_args as miles_parse_args
+out = {}
+for name, argv in pickle.loads(bytes.fromhex(sys.argv[1])).items():
+    sys.argv = argv
+    try:
+        args = adapter.parse_args() if any(a.startswith("--loss-aggregation") for a in argv) else miles_parse_args()
+    except SystemExit as exc:
+        out[name] = ("exit", exc.code)
+    else:
+        out[name] = ("args", pickle.dumps(args))
+sys.stdout.buffer.write(b"ARGS" + pickle.dumps(out))
+"""
+
+
+def parse_launches(argvs: dict[str, list[str]], timeout: float = 600) -> tuple[dict, str]:
+    """Each launch's argument parsing, by miles' own parse_args, in one subprocess that has miles on its path:
+    name -> ("args", pickled Namespace) or ("exit", status); and the subprocess's stderr."""
+    done = subprocess.run([sys.executable, "-c", PARSE, pickle.dumps(argvs).hex()], env=miles_peer.env(), capture_output=True, timeout=timeout)
+    stderr = done.stderr.decode(errors="replace")
+    assert done.returncode == 0 and b"ARGS" in done.stdout, stderr[-3000:]
+    return pickle.loads(done.stdout[done.stdout.index(b"ARGS") + 4 :]), stderr
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    why = miles_peer.unavailable()
+    if why:
+        pytest.skip(why)
+    parsed, stderr = parse_launches({name: BASE_ARGV + flags for name, (flags, _) in CASES.items()})
+    out = {}
+    for name, (kind, value) in parsed.items():
+        assert kind == "args", f"{name}: the launch exited with {value}: {stderr[-3000:]}"
+        out[name] = value
+    path = tmp_path_factory.mktemp("miles") / "launches.pkl"
+    path.write_bytes(pickle.dumps(out))
+    return str(path)
+
+
+# ----------------------------------------------------------------------- stand-ins
+class StandInMisuse(AssertionError):
+    pass
+
+
+def _caller(depth: int = 2) -> str:
+    return sys._getframe(depth).f_code.co_filename.replace(os.sep, "/")
+
+
+def install_stand_ins():
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    used = {"cuda": 0, "current_device": 0, "mem_get_info": 0, "zeros": 0}
+    real_cuda = torch.Tensor.cuda
+
+    def cuda(self, *args, **kwargs):
+        if not _caller().endswith("miles/backends/training_utils/data.py"):
+            return real_cuda(self, *args, **kwargs)
+        used["cuda"] += 1
+        return self
+
+    def current_device():
+        where = _caller()
+        if not where.endswith(
+            ("megatron/core/distributed/param_and_grad_buffer.py", "miles/backends/training_utils/data.py", "miles/backends/megatron_utils/model.py")
+        ):
+            raise StandInMisuse(f"torch.cuda.current_device stand-in called from {where}")
+        used["current_device"] += 1
+        return "cpu"
+
+    def mem_get_info(*args):
+        if not _caller().endswith("miles/backends/megatron_utils/model.py"):
+            raise StandInMisuse(f"torch.cuda.mem_get_info stand-in called from {_caller()}")
+        used["mem_get_info"] += 1
+        return (1, 1)
+
+    class _TorchForSchedules:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def zeros(*args, **kwargs):
+            if kwargs.get("device") == "cuda":
+                if kwargs.get("dtype") != torch.int or tuple(args[0]) != ():
+                    raise StandInMisuse(f"schedules.py asked for zeros{args} {kwargs}: only the token total is expected")
+                used["zeros"] += 1
+                kwargs["device"] = "cpu"
+            return torch.zeros(*args, **kwargs)
+
+    torch.Tensor.cuda = cuda
+    torch.cuda.current_device = current_device
+    torch.cuda.mem_get_info = mem_get_info
+    schedules.torch = _TorchForSchedules()
+    return used
+
+
+# --------------------------------------------------------------------- the rollout
+def make_rollout(seed=0):
+    """Every sample of the rollout: full token sequences, response masks, old log-probs and advantages (float64)."""
+    g = torch.Generator().manual_seed(seed)
+    n = PROMPTS * N_PER_PROMPT
+    samples = []
+    for i in range(n):
+        group = i // N_PER_PROMPT
+        prompt = torch.tensor([(group * 3 + k) % VOCAB for k in range(PROMPT_LEN)], dtype=torch.long)
+        r = int(torch.randint(2, 10, (1,), generator=g))  # miles squeezes a 1-token response to 0-dim
+        response = torch.randint(0, VOCAB, (r,), generator=g)
+        mask = (torch.rand(r, generator=g) < 0.8).to(torch.int)
+        if i == 5:
+            mask.zero_()  # a fully masked sample (empty)
+        samples.append(
+            dict(
+                tokens=torch.cat([prompt, response]),
+                response_length=r,
+                loss_mask=mask,
+                old_log_prob=-torch.rand(r, generator=g, dtype=torch.float64) * 2,
+                advantage=torch.full((r,), float(torch.randn(1, generator=g, dtype=torch.float64)), dtype=torch.float64),
+                index=i,
+            )
+        )
+    return samples
+
+
+class ToyLM(torch.nn.Module):
+    """Logits of each token from its own embedding (no attention, so a CP shard needs no exchange)."""
+
+    def __init__(self, config=None):
+        super().__init__()
+        from megatron.core.enums import ModelType
+
+        self.config = config
+        self.model_type = ModelType.encoder_or_decoder
+        g = torch.Generator().manual_seed(3)
+        self.embed = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=g, dtype=torch.float64))
+        self.head = torch.nn.Parameter(torch.randn(HIDDEN, VOCAB, generator=g, dtype=torch.float64) * 0.5)
+
+    def set_input_tensor(self, input_tensor):
+        """One pipeline stage: nothing comes."""
+
+    def forward(self, input_ids, *args, **kwargs):
+        return self.embed[input_ids] @ self.head
+
+
+def reference_grads(case_config, samples, step, per_token: bool, entropy_coef: float):
+    """Gradient of the step's float64 J (unsplit): pg_loss on the mode (or miles' default reducer), minus the entropy term."""
+    from lossagg.testing import reference_loss
+
+    gbs = len(samples) // STEPS
+    chosen = samples[step * gbs : (step + 1) * gbs]
+    model = ToyLM()
+    pg, ent, masks, lengths = [], [], [], []
+    for s in chosen:
+        logits = model(s["tokens"])
+        r = s["response_length"]
+        resp_logits = logits[-r - 1 : -1]
+        logp_all = torch.log_softmax(resp_logits, -1)
+        lp = logp_all.gather(-1, s["tokens"][-r:, None]).squeeze(-1)
+        ratio = torch.exp(lp - s["old_log_prob"])
+        a = s["advantage"]
+        pg.append(torch.maximum(-ratio * a, -ratio.clamp(0.8, 1.2) * a))
+        ent.append(-(logp_all.exp() * logp_all).sum(-1))
+        masks.append(s["loss_mask"].bool())
+        lengths.append(r)
+    values, ent, mask = torch.cat(pg), torch.cat(ent), torch.cat(masks)
+    cu = lossagg.cu_seqlens_from_lengths(torch.tensor(lengths), dtype=torch.int64)
+    counts = torch.tensor([int(m.sum()) for m in masks], dtype=torch.float64)
+
+    def miles_default(x):  # miles' sum_of_sample_mean / sum_of_token, divided as its loss_function and Megatron divide
+        sums = torch.stack([(x[cu[i] : cu[i + 1]] * mask[cu[i] : cu[i + 1]]).sum() for i in range(len(chosen))])
+        if per_token:
+            return sums.sum() / counts.clamp(min=1).sum()
+        return (sums / counts.clamp(min=1)).sum() / gbs
+
+    if case_config is None:
+        j = miles_default(values)
+    else:
+        config = lossagg.LossAggregationConfig(n_samples_per_prompt=N_PER_PROMPT, **case_config)
+        groups = torch.tensor([s["index"] // N_PER_PROMPT for s in chosen])
+        groups = torch.unique(groups, return_inverse=True)[1]
+        j = reference_loss(config, values, mask, cu, groups)
+    if entropy_coef:
+        j = j - entropy_coef * miles_default(ent)
+    if not per_token:
+        j.backward()
+        return [model.embed.grad.clone(), model.head.grad.clone()]
+    # Megatron's per-token path divides the summed gradients by the step's reported tokens as
+    # `1.0 / num_tokens` of an int tensor (finalize_model_grads.py), a float32 scale: applied so here
+    reported = counts.clamp(min=1).sum()
+    (j * reported).backward()
+    scale = float(1.0 / torch.tensor(int(reported), dtype=torch.int))
+    return [model.embed.grad * scale, model.head.grad * scale]
+
+
+class RecordingOptimizer:
+    """What miles' train_one_step calls of an optimizer; step() records every parameter's main_grad."""
+
+    def __init__(self, module):
+        self.module = module
+        self.grads = []
+        self.param_groups = [{"lr": 0.0}]
+
+    def scale_loss(self, loss):
+        return loss
+
+    def zero_grad(self):
+        pass
+
+    def prepare_grads(self):
+        return False
+
+    def get_grad_norm(self):
+        return 0.0
+
+    def step(self):
+        self.grads.append([p.main_grad.detach().clone() for p in (self.module.embed, self.module.head)])
+        return True, 0.0, None
+
+
+class Scheduler:
+    def step(self, increment):
+        pass
+
+    def get_lr(self, param_group):
+        return param_group["lr"]
+
+
+def rank_rollout(samples, dp_rank, dp, args):
+    """This DP rank's rollout data as miles' get_rollout_data leaves it (strided DP split, CP-local log-probs and advantages)."""
+    from miles.backends.training_utils.cp_utils import slice_log_prob_with_cp
+
+    mine = samples[dp_rank::dp]
+    total = [int(s["tokens"].numel()) for s in mine]
+    resp = [s["response_length"] for s in mine]
+    return {
+        "tokens": [s["tokens"] for s in mine],
+        "loss_masks": [s["loss_mask"] for s in mine],
+        "total_lengths": total,
+        "response_lengths": resp,
+        "sample_indices": [s["index"] for s in mine],
+        "log_probs": [slice_log_prob_with_cp(s["old_log_prob"], t, r, args.qkv_format) for s, t, r in zip(mine, total, resp, strict=True)],
+        "advantages": [slice_log_prob_with_cp(s["advantage"], t, r, args.qkv_format) for s, t, r in zip(mine, total, resp, strict=True)],
+    }
+
+
+# ------------------------------------------------------------------------ the world
+def worker(rank, world, dp, cp, launches_path, init_file, results_dir):
+    miles_peer.enter()
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    failures, ran = [], 0
+    try:
+        used = install_stand_ins()
+        from megatron.core import parallel_state as mpu
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.transformer import TransformerConfig
+        from megatron.training.global_vars import set_args
+        from miles.backends.megatron_utils import model as miles_model
+        from miles.backends.megatron_utils.parallel import create_megatron_parallel_state
+        from miles.backends.training_utils.data import get_data_iterator
+        from miles.backends.training_utils.parallel import set_parallel_state
+
+        launches = pickle.loads(open(launches_path, "rb").read())
+        mpu.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=cp)
+        dp_rank = mpu.get_data_parallel_rank()
+        samples = make_rollout()
+        for name, (_, case_config) in CASES.items():
+            args = pickle.loads(launches[name])
+            args.world_size, args.rank = world, rank
+            args.context_parallel_size, args.data_parallel_size = cp, dp
+            args.debug_disable_optimizer = False
+            args.bf16 = False  # miles' set_default_megatron_args sets bf16 = not fp16; true-on-policy mode would cast the logits to it
+            set_args(args)
+            set_parallel_state(create_megatron_parallel_state())
+            tconfig = TransformerConfig(
+                num_layers=1,
+                hidden_size=8,
+                num_attention_heads=1,
+                context_parallel_size=cp,
+                calculate_per_token_loss=args.calculate_per_token_loss,
+                params_dtype=torch.float64,
+            )
+            ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, grad_reduce_in_fp32=False, use_distributed_optimizer=False, bucket_size=None)
+            module = ToyLM(tconfig)
+            model = DistributedDataParallel(tconfig, ddp_config, module)
+            optimizer = RecordingOptimizer(module)
+            rollout = rank_rollout(samples, dp_rank, dp, args)
+            data_iterator, num_microbatches = get_data_iterator(args, [model], rollout)
+            miles_model.train(0, [model], optimizer, Scheduler(), data_iterator, num_microbatches)
+            entropy_coef = float(args.entropy_coef)
+            for step in range(STEPS):
+                expected = reference_grads(case_config, samples, step, bool(args.calculate_per_token_loss), entropy_coef)
+                ran += 1
+                for g, e, pname in zip(optimizer.grads[step], expected, ("embed", "head"), strict=True):
+                    err = float((g - e).abs().max() / e.abs().max().clamp(min=1e-300))
+                    if not err <= 1e-10:
+                        failures.append(f"dp={dp} cp={cp} rank={rank} case={name} step={step} {pname}: relative error {err:.3g}")
+        if not used["current_device"] or not used["zeros"] or (cp > 1 and not used["cuda"]):
+            failures.append(f"rank {rank}: a stand-in was never used ({used}); the test no longer exercises what it says")
+        mpu.destroy_model_parallel()
+    except Exception as exc:  # reported by the parent with the rank
+        import traceback
+
+        failures.append(f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    report(results_dir, rank, ran, failures)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dp,cp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_miles_train_step_gives_the_gradient_of_j(dp, cp, launches, tmp_path):
+    failures, runs = run_world(worker, dp * cp, (dp, cp, launches), tmp_path)
+    assert not failures, "\n".join(failures)[:8000]
+    assert runs == dp * cp * len(CASES) * STEPS
+
