@@ -87,10 +87,12 @@ import pickle, sys
 from lossagg.integrations import miles as adapter
 from miles.utils.arguments import parse_args as miles_parse_args
 out = {}
-for name, argv in pickle.loads(bytes.fromhex(sys.argv[1])).items():
+for name, (through_lossagg, argv) in pickle.loads(bytes.fromhex(sys.argv[1])).items():
     sys.argv = argv
+    sys.stderr.write(f"@@launch {name}\n")
+    sys.stderr.flush()
     try:
-        args = adapter.parse_args() if any(a.startswith("--loss-aggregation") for a in argv) else miles_parse_args()
+        args = adapter.parse_args() if through_lossagg else miles_parse_args()
     except SystemExit as exc:
         out[name] = ("exit", exc.code)
     else:
@@ -99,13 +101,18 @@ sys.stdout.buffer.write(b"ARGS" + pickle.dumps(out))
 """
 
 
-def parse_launches(argvs: dict[str, list[str]], timeout: float = 600) -> tuple[dict, str]:
-    """Each launch's argument parsing, by miles' own parse_args, in one subprocess that has miles on its path:
-    name -> ("args", pickled Namespace) or ("exit", status); and the subprocess's stderr."""
-    done = subprocess.run([sys.executable, "-c", PARSE, pickle.dumps(argvs).hex()], env=miles_peer.env(), capture_output=True, timeout=timeout)
+def parse_launches(launches: dict[str, tuple[bool, list[str]]], timeout: float = 600) -> dict[str, tuple[str, object, str]]:
+    """Each launch's argument parsing, by miles' own parse_args (through lossagg's when the bool is true), in one
+    subprocess that has miles on its path: name -> ("args", pickled Namespace, stderr) or ("exit", status, stderr)."""
+    done = subprocess.run([sys.executable, "-c", PARSE, pickle.dumps(launches).hex()], env=miles_peer.env(), capture_output=True, timeout=timeout)
     stderr = done.stderr.decode(errors="replace")
     assert done.returncode == 0 and b"ARGS" in done.stdout, stderr[-3000:]
-    return pickle.loads(done.stdout[done.stdout.index(b"ARGS") + 4 :]), stderr
+    parsed = pickle.loads(done.stdout[done.stdout.index(b"ARGS") + 4 :])
+    errs = {}
+    for chunk in stderr.split("@@launch ")[1:]:
+        name, _, text = chunk.partition("\n")
+        errs[name] = text
+    return {name: (kind, value, errs.get(name, "")) for name, (kind, value) in parsed.items()}
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +120,9 @@ def launches(tmp_path_factory):
     why = miles_peer.unavailable()
     if why:
         pytest.skip(why)
-    parsed, stderr = parse_launches({name: BASE_ARGV + flags for name, (flags, _) in CASES.items()})
+    parsed = parse_launches({name: (config is not None, BASE_ARGV + flags) for name, (flags, config) in CASES.items()})
     out = {}
-    for name, (kind, value) in parsed.items():
+    for name, (kind, value, stderr) in parsed.items():
         assert kind == "args", f"{name}: the launch exited with {value}: {stderr[-3000:]}"
         out[name] = value
     path = tmp_path_factory.mktemp("miles") / "launches.pkl"
@@ -188,7 +195,9 @@ def make_rollout(seed=0):
     for i in range(n):
         group = i // N_PER_PROMPT
         prompt = torch.tensor([(group * 3 + k) % VOCAB for k in range(PROMPT_LEN)], dtype=torch.long)
-        r = int(torch.randint(2, 10, (1,), generator=g))  # miles squeezes a 1-token response to 0-dim
+        r = int(torch.randint(2, 10, (1,), generator=g))
+        while not _no_single_token_shard(PROMPT_LEN + r, r):
+            r = int(torch.randint(2, 10, (1,), generator=g))
         response = torch.randint(0, VOCAB, (r,), generator=g)
         mask = (torch.rand(r, generator=g) < 0.8).to(torch.int)
         if i == 5:
@@ -204,6 +213,21 @@ def make_rollout(seed=0):
             )
         )
     return samples
+
+
+def _no_single_token_shard(total: int, response: int, cp_sizes=(1, 2)) -> bool:
+    """True when no CP rank's zigzag shard holds exactly one response logit. miles 0.0.2's true-on-policy
+    log-prob path squeezes twice (ppo_utils.py's gather, then loss.py's ``log_prob.squeeze(-1)``), so a
+    one-token shard becomes 0-dim and ``torch.cat`` fails; the rollout avoids it."""
+    for cp in cp_sizes:
+        chunk = -(-total // (2 * cp))
+        held = [0] * cp
+        for p in range(total - response - 1, total - 1):  # the logits that score the response tokens
+            c = p // chunk
+            held[c if c < cp else 2 * cp - 1 - c] += 1
+        if 1 in held:
+            return False
+    return True
 
 
 class ToyLM(torch.nn.Module):
@@ -366,7 +390,9 @@ def worker(rank, world, dp, cp, launches_path, init_file, results_dir):
                 calculate_per_token_loss=args.calculate_per_token_loss,
                 params_dtype=torch.float64,
             )
-            ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, grad_reduce_in_fp32=False, use_distributed_optimizer=False, bucket_size=None)
+            ddp_config = DistributedDataParallelConfig(
+                overlap_grad_reduce=False, grad_reduce_in_fp32=False, use_distributed_optimizer=False, bucket_size=None
+            )
             module = ToyLM(tconfig)
             model = DistributedDataParallel(tconfig, ddp_config, module)
             optimizer = RecordingOptimizer(module)
@@ -398,3 +424,68 @@ def test_miles_train_step_gives_the_gradient_of_j(dp, cp, launches, tmp_path):
     assert not failures, "\n".join(failures)[:8000]
     assert runs == dp * cp * len(CASES) * STEPS
 
+
+# ----------------------------------------------------------------- miles' own parse_args
+LAUNCH = [a for a in BASE_ARGV if a != "--true-on-policy-mode"]
+
+
+def _without(argv, flag):
+    i = argv.index(flag)
+    return argv[:i] + argv[i + 2 :]
+
+
+def test_launch_checks_through_miles_parse_args():
+    """The seed PR's cases and the refusals, on miles' own parse_args (after it derives global_batch_size)."""
+    why = miles_peer.unavailable()
+    if why:
+        pytest.skip(why)
+    # --rollout-batch-size 8 --n-samples-per-prompt 4 --num-steps-per-rollout 3: a step of 10 samples
+    bad_batch = _without(_without(LAUNCH, "--n-samples-per-prompt"), "--num-steps-per-rollout")
+    bad_batch += ["--n-samples-per-prompt", "4", "--num-steps-per-rollout", "3", "--loss-aggregation", "prompt_mean"]
+    launches = {
+        "seed_step_of_10": (True, bad_batch),
+        "zero_per_prompt": (True, _without(LAUNCH, "--n-samples-per-prompt") + ["--n-samples-per-prompt", "0", "--loss-aggregation", "prompt_mean"]),
+        "legacy_flag_contradicted": (True, LAUNCH + ["--loss-aggregation", "sample_mean", "--calculate-per-token-loss"]),
+        "constant_per_token": (True, LAUNCH + ["--loss-aggregation", "constant", "--loss-aggregation-divisor", "8", "--calculate-per-token-loss"]),
+        "constant_without_divisor": (True, LAUNCH + ["--loss-aggregation", "constant"]),
+        "unknown_mode": (True, LAUNCH + ["--loss-aggregation", "seq_meen"]),
+        "no_flag_through_lossagg": (True, LAUNCH),
+        "no_flag_miles": (False, LAUNCH),
+        "token_mean": (True, LAUNCH + ["--loss-aggregation", "token_mean"]),
+    }
+    got = parse_launches(launches)
+    refused = {
+        "seed_step_of_10": ["--global-batch-size", "(10)", "--num-steps-per-rollout 3"],
+        "zero_per_prompt": ["--n-samples-per-prompt", "got 0"],
+        "legacy_flag_contradicted": ["--calculate-per-token-loss", "mode=sample_mean"],
+        "constant_per_token": ["--calculate-per-token-loss", "mode=constant"],
+        "constant_without_divisor": ["--loss-aggregation-divisor", "mode=constant"],
+        "unknown_mode": ["--loss-aggregation", "seq_meen"],
+    }
+    for name, needles in refused.items():
+        kind, value, stderr = got[name]
+        assert (kind, value) == ("exit", 2), f"{name}: expected exit status 2, got {kind if kind == 'args' else value}: {stderr[-1500:]}"
+        line = next((ln for ln in stderr.splitlines() if ln.startswith("error: ")), "")
+        assert all(n in line for n in needles), f"{name}: {line!r} should name {needles}"
+        assert "Traceback" not in stderr, f"{name}: a traceback on the launch: {stderr[-2000:]}"
+    plain, through = (pickle.loads(got[k][1]) for k in ("no_flag_miles", "no_flag_through_lossagg"))
+    own = {"loss_aggregation", "loss_aggregation_divisor", "loss_aggregation_empty_samples", "loss_aggregation_config"}
+    assert set(vars(through)) - set(vars(plain)) == own
+    differ = {k for k in vars(plain) if vars(plain)[k] != vars(through)[k]}
+    assert not differ, f"with no lossagg flag the launch must be miles' own, attribute for attribute; differ: {sorted(differ)}"
+    assert all(vars(through)[k] is None for k in own)
+    token = pickle.loads(got["token_mean"][1])
+    assert token.calculate_per_token_loss is True and token.loss_type == "custom_loss"
+    assert token.custom_pg_loss_reducer_function_path == "lossagg.integrations.miles.pg_loss_reducer"
+
+
+def test_example_launch_script():
+    why = miles_peer.unavailable()
+    if why:
+        pytest.skip(why)
+    script = os.path.join(miles_peer.ROOT, "examples", "miles_launch.py")
+    done = subprocess.run(
+        [sys.executable, script, *LAUNCH[1:], "--loss-aggregation", "prompt_mean"], env=miles_peer.env(), capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert '"mode": "prompt_mean"' in done.stdout and "lossagg.integrations.miles.before_train_step" in done.stdout

@@ -115,13 +115,32 @@ def parse_args(add_custom_arguments: Callable | None = None, *, trainer: str = "
             parser = add_custom_arguments(parser) or parser
         return add_arguments(parser)
 
-    args = trainer_parse_args(add_custom_arguments=add)
     try:
+        _check_before_miles(sys.argv[1:])
+        args = trainer_parse_args(add_custom_arguments=add)
         configure(args)
     except ConfigError as exc:
         sys.stderr.write(f"error: {exc}\n")
         raise SystemExit(2) from None
     return args
+
+
+def _check_before_miles(argv: list[str]) -> None:
+    """What miles' own parse_args would trip over before lossagg sees it, on a launch with a lossagg flag:
+    ``--n-samples-per-prompt`` < 1 (miles derives ``global_batch_size`` from it, and Megatron asserts
+    that it is > 0)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--n-samples-per-prompt", type=int, default=None)
+    add_arguments(pre)
+    try:
+        known, _ = pre.parse_known_args(argv)
+    except SystemExit:  # a malformed value: miles' parser reports it
+        return
+    if not any(_flag_given(known, f) for f in LOSSAGG_FLAGS):
+        return
+    n = known.n_samples_per_prompt
+    if n is not None and n < 1:
+        raise ConfigError([("--n-samples-per-prompt", f"samples per prompt group must be >= 1, got {n}")], "command line")
 
 
 def config_of(args) -> LossAggregationConfig | None:
@@ -140,7 +159,12 @@ def config_of(args) -> LossAggregationConfig | None:
         given = [f for f in LOSSAGG_FLAGS if f != CONFIG_FLAG and _flag_given(args, f)]
         if given:
             raise ConfigError(
-                [(CONFIG_FLAG, f"{CONFIG_FLAG} {getattr(args, _dest(CONFIG_FLAG))} and {', '.join(given)} both given: put every setting in one place")],
+                [
+                    (
+                        CONFIG_FLAG,
+                        f"{CONFIG_FLAG} {getattr(args, _dest(CONFIG_FLAG))} and {', '.join(given)} both given: put every setting in one place",
+                    )
+                ],
                 "command line",
             )
         path = getattr(args, _dest(CONFIG_FLAG))
@@ -162,7 +186,20 @@ def config_of(args) -> LossAggregationConfig | None:
         except ConfigError as exc:
             flag_of = {"calculate_per_token_loss": "--calculate-per-token-loss", "n_samples_per_prompt": "--n-samples-per-prompt"}
             raise ConfigError([(flag_of.get(p, p), m) for p, m in exc.issues], exc.source) from None
-    return config_from_args(args)
+    try:
+        return config_from_args(args)
+    except ConfigError as exc:
+        raise ConfigError([(p, m + _derived_note(args) if p == "--global-batch-size" else m) for p, m in exc.issues], exc.source) from None
+
+
+def _derived_note(args) -> str:
+    steps = getattr(args, "num_steps_per_rollout", None)
+    if steps is None:
+        return ""
+    return (
+        f" (miles derived --global-batch-size {args.global_batch_size} = --rollout-batch-size {args.rollout_batch_size} × "
+        f"--n-samples-per-prompt {args.n_samples_per_prompt} // --num-steps-per-rollout {steps})"
+    )
 
 
 def configure(args) -> LossAggregationConfig | None:
@@ -188,7 +225,9 @@ def configure(args) -> LossAggregationConfig | None:
         elif loss_type == "custom_loss":
             inner = getattr(args, "custom_loss_function_path", None)
         else:
-            issues.append(("--loss-type", f"--loss-aggregation reduces pg_loss, which --loss-type {loss_type} has not: use policy_loss or custom_loss"))
+            issues.append(
+                ("--loss-type", f"--loss-aggregation reduces pg_loss, which --loss-type {loss_type} has not: use policy_loss or custom_loss")
+            )
         reducer = getattr(args, "custom_pg_loss_reducer_function_path", None)
         if reducer not in (None, HOOKS["custom_pg_loss_reducer_function_path"]):
             issues.append(
@@ -219,7 +258,8 @@ def _runtime_config(args) -> LossAggregationConfig:
             "lossagg's miles hooks are set but the launch was not configured by lossagg: launch with "
             "lossagg.integrations.miles.parse_args (or call lossagg.integrations.miles.configure(args) after miles' parse_args)"
         )
-    data = {k: v for k, v in summary.items() if k != "resolution_notes" and v is not None}
+    # the step's own sample count is checked where it is known (a dynamic global batch size varies by rollout)
+    data = {k: v for k, v in summary.items() if k not in ("resolution_notes", "global_batch_size") and v is not None}
     return LossAggregationConfig.from_dict(data, source="args.lossagg_config")
 
 
@@ -234,7 +274,14 @@ class MilesStep:
     """
 
     def __init__(
-        self, plan: StepPlan, masks: list[torch.Tensor], local_denoms: torch.Tensor, num_samples: int, reported_tokens: int, per_token: bool, trainer: str
+        self,
+        plan: StepPlan,
+        masks: list[torch.Tensor],
+        local_denoms: torch.Tensor,
+        num_samples: int,
+        reported_tokens: int,
+        per_token: bool,
+        trainer: str,
     ):
         self.plan = plan
         self.trainer = trainer
@@ -323,12 +370,13 @@ def plan_step(args, data_iterator, num_microbatches: int, *, parallel_state=None
     if n_local * dp.size != gbs:
         raise RuntimeError(f"lossagg: this rank's step holds {n_local} samples, times {dp.size} DP ranks is not global_batch_size {gbs}")
     device = masks[0].device if masks else torch.device("cpu")
-    sums = torch.stack([m.sum() for m in masks]).to(torch.int64) if masks else torch.zeros(0, dtype=torch.int64)
     counts = torch.stack([(m != 0).sum() for m in masks]).to(torch.int64) if masks else torch.zeros(0, dtype=torch.int64)
-    if not torch.equal(sums, counts) or bool(((sums < 0)).any()):
-        bad = int(torch.nonzero(sums != counts)[0, 0]) if not torch.equal(sums, counts) else 0
+    odd = torch.stack([((m != 0) & (m != 1)).any() for m in masks]).cpu() if masks else torch.zeros(0, dtype=torch.bool)
+    if bool(odd.any()):
+        bad = int(torch.nonzero(odd)[0, 0])
         raise ValueError(
-            f"lossagg: the loss mask of rollout sample {positions[bad]} is not 0/1: d[i] counts tokens, while miles' per-token path divides by the mask's sum"
+            f"lossagg: the loss mask of rollout sample {positions[bad]} is not 0/1: d[i] counts tokens, while miles' per-token path "
+            "divides by the mask's sum"
         )
     table = torch.zeros(dp.size * n_local, 3, dtype=torch.int64, device=device)
     rows = slice(dp.rank * n_local, (dp.rank + 1) * n_local)
@@ -336,14 +384,13 @@ def plan_step(args, data_iterator, num_microbatches: int, *, parallel_state=None
     if spec.needs_groups:
         indices = rollout.get("sample_indices")
         if indices is None:
-            raise ValueError(f"lossagg: mode={config.mode} needs each sample's prompt group, read from the rollout's sample_indices, which this rollout has not")
+            raise ValueError(
+                f"lossagg: mode={config.mode} needs each sample's prompt group, read from the rollout's sample_indices, which this rollout has not"
+            )
         n = config.n_samples_per_prompt
         keys = torch.tensor([int(indices[j]) // n for j in positions], dtype=torch.int64)
         prints = torch.tensor(
-            [
-                _prompt_fingerprint(rollout["tokens"][j], int(rollout["total_lengths"][j]) - int(rollout["response_lengths"][j]))
-                for j in positions
-            ],
+            [_prompt_fingerprint(rollout["tokens"][j], int(rollout["total_lengths"][j]) - int(rollout["response_lengths"][j])) for j in positions],
             dtype=torch.int64,
         )
         table[rows, 1] = keys.to(device)
@@ -394,7 +441,9 @@ def loss_function(args, batch, logits, sum_of_sample_mean):
     user's custom loss), with this micro-batch at hand for :func:`pg_loss_reducer`."""
     inner = getattr(args, "lossagg_inner_loss", None)
     if inner is None:
-        raise RuntimeError("lossagg.integrations.miles.loss_function: the launch was not configured by lossagg (lossagg.integrations.miles.configure)")
+        raise RuntimeError(
+            "lossagg.integrations.miles.loss_function: the launch was not configured by lossagg (lossagg.integrations.miles.configure)"
+        )
     if inner == "policy_loss":
         func = _trainer_module_by_name(args, "backends.training_utils.loss").policy_loss_function
     else:
@@ -451,7 +500,9 @@ def pg_loss_reducer(total_lengths, response_lengths, pg_loss_masks, calculate_pe
 
     def reduce_pg_loss(x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 1 or x.shape[0] != int(cu_seqlens[-1]):
-            raise ValueError(f"lossagg: pg_loss holds {tuple(x.shape)} values, this CP rank's response tokens of the micro-batch are {int(cu_seqlens[-1])}")
+            raise ValueError(
+                f"lossagg: pg_loss holds {tuple(x.shape)} values, this CP rank's response tokens of the micro-batch are {int(cu_seqlens[-1])}"
+            )
         mask = torch.cat([m.to(x.device) for m in local_masks]) if local_masks else x.new_zeros(0)
         share = reduce(x, mask, cu_seqlens=cu_seqlens.to(x.device), sample_denoms=d.to(x.device))
         return share * scale
@@ -473,4 +524,3 @@ __all__ = [
     "pg_loss_reducer",
     "plan_step",
 ]
-
