@@ -151,4 +151,13 @@ inline TokenCall token_counts_call(const Tensor& mask, const std::optional<Tenso
   return make_call(check_token_counts_inputs(mask, cu_seqlens), std::nullopt, mask, cu_seqlens, std::nullopt);
 }
 
+// A token count is a non-zero entry of the mask the user passed (token_counts reads it as given).
+// A float64 mask beside values of a lower precision is converted to float32 for the sums (the
+// rounding mask_weight did), which turns an entry 0 < |m| <= 2^-150 into 0: the ops that count
+// (segment_sum_and_count, aggregate) then take the counts from the mask itself, in one more pass
+// over it, for this rare pair of dtypes only.
+inline bool counts_need_own_pass(const Tensor& mask, ScalarType values_dtype) {
+  return mask.scalar_type() == ScalarType::Double && acc_scalar_type(values_dtype) != ScalarType::Double;
+}
+
 }  // namespace lossagg

@@ -8,6 +8,7 @@ from lossagg.config import LossAggregationConfig
 from lossagg.modes import DenomProduct, mode_spec
 from lossagg.ops import reduce, reduce_by_program, reduce_with_counts
 from lossagg.step import StepPlan, _as_config
+from lossagg.validate import check_holds_data
 
 
 def aggregate(
@@ -31,6 +32,15 @@ def aggregate(
     mask are read once: the token counts come from the same pass as the sums
     (:func:`lossagg.ops.reduce_with_counts`), with the bits of the plan-then-reduce route.
     """
+    # the arguments read below, named as this function names them (not as the helpers it calls do)
+    for name, t in (("per_token_loss", per_token_loss), ("mask", mask), ("cu_seqlens", cu_seqlens), ("group_index", group_index)):
+        check_holds_data(name, t)
+    if rollout_mask is not None and rollout_mask is not mask:
+        check_holds_data("rollout_mask", rollout_mask)
+        if not isinstance(rollout_mask, torch.Tensor):
+            raise TypeError(f"rollout_mask must be a torch.Tensor or None, got {type(rollout_mask).__name__}")
+        if isinstance(mask, torch.Tensor) and tuple(rollout_mask.shape) != tuple(mask.shape):
+            raise ValueError(f"rollout_mask must have the shape of mask {tuple(mask.shape)}, got {tuple(rollout_mask.shape)}")
     if sample_denoms is None:
         if rollout_mask is None or rollout_mask is mask:
             if not isinstance(config, LossAggregationConfig):

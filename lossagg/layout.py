@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 
 from lossagg import ops
-from lossagg.validate import check_cu_seqlens  # noqa: F401  (lossagg/validate.py's, shared with the ops; still importable from here)
+from lossagg.validate import (
+    check_cu_seqlens,  # noqa: F401  (lossagg/validate.py's, shared with the ops; still importable from here)
+    check_holds_data,
+)
 
 
 def cu_seqlens_from_lengths(lengths, *, dtype: torch.dtype = torch.int32, device=None) -> torch.Tensor:
@@ -32,6 +35,8 @@ def token_counts(mask: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> 
     """
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"mask must be a tensor, got {type(mask).__name__}")
+    check_holds_data("mask", mask)
+    check_holds_data("cu_seqlens", cu_seqlens)
     if cu_seqlens is None and mask.dim() != 2:
         raise ValueError(f"mask must be [B, T] when cu_seqlens is None (padded layout), got shape {tuple(mask.shape)}")
     if cu_seqlens is not None:

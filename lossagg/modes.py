@@ -117,13 +117,26 @@ class DenomProduct:
         if not factors or len(factors) > _MAX_FACTORS:
             raise ValueError(f"DenomProduct takes 1 to {_MAX_FACTORS} factors, got {len(factors)}")
         for f in factors:
+            if not isinstance(f, str):
+                raise TypeError(
+                    f"DenomProduct takes its factors as separate strings, e.g. DenomProduct('N', 'c(M[i])'), got {type(f).__name__} {f!r}"
+                    + (f": unpack it, DenomProduct(*{f!r})" if isinstance(f, (list, tuple)) else "")
+                )
             if f not in _FACTORS:
                 raise ValueError(f"DenomProduct factor {f!r} is not one of {', '.join(_FACTORS)}{did_you_mean(str(f), _FACTORS)}")
-        self.factors = tuple(factors)
-        self.formula = " · ".join(factors)
+        # set once: the registry and the native program read the declaration, which must not change under them
+        setattr_ = object.__setattr__
+        setattr_(self, "factors", tuple(factors))
+        setattr_(self, "formula", " · ".join(factors))
         #: the step totals the product reads (a mode using it must declare them)
-        self.totals = tuple(dict.fromkeys(_FACTORS[f] for f in factors if _FACTORS[f] is not None))
-        self._programs = {empty: _program(self.factors, empty) for empty in EMPTY_SAMPLES}
+        setattr_(self, "totals", tuple(dict.fromkeys(_FACTORS[f] for f in factors if _FACTORS[f] is not None)))
+        setattr_(self, "_programs", MappingProxyType({empty: _program(self.factors, empty) for empty in EMPTY_SAMPLES}))
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"DenomProduct is immutable: {name} cannot be set (make a new DenomProduct and register a new mode)")
+
+    def __delattr__(self, name):
+        raise AttributeError(f"DenomProduct is immutable: {name} cannot be deleted")
 
     def program(self, empty_samples: str = "count") -> int | None:
         """The native program of this product under the ``empty_samples`` convention, or None

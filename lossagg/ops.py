@@ -180,14 +180,35 @@ def reduce_by_program(
         raise error from None
 
 
-def _reduce_with_counts(values, mask, cu_seqlens, denoms_of):
-    """(J, d) of :func:`reduce_with_counts`, below autograd."""
+def check_division_denoms(d: torch.Tensor, values_dtype: torch.dtype) -> None:
+    """``d`` as the kernels divide by it: in the accumulation dtype of ``values_dtype``, finite and > 0.
+    The one check of every route (plan-then-reduce, the one-pass routes, the CUDA composite): a
+    ``d[i]`` that is not is refused by reduce's own check, with its message (one host sync, B values)."""
+    acc = _acc_dtype(values_dtype)
+    dc = d.to(acc)
+    if d.numel() and not bool((torch.isfinite(dc) & (dc > 0)).all()):
+        ones = torch.ones((d.shape[0], 1), dtype=torch.bool, device=d.device)
+        try:
+            with _BELOW_AUTOGRAD():
+                _REDUCE(torch.zeros((d.shape[0], 1), dtype=values_dtype, device=d.device), ones, None, d.detach())
+        except RuntimeError as exc:
+            raise python_error(exc) from None
+
+
+def _reduce_with_counts(values, mask, cu_seqlens, denoms_of, grad_mode=None):
+    """(J, d) of :func:`reduce_with_counts`, below autograd. ``grad_mode``: whether the caller
+    runs with gradients on (inside an autograd Function's forward they are off)."""
     try:
         with _BELOW_AUTOGRAD():
             sums, counts = _SEGMENT_SUM_AND_COUNT(values, mask, cu_seqlens)
     except RuntimeError as exc:
         raise python_error(exc) from None
-    d = denoms_of(counts)
+    grad_mode = torch.is_grad_enabled() if grad_mode is None else grad_mode
+    with torch.set_grad_enabled(grad_mode):
+        d = denoms_of(counts)
+    if grad_mode and isinstance(d, torch.Tensor) and d.requires_grad:
+        _not_differentiable("reduce", sample_denoms=d)  # as plan-then-reduce refuses it: J's gradient flows to values only
+    check_division_denoms(d, values.dtype)
     # reduce over B one-token rows: each row's sum is its sample's sum (a one-term sum is
     # that term), and the quotients are added as reduce adds them
     ones = torch.ones((sums.shape[0], 1), dtype=torch.bool, device=sums.device)
@@ -472,6 +493,7 @@ def _aggregate_composite(values, mask, cu_seqlens, denom_program, divisor):
     if d.numel() and not bool(torch.isfinite(d).all() & (d > 0).all()):
         i = int(torch.nonzero(~torch.isfinite(d) | (d <= 0))[0, 0])
         _fail(ValueError, "aggregate", f"a denominator is not finite and > 0: d[{i}] = {float(d[i])} (program {denom_program}, divisor {divisor})")
+    check_division_denoms(d, values.dtype)
     ones = torch.ones((sums.shape[0], 1), dtype=torch.bool, device=sums.device)
     return torch.ops.lossagg.reduce(sums.unsqueeze(1), ones, None, d), d
 
@@ -578,7 +600,7 @@ class _ReduceWithCounts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, values, mask, cu_seqlens, denoms_of):
-        out, d = _reduce_with_counts(values, mask, cu_seqlens, denoms_of)
+        out, d = _reduce_with_counts(values, mask, cu_seqlens, denoms_of, grad_mode=True)
         ctx.save_for_backward(mask, cu_seqlens, d)
         ctx.values_dtype = values.dtype
         return out

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from lossagg.config import LossAggregationConfig
 from lossagg.ops import segment_sum
 from lossagg.step import StepPlan
-from lossagg.validate import as_number, check_cu_seqlens
+from lossagg.validate import as_number, check_cu_seqlens, check_holds_data
 
 __all__ = [
     "SEQUENCE_OBJECTIVES",
@@ -46,14 +46,15 @@ __all__ = [
 
 
 # ----------------------------------------------------------------- the CP collective
-def _check_group(cp_group):
-    """``cp_group`` as given (None: one CP rank), checked: a process group of an initialised ``torch.distributed``."""
+def _check_group(cp_group, name: str = "cp_group"):
+    """``cp_group`` as given (None: one CP rank), checked: a process group of an initialised ``torch.distributed``;
+    errors name the argument as the caller's signature spells it (``name``)."""
     if cp_group is None:
         return None
     if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("cp_group was given but torch.distributed is not initialised: call torch.distributed.init_process_group first, or pass None")
+        raise ValueError(f"{name} was given but torch.distributed is not initialised: call torch.distributed.init_process_group first, or pass None")
     if not isinstance(cp_group, dist.ProcessGroup):
-        raise TypeError(f"cp_group must be a torch.distributed process group (the CP group of this rank) or None, got {type(cp_group).__name__}")
+        raise TypeError(f"{name} must be a torch.distributed process group (the CP group of this rank) or None, got {type(cp_group).__name__}")
     return cp_group
 
 
@@ -83,7 +84,7 @@ def all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    group = _check_group(group)
+    group = _check_group(group, "group")
     return tensor if group is None else _AllReduceSum.apply(tensor, group)
 
 
@@ -132,6 +133,8 @@ def sequence_mean(values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Te
 def _num_samples(mask, cu_seqlens) -> int:
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+    check_holds_data("mask", mask)
+    check_holds_data("cu_seqlens", cu_seqlens)
     if cu_seqlens is None:
         if mask.dim() != 2:
             raise ValueError(f"mask must be [B, T] when cu_seqlens is None (padded layout), got shape {list(mask.shape)}")
@@ -152,6 +155,7 @@ def broadcast_to_tokens(per_sample: torch.Tensor, mask: torch.Tensor, cu_seqlens
     b = _num_samples(mask, cu_seqlens)
     if not isinstance(per_sample, torch.Tensor):
         raise TypeError(f"per_sample must be a torch.Tensor, got {type(per_sample).__name__}")
+    check_holds_data("per_sample", per_sample)
     if tuple(per_sample.shape) != (b,):
         raise ValueError(f"per_sample must be [B] = [{b}] (one value per sample of the micro-batch), got shape {list(per_sample.shape)}")
     if cu_seqlens is None:
@@ -217,9 +221,16 @@ def gspo_token_loss(
     log_ratio, b = _log_ratio(log_prob, old_log_prob, mask, cu_seqlens)
     dtype = _compute_dtype(log_prob)
     adv = _sample_advantages(advantages, b, dtype, log_prob.device)
-    ratio = torch.exp(sequence_mean(log_ratio, mask, cu_seqlens, cp_group=cp_group).to(dtype))
-    clipped = torch.clamp(ratio, 1.0 - low, 1.0 + high)
-    loss = -torch.minimum(ratio * adv, clipped * adv)
+    mean_log_ratio = sequence_mean(log_ratio, mask, cu_seqlens, cp_group=cp_group).to(dtype)
+    # -min(s A, clip(s) A) takes the clipped ratio, a constant, exactly where A > 0 and s > 1 + eps_high or
+    # A < 0 and s < 1 - eps_low. There the unclipped s is not evaluated at all: exp of a large mean log
+    # ratio overflows, and its inf times the 0 gradient of the branch not taken would be NaN.
+    with torch.no_grad():
+        s_seen = torch.exp(mean_log_ratio)
+        takes_clip = ((adv > 0) & (s_seen > 1.0 + high)) | ((adv < 0) & (s_seen < 1.0 - low))
+    ratio = torch.exp(torch.where(takes_clip, torch.zeros_like(mean_log_ratio), mean_log_ratio))
+    bound = torch.where(adv > 0, adv.new_tensor(1.0 + high), adv.new_tensor(1.0 - low))
+    loss = torch.where(takes_clip, -bound * adv, -ratio * adv)
     return broadcast_to_tokens(loss, mask, cu_seqlens)
 
 
@@ -268,7 +279,10 @@ def gmpo_token_loss(
     log_ratio = log_ratio.to(dtype)
     clipped = torch.where(token_adv > 0, log_ratio.clamp(max=high), log_ratio)
     clipped = torch.where(token_adv < 0, log_ratio.clamp(min=-low), clipped)
-    ratio = torch.exp(sequence_mean(clipped, mask, cu_seqlens, cp_group=cp_group).to(dtype))
+    mean_clipped = sequence_mean(clipped, mask, cu_seqlens, cp_group=cp_group).to(dtype)
+    # a sample with A = 0 has loss 0 and gradient 0, whatever its ratio (exp of a large mean would
+    # overflow, and 0 * inf is NaN)
+    ratio = torch.exp(torch.where(adv == 0, torch.zeros_like(mean_clipped), mean_clipped))
     return broadcast_to_tokens(-adv * ratio, mask, cu_seqlens)
 
 
@@ -296,7 +310,11 @@ def cispo_token_loss(
     log_ratio, b = _log_ratio(log_prob, old_log_prob, mask, cu_seqlens)
     dtype = _compute_dtype(log_prob)
     token_adv = broadcast_to_tokens(_sample_advantages(advantages, b, dtype, log_prob.device), mask, cu_seqlens)
-    weight = torch.exp(log_ratio.detach().to(dtype)).clamp(min=None if low is None else 1.0 - low, max=1.0 + high)
+    # the mask selects before the ratio is formed: a NaN or inf log-prob at a masked-out token gives it
+    # weight 1 (finite), so its gradient there is 0 rather than NaN (reduce drops the token's value)
+    kept = mask != 0
+    log_ratio = torch.where(kept, log_ratio.detach(), torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device))
+    weight = torch.exp(log_ratio.to(dtype)).clamp(min=None if low is None else 1.0 - low, max=1.0 + high)
     return -weight * token_adv * log_prob.to(dtype)
 
 

@@ -27,7 +27,7 @@ from lossagg.layout import token_counts as _token_counts
 from lossagg.modes import METRIC_MODE, ModeSpec, mode_spec
 from lossagg.ops import reduce, segment_sum
 from lossagg.totals import DEFAULT_EMPTY_SAMPLES, RankShare, given_totals
-from lossagg.validate import as_int, check_token_counts
+from lossagg.validate import as_int, check_holds_data, check_token_counts
 
 GRADIENT_CONVENTIONS = ("sum", "mean", "micro_batch_mean", "megatron")
 
@@ -173,6 +173,7 @@ class StepPlan:
     def _positions(self, samples: Samples) -> torch.Tensor:
         """Positions among this rank's samples: integers in [0, n_local), a slice, or a bool selection of length n_local."""
         n = self.token_counts.shape[0]
+        check_holds_data("samples", samples)
         if isinstance(samples, slice):
             return torch.arange(n, device=self.device)[samples]
         if isinstance(samples, (int, bool)) or (isinstance(samples, torch.Tensor) and samples.dim() == 0):
@@ -205,6 +206,8 @@ class StepPlan:
         return pos.to(device=self.device, dtype=torch.long)
 
     def _micro_batch_denoms(self, samples: Samples, mask: torch.Tensor, cu_seqlens, device) -> torch.Tensor:
+        check_holds_data("mask", mask)
+        check_holds_data("cu_seqlens", cu_seqlens)
         d = self.sample_denoms_for(samples, dtype=torch.float64, device=device)
         b = (cu_seqlens.shape[0] - 1 if cu_seqlens.dim() == 1 else -1) if isinstance(cu_seqlens, torch.Tensor) else mask.shape[0]
         if b >= 0 and d.shape[0] != b:
@@ -292,6 +295,13 @@ class StepPlan:
             raise type(exc)(str(exc).replace("lossagg.token_counts: ", "StepPlan.token_weights: ", 1)) from None
         d = self._micro_batch_denoms(samples, mask, cu_seqlens, mask.device)
         per_sample = d.new_full(d.shape, scale) / d  # float64, rounded once (a number over a tensor is its reciprocal times it)
+        rounded = per_sample.to(dtype)
+        if per_sample.numel() and not bool((torch.isfinite(rounded) & (rounded > 0)).all()):
+            i = int(torch.nonzero(~(torch.isfinite(rounded) & (rounded > 0)))[0, 0])
+            raise ValueError(
+                f"StepPlan.token_weights: the weight of sample {i} is {float(per_sample[i])!r}, which is {float(rounded[i])!r} in {dtype} "
+                f"(gradient_scale {scale} / d[i] = {float(d[i])!r}): the identity with plan.loss would fail silently; use dtype=torch.float32"
+            )
         if cu_seqlens is None:
             weights = per_sample[:, None].expand(mask.shape)
         else:

@@ -55,6 +55,16 @@ def as_number(name: str, value, *, positive: bool = True) -> float:
     return float(plain)
 
 
+def check_holds_data(name: str, value) -> None:
+    """A tensor argument the code will read (or move): dense and holding data, refused by the user's name
+    otherwise (a meta tensor would reach ``.to()`` and fail with torch's "Cannot copy out of meta tensor")."""
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided:
+            raise TypeError(f"{name} must be a dense (strided) tensor, got layout {value.layout}: pass {name}.to_dense()")
+        if value.device.type == "meta":
+            raise ValueError(f"{name} must hold data (a CPU or CUDA tensor), got a meta tensor")
+
+
 def as_tensor(name: str, value, *, dims: int | None = None) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")

@@ -61,7 +61,11 @@ std::tuple<Tensor, Tensor> segment_sum_and_count(const Tensor& values, const Ten
   const TokenCall call = segment_sum_and_count_call(values, mask, cu_seqlens);
   Tensor out = call.new_segment_sums(values.scalar_type());
   Tensor counts = new_tensor(mask, {call.layout.num_segments}, ScalarType::Long);
-  engine().segment_sums(kernel_args(call, values.scalar_type()), out.mutable_data_ptr(), counts.mutable_data_ptr<int64_t>());
+  const bool own_pass = counts_need_own_pass(mask, values.scalar_type());
+  engine().segment_sums(kernel_args(call, values.scalar_type()), out.mutable_data_ptr(), own_pass ? nullptr : counts.mutable_data_ptr<int64_t>());
+  if (own_pass) {
+    engine().count_kept(kernel_args(token_counts_call(mask, cu_seqlens), ScalarType::Float), counts.mutable_data_ptr<int64_t>());
+  }
   return {out, counts};
 }
 
@@ -92,13 +96,20 @@ std::tuple<Tensor, Tensor> aggregate(
   const int64_t b = call.layout.num_segments;
   Tensor sums = new_tensor(values, {b}, acc_dtype);
   std::vector<int64_t> counts(static_cast<size_t>(b));
-  engine().segment_sums(kernel_args(call, values.scalar_type()), sums.mutable_data_ptr(), counts.data());
+  const bool own_pass = counts_need_own_pass(mask, values.scalar_type());
+  engine().segment_sums(kernel_args(call, values.scalar_type()), sums.mutable_data_ptr(), own_pass ? nullptr : counts.data());
+  if (own_pass) {
+    engine().count_kept(kernel_args(token_counts_call(mask, cu_seqlens), ScalarType::Float), counts.data());
+  }
   Tensor d = new_tensor(values, {b}, ScalarType::Double);
   double* dd = d.mutable_data_ptr<double>();
   const int64_t bad = eval_denom_program(denom_program, divisor, counts.data(), b, dd);
   LOSSAGG_CHECK_VALUE(
       bad < 0, "lossagg.aggregate: ", kDenomsNotPositive, ": d[", bad, "] = ", dd[bad < 0 ? 0 : bad], " (program ", denom_program, ", divisor ",
       divisor, ")");
+  // d is divided in the accumulation dtype: checked there by reduce's own check, so that this
+  // route refuses what plan-then-reduce refuses, with its message
+  check_sample_denoms_data("reduce", d, values.scalar_type());
   Tensor out = new_tensor(values, {}, acc_dtype);
   dispatch_values(
       acc_dtype, "values", [&]<typename A>(type_tag<A>) { *out.mutable_data_ptr<A>() = weighted_total(sums.const_data_ptr<A>(), dd, b); });

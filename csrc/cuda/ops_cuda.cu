@@ -41,6 +41,15 @@ std::tuple<Tensor, Tensor> segment_sum_and_count(const Tensor& values, const Ten
         dev, call.layout, call.segments(), call.values->const_data_ptr<S>(), call.mask_data<M>(), out.mutable_data_ptr<acc_t>(),
         counts.mutable_data_ptr<int64_t>());
   });
+  if (counts_need_own_pass(mask, values.scalar_type())) {
+    // the counts of the float64 mask as given (op_setup.h): the same kernel over (mask, mask),
+    // float64 both, its sums discarded
+    const TokenCall own = segment_sum_and_count_call(mask, mask, cu_seqlens);
+    Tensor scratch = own.new_segment_sums(ScalarType::Double);
+    launch_segment_sum_and_count<double>(
+        dev, own.layout, own.segments(), own.values->const_data_ptr<double>(), own.mask_data<double>(), scratch.mutable_data_ptr<double>(),
+        counts.mutable_data_ptr<int64_t>());
+  }
   return {out, counts};
 }
 

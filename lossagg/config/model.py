@@ -161,7 +161,7 @@ class LossAggregationConfig(BaseModel):
             raise ConfigError([("", f"expected a mapping of settings, got {type(data).__name__}")], source)
         odd_keys = [k for k in data if not isinstance(k, str)]
         if odd_keys:
-            raise ConfigError([("", f"setting names must be strings, got {short_repr(odd_keys[0])}")], source)
+            raise ConfigError([(short_repr(k), f"setting names must be strings, got {short_repr(k)} ({type(k).__name__})") for k in odd_keys], source)
         try:
             return cls.model_validate(dict(data))
         except ValidationError as exc:
