@@ -35,8 +35,11 @@ def token_counts(mask: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> 
     """
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"mask must be a tensor, got {type(mask).__name__}")
-    check_holds_data("mask", mask)
-    check_holds_data("cu_seqlens", cu_seqlens)
+    try:
+        check_holds_data("mask", mask)
+        check_holds_data("cu_seqlens", cu_seqlens)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"lossagg.token_counts: {exc}") from None
     if cu_seqlens is None and mask.dim() != 2:
         raise ValueError(f"mask must be [B, T] when cu_seqlens is None (padded layout), got shape {tuple(mask.shape)}")
     if cu_seqlens is not None:

@@ -6,8 +6,8 @@ One line in the launcher (miles' ``train.py``)::
     # from miles.utils.arguments import parse_args
     from lossagg.integrations.miles import parse_args
 
-Then ``--loss-aggregation {sample_mean,prompt_mean,token_mean,constant,...}`` (every mode of
-``lossagg.MODES``), ``--loss-aggregation-divisor``, ``--loss-aggregation-empty-samples`` and
+Then ``--loss-aggregation MODE`` (any mode of ``lossagg.MODES``, the seed's four among them),
+``--loss-aggregation-divisor``, ``--loss-aggregation-empty-samples`` and
 ``--loss-aggregation-config FILE`` are flags of the launch. :func:`parse_args` runs miles' own
 ``parse_args`` (with these flags added to any ``add_custom_arguments`` of the user's), then
 :func:`configure`, which checks the settings against miles' derived ones (``global_batch_size``
