@@ -183,7 +183,10 @@ def reduce_by_program(
 def check_division_denoms(d: torch.Tensor, values_dtype: torch.dtype) -> None:
     """``d`` as the kernels divide by it: in the accumulation dtype of ``values_dtype``, finite and > 0.
     The one check of every route (plan-then-reduce, the one-pass routes, the CUDA composite): a
-    ``d[i]`` that is not is refused by reduce's own check, with its message (one host sync, B values)."""
+    ``d[i]`` that is not is refused by reduce's own check, with its message (B values). On an
+    accelerator it runs when reduce's data checks do (``lossagg.set_device_checks``): it needs a host sync."""
+    if d.device.type != "cpu" and not _native.device_checks_enabled():
+        return
     acc = _acc_dtype(values_dtype)
     dc = d.to(acc)
     if d.numel() and not bool((torch.isfinite(dc) & (dc > 0)).all()):
