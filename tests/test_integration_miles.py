@@ -8,8 +8,9 @@ hook), its data iterator and ``get_batch`` (zigzag CP shards), its ``loss_functi
 own ``parse_args`` (through ``lossagg.integrations.miles.parse_args``, or miles' alone for the
 default). The optimizer is a recorder: each step's ``main_grad`` must equal the gradient of the
 float64 reference J of that step's samples (the unsplit step) to 1e-10 relative, for every mode,
-with per-token loss on (token_mean) and off, fixed and dynamic micro-batches, and an entropy term
-on miles' default reducer. With no lossagg flag the same harness must give miles' own number.
+with per-token loss on (token_mean) and off, fixed and dynamic micro-batches, an entropy term on
+miles' default reducer, and TIS weights with rejection (modified masks: the numerator only). With
+no lossagg flag the same harness must give miles' own number.
 
 Stand-ins for the CUDA calls miles and its Megatron make on the way (each allowed only from the
 file that makes it, failing the test otherwise): ``Tensor.cuda`` (get_batch's cu_seqlens),
@@ -76,6 +77,11 @@ CASES = {
     ),
     "sample_mean_entropy": (["--loss-aggregation", "sample_mean", "--entropy-coef", str(ENTROPY_COEF)], {"mode": "sample_mean"}),
     "token_mean_entropy": (["--loss-aggregation", "token_mean", "--entropy-coef", str(ENTROPY_COEF)], {"mode": "token_mean"}),
+    "prompt_mean_tis_rs": (
+        ["--loss-aggregation", "prompt_mean", "--use-tis", "--tis-clip", "1.3", "--tis-clip-low", "0.8"]
+        + ["--custom-tis-function-path", "test_integration_miles.rejecting_tis_function"],
+        {"mode": "prompt_mean"},
+    ),
     "prompt_mean_dynamic": (
         ["--loss-aggregation", "prompt_mean", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "16"],
         {"mode": "prompt_mean"},
@@ -208,6 +214,7 @@ def make_rollout(seed=0):
                 response_length=r,
                 loss_mask=mask,
                 old_log_prob=-torch.rand(r, generator=g, dtype=torch.float64) * 2,
+                rollout_log_prob=-torch.rand(r, generator=g, dtype=torch.float64) * 2,
                 advantage=torch.full((r,), float(torch.randn(1, generator=g, dtype=torch.float64)), dtype=torch.float64),
                 index=i,
             )
@@ -230,6 +237,22 @@ def _no_single_token_shard(total: int, response: int, cp_sizes=(1, 2)) -> bool:
     return True
 
 
+def rejected(response_length: int) -> torch.Tensor:
+    """The tokens the test's rejection sampling drops from the numerator: every third of the response."""
+    out = torch.zeros(response_length, dtype=torch.bool)
+    out[::3] = True
+    return out
+
+
+def rejecting_tis_function(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kwargs):
+    """A TIS/RS function in miles' signature (``--custom-tis-function-path``): miles' truncated importance
+    weights, and a rejection that returns modified masks (every third response token dropped), as
+    miles' TIS/RS functions hand back ``modified_response_masks``."""
+    weights = torch.clamp(torch.exp(torch.cat(train_log_probs) - torch.cat(rollout_log_probs)), min=args.tis_clip_low, max=args.tis_clip)
+    modified = [m * (~rejected(m.numel())).to(m.dtype) for m in loss_masks]
+    return pg_loss * weights, modified, {}
+
+
 class ToyLM(torch.nn.Module):
     """Logits of each token from its own embedding (no attention, so a CP shard needs no exchange)."""
 
@@ -250,14 +273,14 @@ class ToyLM(torch.nn.Module):
         return self.embed[input_ids] @ self.head
 
 
-def reference_grads(case_config, samples, step, per_token: bool, entropy_coef: float):
+def reference_grads(case_config, samples, step, per_token: bool, entropy_coef: float, tis=None):
     """Gradient of the step's float64 J (unsplit): pg_loss on the mode (or miles' default reducer), minus the entropy term."""
     from lossagg.testing import reference_loss
 
     gbs = len(samples) // STEPS
     chosen = samples[step * gbs : (step + 1) * gbs]
     model = ToyLM()
-    pg, ent, masks, lengths = [], [], [], []
+    pg, ent, masks, lengths, kept_mod = [], [], [], [], []
     for s in chosen:
         logits = model(s["tokens"])
         r = s["response_length"]
@@ -266,7 +289,11 @@ def reference_grads(case_config, samples, step, per_token: bool, entropy_coef: f
         lp = logp_all.gather(-1, s["tokens"][-r:, None]).squeeze(-1)
         ratio = torch.exp(lp - s["old_log_prob"])
         a = s["advantage"]
-        pg.append(torch.maximum(-ratio * a, -ratio.clamp(0.8, 1.2) * a))
+        pg_i = torch.maximum(-ratio * a, -ratio.clamp(0.8, 1.2) * a)
+        if tis is not None:  # (clip_low, clip): TIS weights on pg_loss, and the rejected tokens out of its numerator
+            pg_i = pg_i * torch.clamp(torch.exp(s["old_log_prob"] - s["rollout_log_prob"]), min=tis[0], max=tis[1])
+            kept_mod.append(s["loss_mask"].bool() & ~rejected(r))
+        pg.append(pg_i)
         ent.append(-(logp_all.exp() * logp_all).sum(-1))
         masks.append(s["loss_mask"].bool())
         lengths.append(r)
@@ -286,7 +313,10 @@ def reference_grads(case_config, samples, step, per_token: bool, entropy_coef: f
         config = lossagg.LossAggregationConfig(n_samples_per_prompt=N_PER_PROMPT, **case_config)
         groups = torch.tensor([s["index"] // N_PER_PROMPT for s in chosen])
         groups = torch.unique(groups, return_inverse=True)[1]
-        j = reference_loss(config, values, mask, cu, groups)
+        if tis is None:
+            j = reference_loss(config, values, mask, cu, groups)
+        else:  # the modified mask in the numerator, d[i] from the rollout mask (docs/integration.md, "miles", TIS/RS)
+            j = reference_loss(config, values, torch.cat(kept_mod), cu, groups, rollout_mask=mask)
     if entropy_coef:
         j = j - entropy_coef * miles_default(ent)
     if not per_token:
@@ -348,6 +378,9 @@ def rank_rollout(samples, dp_rank, dp, args):
         "sample_indices": [s["index"] for s in mine],
         "log_probs": [slice_log_prob_with_cp(s["old_log_prob"], t, r, args.qkv_format) for s, t, r in zip(mine, total, resp, strict=True)],
         "advantages": [slice_log_prob_with_cp(s["advantage"], t, r, args.qkv_format) for s, t, r in zip(mine, total, resp, strict=True)],
+        "rollout_log_probs": [
+            slice_log_prob_with_cp(s["rollout_log_prob"], t, r, args.qkv_format) for s, t, r in zip(mine, total, resp, strict=True)
+        ],
     }
 
 
@@ -401,7 +434,8 @@ def worker(rank, world, dp, cp, launches_path, init_file, results_dir):
             miles_model.train(0, [model], optimizer, Scheduler(), data_iterator, num_microbatches)
             entropy_coef = float(args.entropy_coef)
             for step in range(STEPS):
-                expected = reference_grads(case_config, samples, step, bool(args.calculate_per_token_loss), entropy_coef)
+                tis = (args.tis_clip_low, args.tis_clip) if args.use_tis else None
+                expected = reference_grads(case_config, samples, step, bool(args.calculate_per_token_loss), entropy_coef, tis)
                 ran += 1
                 for g, e, pname in zip(optimizer.grads[step], expected, ("embed", "head"), strict=True):
                     err = float((g - e).abs().max() / e.abs().max().clamp(min=1e-300))
