@@ -54,13 +54,21 @@ install_skyrl() {
     && pip_install -c "$cons" jaxtyping loguru ray omegaconf pyyaml pandas requests
 }
 
-# miles: its own directories, not site-packages (see above); "installed" is the stamp file
+peer verl 0.9.1 "import verl.trainer.ppo.core_algos" install_verl
+peer trl 1.16.0 "from trl import GRPOTrainer, GRPOConfig; import datasets, tokenizers" install_trl
+peer megatron-core 0.19.2 \
+  "from megatron.core.pipeline_parallel import get_forward_backward_func; from megatron.core.distributed import DistributedDataParallel" \
+  install_mcore
+peer skyrl 0.4.0 "import sys; sys.path.insert(0, 'tests'); import skyrl_peer; skyrl_peer.ppo_utils()" install_skyrl
+
+# miles: its own directories, not site-packages (see above); "installed" is the stamp file. Last: its
+# imports also need what the peers above bring (transformers, attrs)
 MILES_DIR=build/peers/miles
 MILES_DEPS_DIR=build/peers/miles-deps
 MILES_DEPS="sglang-router==0.3.2 setproctitle==1.3.8 aiohttp==3.14.5 multidict==7.2.1 yarl==1.25.1 propcache==0.5.4 \
   aiohappyeyeballs==2.7.1 aiosignal==1.4.0 frozenlist==1.8.0 uvicorn==0.54.0 fastapi==0.165.0 starlette==1.10.0 \
   opentelemetry-api==1.45.2 pybase64==1.5.1 openai==3.57.0 httpx2==2.16.2 partial_json_parser==0.2.1.1.post7 pyzmq==27.3.0 \
-  sentencepiece==0.2.3 torchvision==0.29.1"
+  sentencepiece==0.2.3 torchvision==0.29.1 ipython==9.18.1 traitlets==5.16.1 sniffio==1.3.1 six==1.17.0"
 miles_stamp() { echo "miles-rl==0.0.2 $MILES_DEPS python=$("$PY" -c 'import sys; print(sys.version_info[:2])')"; }
 install_miles() {
   rm -rf "$MILES_DIR" "$MILES_DEPS_DIR"
@@ -80,10 +88,3 @@ else
     echo "peers: miles-rl 0.0.2 could not be installed or imported (pip's output: $log): its tests will be skipped"
   fi
 fi
-
-peer verl 0.9.1 "import verl.trainer.ppo.core_algos" install_verl
-peer trl 1.16.0 "from trl import GRPOTrainer, GRPOConfig; import datasets, tokenizers" install_trl
-peer megatron-core 0.19.2 \
-  "from megatron.core.pipeline_parallel import get_forward_backward_func; from megatron.core.distributed import DistributedDataParallel" \
-  install_mcore
-peer skyrl 0.4.0 "import sys; sys.path.insert(0, 'tests'); import skyrl_peer; skyrl_peer.ppo_utils()" install_skyrl
