@@ -1,5 +1,5 @@
-"""``--loss-aggregation`` for miles (radixark's ``miles-rl`` 0.0.2) and slime, through the hooks they
-already have (docs/integration.md, "miles and slime"). Nothing of miles is patched.
+"""``--loss-aggregation`` for miles (radixark's ``miles-rl`` 0.0.2), through the hooks it already has
+(docs/integration.md, "miles"; slime, whose internals differ, is not served). Nothing of miles is patched.
 
 One line in the launcher (miles' ``train.py``)::
 
@@ -101,14 +101,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(add_custom_arguments: Callable | None = None, *, trainer: str = "miles"):
-    """miles' (``trainer="slime"``: slime's) ``parse_args`` with lossagg's flags, then :func:`configure`.
+def parse_args(add_custom_arguments: Callable | None = None):
+    """miles' ``parse_args`` with lossagg's flags, then :func:`configure`.
 
     A refused setting ends the launch as argparse does: ``error: ...`` on stderr, exit status 2.
+    (slime is not served: its internals differ, docs/integration.md, "miles".)
     """
-    if trainer not in ("miles", "slime"):
-        raise ValueError(f"trainer must be 'miles' or 'slime', got {trainer!r}")
-    trainer_parse_args = import_module(f"{trainer}.utils.arguments").parse_args
+    trainer_parse_args = import_module("miles.utils.arguments").parse_args  # the peer, imported only here
 
     def add(parser):
         if add_custom_arguments is not None:
@@ -184,7 +183,11 @@ def config_of(args) -> LossAggregationConfig | None:
         try:
             return LossAggregationConfig.from_dict({k: v for k, v in data.items() if v is not None}, source=f"{path} with the launch's flags")
         except ConfigError as exc:
-            flag_of = {"calculate_per_token_loss": "--calculate-per-token-loss", "n_samples_per_prompt": "--n-samples-per-prompt"}
+            flag_of = {
+                "calculate_per_token_loss": "--calculate-per-token-loss",
+                "n_samples_per_prompt": "--n-samples-per-prompt",
+                "global_batch_size": "--global-batch-size",
+            }
             raise ConfigError([(flag_of.get(p, p), m) for p, m in exc.issues], exc.source) from None
     try:
         return config_from_args(args)
@@ -314,7 +317,7 @@ def current_step() -> MilesStep | None:
 
 
 def _trainer_frame():
-    """The frame of miles' (or slime's) ``train_one_step`` that called the hook."""
+    """The frame of miles' ``train_one_step`` that called the hook."""
     frame = sys._getframe(2)
     for _ in range(16):
         if frame is None:
@@ -456,8 +459,8 @@ def loss_function(args, batch, logits, sum_of_sample_mean):
 
 
 def _trainer_module_by_name(args, name: str):
-    """``miles.<name>``, or ``slime.<name>`` in a slime process (the trainer is imported already: these run inside it)."""
-    root = _STEP.trainer if _STEP is not None else next((r for r in ("miles", "slime") if r in sys.modules), "miles")
+    """``miles.<name>`` (miles is imported already: the hooks run inside it)."""
+    root = _STEP.trainer if _STEP is not None else "miles"
     return import_module(f"{root}.{name}")
 
 
