@@ -27,6 +27,7 @@ import sys
 
 import pytest
 import torch
+from stand_ins import StandInMisuse, TorchForSchedules
 from worlds import report, run_world
 
 import lossagg
@@ -45,10 +46,6 @@ N_PER_PROMPT, PROMPTS, MICRO_BATCHES, FEATURES = 2, 4, 2, 5
 
 
 # ----------------------------------------------------------------------- stand-ins
-class StandInMisuse(AssertionError):
-    pass
-
-
 def _caller_file(depth: int = 2) -> str:
     return sys._getframe(depth).f_code.co_filename.replace(os.sep, "/")
 
@@ -75,24 +72,9 @@ def install_stand_ins():
         used["current_stream"] += 1
         return _NoEvents()
 
-    class _TorchForSchedules:
-        """schedules.py's `torch`, with zeros(..., device="cuda") made on the CPU."""
-
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-        @staticmethod
-        def zeros(*args, **kwargs):
-            if kwargs.get("device") == "cuda":
-                if kwargs.get("dtype") != torch.int or tuple(args[0]) != ():
-                    raise StandInMisuse(f"schedules.py asked for zeros{args} {kwargs}: only the token total is expected")
-                used["zeros"] += 1
-                kwargs["device"] = "cpu"
-            return torch.zeros(*args, **kwargs)
-
     torch.cuda.current_device = current_device
     torch.cuda.current_stream = current_stream
-    schedules.torch = _TorchForSchedules()
+    schedules.torch = TorchForSchedules(used)
     return used
 
 

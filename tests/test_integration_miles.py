@@ -33,6 +33,7 @@ import sys
 import miles_peer
 import pytest
 import torch
+from stand_ins import StandInMisuse, TorchForSchedules
 from worlds import report, run_world
 
 import lossagg
@@ -137,10 +138,6 @@ def launches(tmp_path_factory):
 
 
 # ----------------------------------------------------------------------- stand-ins
-class StandInMisuse(AssertionError):
-    pass
-
-
 def _caller(depth: int = 2) -> str:
     return sys._getframe(depth).f_code.co_filename.replace(os.sep, "/")
 
@@ -172,23 +169,10 @@ def install_stand_ins():
         used["mem_get_info"] += 1
         return (1, 1)
 
-    class _TorchForSchedules:
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-        @staticmethod
-        def zeros(*args, **kwargs):
-            if kwargs.get("device") == "cuda":
-                if kwargs.get("dtype") != torch.int or tuple(args[0]) != ():
-                    raise StandInMisuse(f"schedules.py asked for zeros{args} {kwargs}: only the token total is expected")
-                used["zeros"] += 1
-                kwargs["device"] = "cpu"
-            return torch.zeros(*args, **kwargs)
-
     torch.Tensor.cuda = cuda
     torch.cuda.current_device = current_device
     torch.cuda.mem_get_info = mem_get_info
-    schedules.torch = _TorchForSchedules()
+    schedules.torch = TorchForSchedules(used)
     return used
 
 
