@@ -63,3 +63,28 @@ def test_planner_results_match_the_recording():
     assert not changed, f"{len(changed)} planner results changed, e.g. {[(k, recorded[k], now[k]) for k in changed[:4]]}"
     stale = [k for k in golden_plan.CHANGED if now.get(k) == recorded.get(k)]
     assert not stale, f"listed as changed but equal to the recording: {stale}"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("isa", ISAS)
+def test_denominator_program_routes_match_the_recording(isa, threads):
+    """The plan, every route of aggregate (the native program, the Python one pass, plan then
+    reduce), their gradients, the native op and its composite keep the bits recorded before
+    the program got one home per language (tests/golden_program.py)."""
+    import golden_program
+
+    with open(golden_program.GOLDEN_PATH) as f:
+        recorded = json.load(f)["cases"]
+    before = torch.get_num_threads()
+    try:
+        lossagg.set_cpu_isa(isa)
+        torch.set_num_threads(threads)
+        now = golden_program.corpus()
+    finally:
+        lossagg.set_cpu_isa("auto")
+        torch.set_num_threads(before)
+    assert set(now) == set(recorded)
+    changed = [k for k in recorded if now[k] != recorded[k] and k not in golden_program.CHANGED]
+    assert not changed, f"{len(changed)} results changed on {isa} with {threads} threads, e.g. {[(k, recorded[k], now[k]) for k in changed[:3]]}"
+    stale = [k for k in golden_program.CHANGED if now.get(k) == recorded.get(k)]
+    assert not stale, f"listed as changed but equal to the recording: {stale}"
