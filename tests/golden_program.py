@@ -131,7 +131,8 @@ def corpus() -> dict[str, str]:
                                 plan = lossagg.StepPlan.from_mask(cfg, m, c, group_index=gi)
                                 out[f"{key}/plan.sample_denoms"] = _digest(plan.sample_denoms)
                                 out[f"{key}/plan.metric_denoms"] = _digest(plan.metric_denoms)
-                                out[f"{key}/plan.totals"] = repr(sorted((k, float(x)) for k, x in plan.totals.items() if not isinstance(x, torch.Tensor)))
+                                numbers = sorted((k, float(x)) for k, x in plan.totals.items() if not isinstance(x, torch.Tensor))
+                                out[f"{key}/plan.totals"] = repr(numbers)
                             for route, route_cfg in (("one_pass", cfg), ("hidden", {**settings, "mode": hidden[mode].name})):
                                 leaf = vals.clone().requires_grad_(True)
                                 j = lossagg.aggregate(route_cfg, leaf, m, cu_seqlens=c, group_index=gi)
