@@ -2,6 +2,7 @@
 // switches. Python reaches them with ctypes (lossagg/_native.py), so the library needs no
 // Python headers and is the same file for Python, ctest and libtorch users. Nothing here
 // throws: a C caller cannot catch a C++ exception.
+#include "denom_program.h"
 #include "dtypes.h"
 #include "lossagg.h"
 
@@ -50,6 +51,19 @@ LOSSAGG_EXPORT const char* lossagg_value_dtypes() {
 LOSSAGG_EXPORT const char* lossagg_mask_dtypes() {
   static const std::string names = lossagg::dtype_names(lossagg::kMaskDtypes);
   return names.c_str();
+}
+
+// The denominator program's factor codes and their symbols, "1:N,2:c(N'),..." (csrc/denom_program.h;
+// lossagg/denom_program.py holds the same table, tests/test_denom_program.py compares them).
+LOSSAGG_EXPORT const char* lossagg_denom_factor_codes() {
+  static const std::string table = [] {
+    std::string out;
+    for (const auto& f : lossagg::kFactorCodes) {
+      out += (out.empty() ? "" : ",") + std::to_string(static_cast<int64_t>(f.code)) + ":" + f.symbol;
+    }
+    return out;
+  }();
+  return table.c_str();
 }
 
 // The torch whose headers the library was compiled with.

@@ -259,7 +259,7 @@ TokenLayout check_segment_sum_inputs(const Tensor& values, const Tensor& mask, c
 }
 
 TokenLayout check_aggregate_inputs(
-    const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, int64_t denom_program, double divisor) {
+    const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const std::vector<int64_t>& denom_program, double divisor) {
   TokenLayout layout = check_token_layout("aggregate", values, mask, cu_seqlens, /*allow_metric_dim=*/false);
   check_denom_program("aggregate", denom_program, divisor);
   layout.max_segment_tokens = check_cu_seqlens_data("aggregate", cu_seqlens, layout);

@@ -26,7 +26,7 @@ TokenLayout check_mask_layout(const char* op, const Tensor& mask, const std::opt
 TokenLayout check_segment_sum_inputs(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, bool allow_metric_dim = true);
 // lossagg.aggregate: values as for reduce, and a well-formed denominator program (denom_program.h).
 TokenLayout check_aggregate_inputs(
-    const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, int64_t denom_program, double divisor);
+    const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const std::vector<int64_t>& denom_program, double divisor);
 TokenLayout check_reduce_inputs(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms);
 
 // All checks of the backward ops (shapes, dtypes, devices, and the data checks).

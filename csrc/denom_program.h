@@ -1,18 +1,12 @@
 // The per-sample denominators d[i] of a mode whose d[i] is a product of step totals and the
 // sample's own token count (docs/modes.md), evaluated from the token counts of one pass: the
-// native half of lossagg.aggregate (lossagg/modes.py, DenomProduct, writes the program).
+// native half of lossagg.aggregate. Its Python twin is lossagg/denom_program.py (the same
+// codes, written there from kFactorCodes' symbols; tests/test_denom_program.py compares the
+// two tables through lossagg_denom_factor_codes, csrc/c_api.cpp).
 //
-// A program is a product of factors, 4 bits each, the first factor in the lowest bits; the
-// first zero nibble ends it. d[i] is the left fold f1 * f2 * ... in float64, factor by factor,
-// each a correctly rounded product: the bits of the same fold over float64 tensors
-// (DenomProduct's Python evaluation, which StepPlan runs).
-//
-//   1  N          samples in the batch
-//   2  c(N')      samples with at least one counted token, at least 1 (empty_samples=skip)
-//   3  c(T)       counted tokens of the batch, at least 1
-//   4  c(L_max)   counted tokens of the longest sample, at least 1
-//   5  L          the constant divisor (finite, > 0)
-//   6  c(M[i])    the sample's own counted tokens, at least 1
+// A program is a list of 1 to kMaxFactors factor codes. d[i] is the left fold f1 * f2 * ...
+// in float64, factor by factor, each a correctly rounded product: the bits of the same fold
+// over float64 tensors (DenomProduct's Python evaluation, which StepPlan runs).
 #pragma once
 
 #include "torch_api.h"
@@ -21,41 +15,45 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <string>
+#include <vector>
 
 namespace lossagg {
 
 enum DenomFactor : int64_t {
-  kFactorSamples = 1,
-  kFactorNonemptySamples = 2,
-  kFactorTokens = 3,
-  kFactorMaxTokens = 4,
-  kFactorDivisor = 5,
-  kFactorOwnTokens = 6,
+  kFactorSamples = 1,          // N: samples in the batch
+  kFactorNonemptySamples = 2,  // c(N'): samples with a counted token, at least 1 (empty_samples=skip)
+  kFactorTokens = 3,           // c(T): counted tokens of the batch, at least 1
+  kFactorMaxTokens = 4,        // c(L_max): counted tokens of the longest sample, at least 1
+  kFactorDivisor = 5,          // L: the constant divisor (finite, > 0)
+  kFactorOwnTokens = 6,        // c(M[i]): the sample's own counted tokens, at least 1
 };
-constexpr int kFactorBits = 4;
-// Starts the message of the error for a d[i] that is not finite and > 0 (lossagg/ops.py reads it
-// and names the numbers it was made of, as StepPlan does).
+
+struct FactorCode {
+  DenomFactor code;
+  const char* symbol;  // as docs/modes.md and lossagg/denom_program.py write it
+};
+inline constexpr FactorCode kFactorCodes[] = {
+    {kFactorSamples, "N"},      {kFactorNonemptySamples, "c(N')"}, {kFactorTokens, "c(T)"},
+    {kFactorMaxTokens, "c(L_max)"}, {kFactorDivisor, "L"},         {kFactorOwnTokens, "c(M[i])"},
+};
+constexpr int64_t kNumFactorCodes = sizeof(kFactorCodes) / sizeof(kFactorCodes[0]);
+// Starts the message of the error for a d[i] that is not finite and > 0 (lossagg/aggregate.py
+// reads it and names the numbers it was made of, as StepPlan does).
 constexpr const char* kDenomsNotPositive = "a denominator is not finite and > 0";
-constexpr int kMaxFactors = 15;  // 60 bits of the int64 program
+constexpr int64_t kMaxFactors = 15;
 
-inline int64_t program_factor(int64_t program, int k) { return (program >> (kFactorBits * k)) & ((int64_t{1} << kFactorBits) - 1); }
-
-// The program is well formed: 1..15 factors of 1..6, then zeros; a divisor factor needs a
-// finite divisor > 0. Errors name lossagg.<op> and the argument.
-inline void check_denom_program(const char* op, int64_t program, double divisor) {
+// The program is well formed: 1 to kMaxFactors known codes; a divisor factor needs a finite
+// divisor > 0. Errors name lossagg.<op> and the argument.
+inline void check_denom_program(const char* op, const std::vector<int64_t>& program, double divisor) {
+  const int64_t n = static_cast<int64_t>(program.size());
   LOSSAGG_CHECK_VALUE(
-      program > 0 && program < (int64_t{1} << (kFactorBits * kMaxFactors)), "lossagg.", op,
-      ": denom_program must be a product of 1 to 15 factors, 4 bits each (csrc/denom_program.h), got ", program);
-  bool ended = false;
-  for (int k = 0; k < kMaxFactors; ++k) {
-    const int64_t f = program_factor(program, k);
-    if (f == 0) {
-      ended = true;
-      continue;
-    }
+      n > 0 && n <= kMaxFactors, "lossagg.", op, ": denom_program must be a list of 1 to ", kMaxFactors,
+      " factor codes (csrc/denom_program.h), got ", n);
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t f = program[static_cast<size_t>(k)];
     LOSSAGG_CHECK_VALUE(
-        !ended && f <= kFactorOwnTokens, "lossagg.", op, ": denom_program factor ", k, " must be 1 to 6 with no gap before it, got ", f, " (program ",
-        program, ")");
+        f >= 1 && f <= kNumFactorCodes, "lossagg.", op, ": denom_program factor ", k, " must be a code of 1 to ", kNumFactorCodes, ", got ", f);
     if (f == kFactorDivisor) {
       LOSSAGG_CHECK_VALUE(
           std::isfinite(divisor) && divisor > 0, "lossagg.", op, ": divisor must be finite and > 0 (the program divides by L), got ", divisor);
@@ -63,11 +61,20 @@ inline void check_denom_program(const char* op, int64_t program, double divisor)
   }
 }
 
+// The program as Python writes a list, for messages: "[1, 6]".
+inline std::string program_text(const std::vector<int64_t>& program) {
+  std::string text = "[";
+  for (size_t k = 0; k < program.size(); ++k) {
+    text += (k ? ", " : "") + std::to_string(program[k]);
+  }
+  return text + "]";
+}
+
 // d[i] for b samples with token counts `counts`, as the header describes: d is set to the first
 // factor, then multiplied by each next one in turn (per element the left fold; each pass is a
 // plain loop over b doubles). Returns the index of the first d[i] that is not finite and > 0
 // (a product that overflowed), or -1.
-inline int64_t eval_denom_program(int64_t program, double divisor, const int64_t* counts, int64_t b, double* d) {
+inline int64_t eval_denom_program(const std::vector<int64_t>& program, double divisor, const int64_t* counts, int64_t b, double* d) {
   int64_t nonempty = 0, tokens = 0, max_tokens = 0;
   for (int64_t i = 0; i < b; ++i) {
     nonempty += counts[i] > 0;
@@ -81,11 +88,8 @@ inline int64_t eval_denom_program(int64_t program, double divisor, const int64_t
   scalar[kFactorTokens] = c(static_cast<double>(tokens));
   scalar[kFactorMaxTokens] = c(static_cast<double>(max_tokens));
   scalar[kFactorDivisor] = divisor;
-  for (int k = 0; k < kMaxFactors; ++k) {
-    const int64_t f = program_factor(program, k);
-    if (f == 0) {
-      break;
-    }
+  for (size_t k = 0; k < program.size(); ++k) {
+    const int64_t f = program[k];
     if (f == kFactorOwnTokens) {
       for (int64_t i = 0; i < b; ++i) {
         const double m = c(static_cast<double>(counts[i]));

@@ -127,7 +127,7 @@ inline TokenCall segment_sum_and_count_call(const Tensor& values, const Tensor& 
 }
 
 inline TokenCall aggregate_call(
-    const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, int64_t denom_program, double divisor) {
+    const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const std::vector<int64_t>& denom_program, double divisor) {
   return make_call(
       check_aggregate_inputs(values, mask, cu_seqlens, denom_program, divisor), values, mask, cu_seqlens, acc_scalar_type(values.scalar_type()));
 }

@@ -9,14 +9,16 @@ STABLE_TORCH_LIBRARY(lossagg, m) {
   m.def("segment_sum(Tensor values, Tensor mask, Tensor? cu_seqlens) -> Tensor");
   // segment_sum and token_counts from one read of values and mask, values [T] or [B, T] as
   // for reduce: (sums [B], kept tokens int64 [B]). Not differentiable: lossagg.aggregate
-  // uses it (lossagg.ops.reduce_with_counts).
+  // uses it (lossagg/aggregate.py).
   m.def("segment_sum_and_count(Tensor values, Tensor mask, Tensor? cu_seqlens) -> (Tensor, Tensor)");
   // J of a mode whose d[i] is a product of step totals and M[i] (csrc/denom_program.h), the
   // batch being the whole step: sums, counts, d and J from one read of values and mask, values
   // [T] or [B, T] as for reduce -> (J 0-dim, d float64 [B]). J has the bits of reduce with that
   // d; its gradient is reduce_backward with d (registered in lossagg/ops.py). lossagg.aggregate
-  // calls it (lossagg.ops.reduce_by_program). CPU kernel; other devices in lossagg/ops.py.
-  m.def("aggregate(Tensor values, Tensor mask, Tensor? cu_seqlens, int denom_program, float divisor) -> (Tensor, Tensor)");
+  // calls it (lossagg/aggregate.py, the one-pass route). denom_program is the list of factor
+  // codes (csrc/denom_program.h, lossagg/denom_program.py). CPU kernel; other devices in
+  // lossagg/ops.py.
+  m.def("aggregate(Tensor values, Tensor mask, Tensor? cu_seqlens, int[] denom_program, float divisor) -> (Tensor, Tensor)");
   // Gradient of segment_sum: grad [B] or [K, B] -> token layout of values.
   m.def("segment_sum_backward(Tensor grad, Tensor mask, Tensor? cu_seqlens, ScalarType values_dtype) -> Tensor");
   // sum_i segment_sum(values)[i] / sample_denoms[i] -> 0-dim tensor.

@@ -11,7 +11,7 @@ The modules form layers, bottom up; a module imports only from its own layer or 
 before it, and never in a circle (tests/test_import_graph.py checks both against this list):
 
 1. leaves: env, messages, dtypes, validate, _build_info
-2. declarations (no torch at import): totals, modes
+2. declarations (no torch at import): totals, denom_program, modes
 3. configuration (no torch): config.errors, config.files, config.model, config.flags, config
 4. native ops: _native, ops
 5. planning: layout, context_parallel, denominators, step, aggregate, sequence, testing
@@ -51,8 +51,8 @@ _EXPORTS = {
     "ALIASES": "lossagg.modes",
     "REFUSED_NAMES": "lossagg.modes",
     "ModeSpec": "lossagg.modes",
-    "DenomProduct": "lossagg.modes",
-    "DenomInputs": "lossagg.modes",
+    "DenomProduct": "lossagg.denom_program",
+    "DenomInputs": "lossagg.denom_program",
     "ReferenceInputs": "lossagg.modes",
     "register_mode": "lossagg.modes",
     "unregister_mode": "lossagg.modes",

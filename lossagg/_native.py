@@ -68,6 +68,7 @@ for _name, _res, _args in (
     ("lossagg_set_cpu_isa", ctypes.c_int, [ctypes.c_char_p]),
     ("lossagg_torch_version", ctypes.c_char_p, []),
     ("lossagg_torch_floor", ctypes.c_char_p, []),
+    ("lossagg_denom_factor_codes", ctypes.c_char_p, []),
 ):
     getattr(_lib, _name).restype = _res
     getattr(_lib, _name).argtypes = _args
@@ -86,6 +87,13 @@ def built_against_torch() -> str:
 def torch_floor() -> str:
     """The oldest torch (``major.minor``) the native library loads into: its stable ABI target."""
     return _lib.lossagg_torch_floor().decode()
+
+
+def denom_factor_codes() -> dict[int, str]:
+    """The native denominator program's factor codes and their symbols (csrc/denom_program.h),
+    as the library was compiled: the table :data:`lossagg.denom_program.CODES` must equal."""
+    pairs = (item.split(":", 1) for item in _lib.lossagg_denom_factor_codes().decode().split(","))
+    return {int(code): symbol for code, symbol in pairs}
 
 
 def set_device_checks(enabled: bool) -> None:

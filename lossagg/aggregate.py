@@ -1,12 +1,42 @@
-"""From a config and a batch to the loss: the user never writes a denominator formula."""
+"""From a config and a batch to the loss: the user never writes a denominator formula.
+
+:func:`aggregate` and every route it takes, in one file:
+
+* ``sample_denoms`` given (a micro-batch of a larger step): ``reduce`` with them;
+* a ``rollout_mask`` other than ``mask``: a plan from the rollout mask, then ``reduce``;
+* otherwise the batch is the whole step and the denominators come from ``mask`` itself: the
+  **one-pass route**, which reads the loss and the mask once. For a mode whose ``d[i]`` is a
+  :class:`lossagg.DenomProduct` with a native program, on the CPU, the native ``aggregate``
+  op computes the sums, the counts, ``d`` and ``J`` in one call (:func:`reduce_by_program`);
+  elsewhere (another mode, another device, ``torch.compile``) the sums and counts come from
+  one pass and ``d`` from the plan in Python (:func:`reduce_with_counts`). Every route gives
+  the bits of plan-then-reduce (tests/test_one_pass.py, tests/golden_program.py).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from lossagg.config import LossAggregationConfig
-from lossagg.modes import DenomProduct, mode_spec
-from lossagg.ops import reduce, reduce_by_program, reduce_with_counts
+from lossagg.denom_program import DenomProduct
+from lossagg.modes import mode_spec
+from lossagg.ops import (
+    _BELOW_AUTOGRAD,
+    _REDUCE,
+    _SEGMENT_SUM_ARGS,
+    DENOMS_NOT_POSITIVE,
+    _not_differentiable,
+    _reduce_grad,
+    _token_layout,
+    aggregate_by_program,
+    check_division_denoms,
+    check_readable,
+    python_error,
+    reduce,
+    segment_sum_and_count,
+)
 from lossagg.step import StepPlan, _as_config
 from lossagg.validate import check_holds_data
 
@@ -29,8 +59,7 @@ def aggregate(
     micro-batches of a larger step, pass the ``sample_denoms`` of the step's plan.
 
     When the denominators come from ``mask`` itself (no ``rollout_mask``), the loss and the
-    mask are read once: the token counts come from the same pass as the sums
-    (:func:`lossagg.ops.reduce_with_counts`), with the bits of the plan-then-reduce route.
+    mask are read once (the one-pass route, above), with the bits of the plan-then-reduce route.
     """
     # the arguments read below, named as this function names them (not as the helpers it calls do)
     for name, t in (("per_token_loss", per_token_loss), ("mask", mask), ("cu_seqlens", cu_seqlens), ("group_index", group_index)):
@@ -53,3 +82,110 @@ def aggregate(
             return reduce_with_counts(per_token_loss, mask, cu_seqlens, plan)
         sample_denoms = StepPlan.from_mask(config, rollout_mask, cu_seqlens, group_index=group_index).sample_denoms
     return reduce(per_token_loss, mask, cu_seqlens=cu_seqlens, sample_denoms=sample_denoms)
+
+
+# ------------------------------------------------------------------------------ the one-pass route
+def reduce_with_counts(
+    values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor | None, denoms_of: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """``reduce`` whose ``sample_denoms`` are a function of the segments' own kept-token counts.
+
+    ``denoms_of(counts)`` gets the int64 ``[B]`` counts of non-zero mask entries of each
+    segment and returns the ``[B]`` denominators ``d[i]``. Values and mask are read once
+    (``segment_sum_and_count``: the masked sums and the counts from one pass); ``J`` then
+    comes from the ``B`` sums and ``d`` in the order ``reduce`` adds them, so the result has
+    the bits of ``reduce(values, mask, cu_seqlens=cu_seqlens, sample_denoms=denoms_of(counts))``,
+    and so has the gradient (``reduce``'s backward).
+    """
+    grad_mode = torch.is_grad_enabled()
+    needs_grad = grad_mode and isinstance(values, torch.Tensor) and values.requires_grad
+    if (
+        not isinstance(values, torch.Tensor)
+        or not isinstance(mask, torch.Tensor)
+        or values.dim() != (1 if cu_seqlens is not None else 2)
+        or torch.compiler.is_compiling()
+    ):
+        check_readable("reduce", _SEGMENT_SUM_ARGS, (values, mask, cu_seqlens))  # names a non-tensor as reduce would
+        _token_layout("reduce", values, mask, cu_seqlens, allow_metric_dim=False)  # and a wrong layout
+        counts = torch.ops.lossagg.token_counts(mask, cu_seqlens)  # traced (torch.compile): the two ops
+        return torch.ops.lossagg.reduce(values, mask, cu_seqlens, denoms_of(counts))
+    check_readable("reduce", _SEGMENT_SUM_ARGS, (values, mask, cu_seqlens), (_token_layout, ("reduce", values, mask, cu_seqlens, False)), needs_grad)
+    if grad_mode and mask.requires_grad:
+        _not_differentiable("reduce", mask=mask)
+    if needs_grad:
+        return _ReduceWithCounts.apply(values, mask, cu_seqlens, denoms_of)
+    return _reduce_with_counts(values, mask, cu_seqlens, denoms_of)[0]
+
+
+def reduce_by_program(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    denom_program: tuple[int, ...],
+    divisor: float | None,
+    denoms_of: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """:func:`reduce_with_counts` for denominators that are a native program (the codes of a
+    :class:`lossagg.DenomProduct`, lossagg/denom_program.py): the sums, the counts, ``d`` and
+    ``J`` all come from the one native call ``torch.ops.lossagg.aggregate``, with no Python
+    between the pass and ``J``. ``denoms_of(counts)`` must compute the same ``d`` (the product's
+    Python evaluation through a StepPlan); it serves the routes the native op does not take
+    (torch.compile, devices without its kernel, input the checks refuse) and names the numbers
+    when a ``d[i]`` overflows. Same bits as ``reduce_with_counts`` and as
+    ``reduce(values, mask, cu_seqlens=cu_seqlens, sample_denoms=denoms_of(counts))``.
+    """
+    if (
+        not isinstance(values, torch.Tensor)
+        or not isinstance(mask, torch.Tensor)
+        or not values.is_cpu
+        or values.dim() != (1 if cu_seqlens is not None else 2)
+        or torch.compiler.is_compiling()
+    ):
+        return reduce_with_counts(values, mask, cu_seqlens, denoms_of)
+    grad_mode = torch.is_grad_enabled()
+    needs_grad = grad_mode and values.requires_grad
+    check_readable("reduce", _SEGMENT_SUM_ARGS, (values, mask, cu_seqlens), (_token_layout, ("reduce", values, mask, cu_seqlens, False)), needs_grad)
+    if grad_mode and mask.requires_grad:
+        _not_differentiable("reduce", mask=mask)
+    try:
+        return aggregate_by_program(values, mask, cu_seqlens, denom_program, 0.0 if divisor is None else float(divisor))
+    except ValueError as error:
+        if str(error).startswith(DENOMS_NOT_POSITIVE):
+            return reduce_with_counts(values, mask, cu_seqlens, denoms_of)  # the plan's error names the settings and totals
+        raise
+
+
+def _reduce_with_counts(values, mask, cu_seqlens, denoms_of, grad_mode=None):
+    """(J, d) of :func:`reduce_with_counts`, below autograd. ``grad_mode``: whether the caller
+    runs with gradients on (inside an autograd Function's forward they are off)."""
+    sums, counts = segment_sum_and_count(values, mask, cu_seqlens)
+    grad_mode = torch.is_grad_enabled() if grad_mode is None else grad_mode
+    with torch.set_grad_enabled(grad_mode):
+        d = denoms_of(counts)
+    if grad_mode and isinstance(d, torch.Tensor) and d.requires_grad:
+        _not_differentiable("reduce", sample_denoms=d)  # as plan-then-reduce refuses it: J's gradient flows to values only
+    check_division_denoms(d, values.dtype)
+    # reduce over B one-token rows: each row's sum is its sample's sum (a one-term sum is
+    # that term), and the quotients are added as reduce adds them
+    ones = torch.ones((sums.shape[0], 1), dtype=torch.bool, device=sums.device)
+    try:
+        with _BELOW_AUTOGRAD():
+            return _REDUCE(sums.unsqueeze(1), ones, None, d), d
+    except RuntimeError as exc:
+        raise python_error(exc) from None
+
+
+class _ReduceWithCounts(torch.autograd.Function):
+    """reduce_with_counts with reduce's backward (the denominators it computed are saved)."""
+
+    @staticmethod
+    def forward(ctx, values, mask, cu_seqlens, denoms_of):
+        out, d = _reduce_with_counts(values, mask, cu_seqlens, denoms_of, grad_mode=True)
+        ctx.save_for_backward(mask, cu_seqlens, d)
+        ctx.values_dtype = values.dtype
+        return out
+
+    backward = staticmethod(_reduce_grad)
+
+
+__all__ = ["aggregate", "reduce_by_program", "reduce_with_counts"]

@@ -1,10 +1,10 @@
-"""Per-sample global denominators ``d[i]`` (``sample_denoms``), as docs/modes.md defines them.
+"""The per-sample denominators ``d[i]`` (``sample_denoms``) of a plan, as docs/modes.md defines them.
 
-``d[i]`` is made of step totals and the sample's own token count; which totals, for each
-mode, is the mode's entry in :mod:`lossagg.modes`. :func:`plan_totals` gathers them (from
-the rank's own samples, combined over the DP group) or takes them from a trainer
-(:func:`lossagg.totals.given_totals`); :func:`denoms_from_totals` turns them into ``d[i]``.
-:class:`lossagg.StepPlan` calls these. Everything is vectorised and float64.
+What ``d[i]`` is made of is the mode's entry in :mod:`lossagg.modes` (usually a
+:class:`lossagg.DenomProduct`, lossagg/denom_program.py); the step totals it reads come from
+:mod:`lossagg.totals` (which a plan needs, gathered or taken from a trainer, read as the mode
+reads them). :func:`denoms_from_totals` evaluates and checks ``d[i]``. Everything is vectorised
+and float64.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from types import MappingProxyType
 
 import torch
 
-from lossagg.modes import METRIC_MODE, DenomInputs, ModeSpec, mode_spec
-from lossagg.totals import DEFAULT_EMPTY_SAMPLES, RankShare, StepTotals, check_group_label_count, gather_totals, read_as, stand_in
+from lossagg.denom_program import DenomInputs
+from lossagg.modes import ModeSpec
+from lossagg.totals import DEFAULT_EMPTY_SAMPLES, StepTotals, stand_in
 from lossagg.validate import check_group_index, check_group_sizes, check_token_counts  # shared with the step totals
 
 
@@ -25,79 +26,18 @@ def check_divisor(spec: ModeSpec, divisor) -> None:
         raise ValueError(f"divisor must be a finite number > 0 under mode={spec.name}, got {divisor!r}")
 
 
-def mode_totals(spec: ModeSpec, empty_samples: str = DEFAULT_EMPTY_SAMPLES) -> tuple[str, ...]:
-    """The totals ``d[i]`` of ``spec`` is made of under the ``empty_samples`` convention: the
-    mode's own, each replaced by its stand-in (``num_samples`` by ``num_nonempty_samples`` under skip)."""
-    return tuple(dict.fromkeys(stand_in(name, empty_samples) for name in spec.totals))
-
-
-def needed_totals(spec: ModeSpec, empty_samples: str = DEFAULT_EMPTY_SAMPLES) -> tuple[str, ...]:
-    """The totals a plan of ``spec`` gathers: the mode's own and the metric reducer's, with their
-    stand-ins under the convention (the totals they stand in for are gathered too: ``P`` checks
-    the group sizes against ``n_samples_per_prompt``)."""
-    metric = mode_spec(METRIC_MODE)
-    return tuple(dict.fromkeys((*spec.totals, *mode_totals(spec, empty_samples), *metric.totals, *mode_totals(metric, empty_samples))))
-
-
-def rank_share(
-    spec: ModeSpec,
-    token_counts: torch.Tensor,
-    group_index,
-    *,
-    n_samples_per_prompt=None,
-    process_group=None,
-    num_group_labels=None,
-    labels_from: str = "num_group_labels",
-) -> RankShare:
-    """This rank's own data for the totals of ``spec``: its counts and, with prompt groups, its
-    samples' group labels (the distinct labels it holds; with a process group, labels
-    ``0..num_group_labels-1`` shared by every rank)."""
-    if not spec.needs_groups:
-        return RankShare(token_counts, n_samples_per_prompt=n_samples_per_prompt)
-    group_index = check_group_index(group_index, token_counts.shape[0], token_counts.device, spec.name)
-    if process_group is None:
-        labels, dense = torch.unique(group_index, return_inverse=True)
-        return RankShare(token_counts, labels, dense, n_samples_per_prompt)
-    g = num_group_labels
-    check_group_label_count(g, labels_from)
-    if group_index.numel() and (group_index.min() < 0 or group_index.max() >= g):
-        raise ValueError(
-            f"group_index must lie in [0, {g}) (global prompt index within the step), "
-            f"got values in [{int(group_index.min())}, {int(group_index.max())}]"
-        )
-    return RankShare(token_counts, torch.arange(g, device=token_counts.device), group_index.long(), n_samples_per_prompt)
-
-
-#: Totals every gathered plan holds besides its mode's: ``N`` (the metrics reducer) and ``T``
-#: (Megatron's per-token-loss scale); both travel in the one sum all-reduce.
-BASE_TOTALS = ("num_samples", "total_tokens")
-
-
-def plan_totals(spec: ModeSpec, share: RankShare, process_group=None, empty_samples: str = DEFAULT_EMPTY_SAMPLES) -> StepTotals:
-    """The totals a plan of ``spec`` holds, gathered from the rank's share over ``process_group``
-    (a stand-in, such as ``N'`` under ``empty_samples="skip"``, travels in the same all-reduce as ``N``)."""
-    return gather_totals((*needed_totals(spec, empty_samples), *BASE_TOTALS), share, process_group, spec.name)
-
-
 def denoms_from_totals(
-    spec: ModeSpec, token_counts: torch.Tensor, totals: StepTotals, divisor: float | None = None, empty_samples: str = DEFAULT_EMPTY_SAMPLES
+    spec: ModeSpec, token_counts: torch.Tensor, read: StepTotals, divisor: float | None = None, empty_samples: str = DEFAULT_EMPTY_SAMPLES
 ) -> torch.Tensor:
-    """``d[i]`` (float64) of local samples with counts ``M[i]``, given the step totals of ``spec``.
-
-    Under ``empty_samples="skip"`` the mode reads ``c(N')`` as its ``num_samples`` and ``c(P')`` as
-    its ``num_groups`` (:func:`lossagg.totals.read_as`).
-    """
+    """``d[i]`` (float64) of local samples with counts ``M[i]``, from the step totals ``spec`` reads
+    (:func:`lossagg.totals.read_totals`: under ``empty_samples="skip"`` its ``num_samples`` is
+    ``c(N')`` and its ``num_groups`` ``c(P')``), checked."""
     check_divisor(spec, divisor)
-    missing = [name for name in mode_totals(spec, empty_samples) if name not in totals]
-    if missing:
-        raise ValueError(f"mode={spec.name} needs the step total(s) {', '.join(missing)}")
-    # only what the mode declared, under the names it declared them
-    view = StepTotals({name: read_as(name, totals, empty_samples) for name in spec.totals}, spec.name)
-    d = spec.denoms(DenomInputs(token_counts.to(torch.float64), view, None if divisor is None else float(divisor)))
     # named in an error as the user knows them: the totals gathered (or given to from_totals)
-    inputs = {stand_in(name, empty_samples): view[name] for name in spec.totals if isinstance(view[name], (int, float))}
+    inputs = {stand_in(name, empty_samples): read[name] for name in spec.totals if isinstance(read[name], (int, float))}
     if spec.needs_divisor:
         inputs["divisor"] = divisor
+    d = spec.denoms(DenomInputs(token_counts.to(torch.float64), read, None if divisor is None else float(divisor)))
     return check_denoms(d, f"mode={spec.name}", tuple(token_counts.shape), inputs, token_counts.device)
 
 

@@ -33,22 +33,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from lossagg.denom_program import DenomInputs, DenomProduct  # a mode's d[i], declared (lossagg/denom_program.py)
 from lossagg.messages import did_you_mean
-from lossagg.totals import EMPTY_SAMPLES, TOTALS, StepTotals, needs_groups, stand_in
-
-
-@dataclass(frozen=True)
-class DenomInputs:
-    """What ``d[i]`` is made of, for this rank's samples (tensors are float64 ``[n_local]``).
-
-    ``totals`` holds exactly the step totals the mode declares (attributes of
-    :class:`lossagg.totals.StepTotals`: ``num_samples``, ``total_tokens``, ``max_tokens``,
-    ``num_groups``, ``group_token_sums`` (``Sg[g(i)]`` of each local sample)).
-    """
-
-    token_counts: Any  # M[i]
-    totals: StepTotals
-    divisor: float | None = None  # L, for a mode with needs_divisor
+from lossagg.totals import TOTALS, needs_groups
 
 
 @dataclass(frozen=True)
@@ -70,118 +57,35 @@ def _c(x: float) -> float:
     return max(float(x), 1.0)
 
 
-# The factors a DenomProduct multiplies: symbol -> the step total it reads (None: the divisor or
-# the sample's own count). Their codes in the native program (csrc/denom_program.h), by what is
-# read: under empty_samples="skip" N reads c(N') (lossagg.totals.read_as), code 2.
-_FACTORS: Mapping[str, str | None] = MappingProxyType(
-    {
-        "N": "num_samples",
-        "P": "num_groups",
-        "c(T)": "total_tokens",
-        "c(L_max)": "max_tokens",
-        "L": None,
-        "c(M[i])": None,
-        "c(Sg[g(i)])": "group_token_sums",
-    }
-)
-_CODES: Mapping[str, int] = MappingProxyType({"num_samples": 1, "num_nonempty_samples": 2, "total_tokens": 3, "max_tokens": 4, "L": 5, "c(M[i])": 6})
-_FACTOR_BITS, _MAX_FACTORS = 4, 15
-
-
-def _program(factors: tuple[str, ...], empty_samples: str) -> int | None:
-    program = 0
-    for k, f in enumerate(factors):
-        code = _CODES.get(f) if _FACTORS[f] is None else _CODES.get(stand_in(_FACTORS[f], empty_samples))
-        if code is None:
-            return None
-        program |= code << (_FACTOR_BITS * k)
-    return program
-
-
-class DenomProduct:
-    """``d[i]`` as a product of factors, e.g. ``DenomProduct("N", "c(M[i])")``: a mode's ``denoms``
-    written declaratively (every built-in mode but prompt_mean's groups is one).
-
-    The factors, as docs/modes.md writes them: ``N``, ``P``, ``c(T)``, ``c(L_max)``, ``L`` (the
-    divisor), ``c(M[i])`` and ``c(Sg[g(i)])``. Called like any ``denoms`` (on
-    :class:`DenomInputs`) it multiplies them left to right in float64. A product of ``N``,
-    ``c(T)``, ``c(L_max)``, ``L`` and ``c(M[i])`` also has a native program
-    (:meth:`program`, csrc/denom_program.h) that multiplies the same numbers in the same order,
-    so :func:`lossagg.aggregate` computes ``d[i]`` and ``J`` in the one pass over the tokens,
-    with the bits of this evaluation. A mode defined this way is defined once for both.
-    """
-
-    __slots__ = ("factors", "formula", "totals", "_programs")
-
-    def __init__(self, *factors: str):
-        if not factors or len(factors) > _MAX_FACTORS:
-            raise ValueError(f"DenomProduct takes 1 to {_MAX_FACTORS} factors, got {len(factors)}")
-        for f in factors:
-            if not isinstance(f, str):
-                raise TypeError(
-                    f"DenomProduct takes its factors as separate strings, e.g. DenomProduct('N', 'c(M[i])'), got {type(f).__name__} {f!r}"
-                    + (f": unpack it, DenomProduct(*{f!r})" if isinstance(f, (list, tuple)) else "")
-                )
-            if f not in _FACTORS:
-                raise ValueError(f"DenomProduct factor {f!r} is not one of {', '.join(_FACTORS)}{did_you_mean(str(f), _FACTORS)}")
-        # set once: the registry and the native program read the declaration, which must not change under them
-        setattr_ = object.__setattr__
-        setattr_(self, "factors", tuple(factors))
-        setattr_(self, "formula", " · ".join(factors))
-        #: the step totals the product reads (a mode using it must declare them)
-        setattr_(self, "totals", tuple(dict.fromkeys(_FACTORS[f] for f in factors if _FACTORS[f] is not None)))
-        setattr_(self, "_programs", MappingProxyType({empty: _program(self.factors, empty) for empty in EMPTY_SAMPLES}))
-
-    def __setattr__(self, name, value):
-        raise AttributeError(f"DenomProduct is immutable: {name} cannot be set (make a new DenomProduct and register a new mode)")
-
-    def __delattr__(self, name):
-        raise AttributeError(f"DenomProduct is immutable: {name} cannot be deleted")
-
-    def program(self, empty_samples: str = "count") -> int | None:
-        """The native program of this product under the ``empty_samples`` convention, or None
-        where a factor has none (``P``, ``c(Sg[g(i)])``: the groups are planned in Python)."""
-        return self._programs.get(empty_samples)
-
-    def __call__(self, x: DenomInputs):
-        acc = None
-        for f in self.factors:
-            if f == "N":
-                v = float(x.totals.num_samples)
-            elif f == "P":
-                v = float(x.totals.num_groups)
-            elif f == "c(T)":
-                v = _c(x.totals.total_tokens)
-            elif f == "c(L_max)":
-                v = _c(x.totals.max_tokens)
-            elif f == "L":
-                v = float(x.divisor)
-            elif f == "c(M[i])":
-                v = x.token_counts.clamp(min=1.0)
-            else:
-                v = x.totals.group_token_sums.clamp(min=1.0)
-            acc = v if acc is None else acc * v
-        if isinstance(acc, float):
-            return x.token_counts.new_full(x.token_counts.shape, acc)
-        return acc
-
-    def __repr__(self) -> str:
-        return f"DenomProduct({', '.join(map(repr, self.factors))})"
-
-
 @dataclass(frozen=True)
 class ModeSpec:
-    """One aggregation mode."""
+    """One aggregation mode.
+
+    With ``denoms`` a :class:`DenomProduct`, ``denom_formula``, ``totals`` and ``needs_divisor``
+    are the product's own (left out, they are read from it; given, they must agree with it).
+    A hand-written ``denoms`` function gives all three.
+    """
 
     name: str  # lower case, [a-z][a-z0-9_]*
     summary: str  # one line: what it is
     formula: str  # J, as docs/modes.md writes it
-    denom_formula: str  # d[i]
-    totals: tuple[str, ...]  # the step totals d[i] is made of (names in lossagg.totals.TOTALS)
-    denoms: Callable[[DenomInputs], Any]  # d[i] for this rank's samples, float64
-    reference: Callable[[ReferenceInputs], Any]  # J of a whole step, from the definition
-    needs_divisor: bool = False  # takes the constant divisor L (config.divisor)
+    denom_formula: str | None = None  # d[i]; a DenomProduct's own formula when left out
+    totals: tuple[str, ...] | None = None  # the step totals d[i] is made of (names in lossagg.totals.TOTALS)
+    denoms: Callable[[DenomInputs], Any] | None = None  # d[i] for this rank's samples, float64 (required)
+    reference: Callable[[ReferenceInputs], Any] | None = None  # J of a whole step, from the definition (required)
+    needs_divisor: bool | None = None  # takes the constant divisor L (config.divisor); False when left out without a DenomProduct
     example_settings: Mapping[str, Any] = field(default_factory=dict)  # extra config settings it needs
+
+    def __post_init__(self):
+        product = self.denoms if isinstance(self.denoms, DenomProduct) else None
+        derived = {
+            "denom_formula": product.formula if product else None,
+            "totals": product.totals if product else None,
+            "needs_divisor": product.needs_divisor if product else False,
+        }
+        for what, value in derived.items():
+            if getattr(self, what) is None:
+                object.__setattr__(self, what, value)
 
     @property
     def needs_groups(self) -> bool:
@@ -233,8 +137,6 @@ _ENTRIES = (
         name="sample_mean",
         summary="GRPO: every sample weighs the same",
         formula="(1/N) Σ_i Σ_t m·l / c(M[i])",
-        denom_formula="N · c(M[i])",
-        totals=("num_samples",),
         denoms=DenomProduct("N", "c(M[i])"),
         reference=_sample_mean_reference,
     ),
@@ -242,8 +144,6 @@ _ENTRIES = (
         name="prompt_mean",
         summary="token mean inside each prompt group, then a plain mean over groups (DAPO at group level)",
         formula="(1/P) Σ_g Σ_{i∈g} Σ_t m·l / c(Sg[g])",
-        denom_formula="P · c(Sg[g(i)])",
-        totals=("num_groups", "group_token_sums"),
         denoms=DenomProduct("P", "c(Sg[g(i)])"),
         reference=_prompt_mean_reference,
     ),
@@ -251,8 +151,6 @@ _ENTRIES = (
         name="token_mean",
         summary="every token of the step weighs the same (DAPO)",
         formula="Σ_i Σ_t m·l / c(T)",
-        denom_formula="c(T)",
-        totals=("total_tokens",),
         denoms=DenomProduct("c(T)"),
         reference=_token_mean_reference,
     ),
@@ -260,9 +158,6 @@ _ENTRIES = (
         name="constant",
         summary="Dr.GRPO: a fixed divisor, no length normalisation",
         formula="Σ_i Σ_t m·l / (N·L)",
-        denom_formula="N · L",
-        totals=("num_samples",),
-        needs_divisor=True,
         denoms=DenomProduct("N", "L"),
         reference=_constant_reference,
         example_settings={"divisor": 64.0},
@@ -271,8 +166,6 @@ _ENTRIES = (
         name="max_length",
         summary="Dr.GRPO with L = the step's longest rollout (verl's seq-mean-token-sum-norm, split-invariant)",
         formula="(1/N) Σ_i Σ_t m·l / c(L_max)",
-        denom_formula="N · c(L_max)",
-        totals=("num_samples", "max_tokens"),
         denoms=DenomProduct("N", "c(L_max)"),
         reference=_max_length_reference,
     ),
@@ -389,6 +282,9 @@ def _check_spec(spec: Any) -> None:
             raise ValueError(f"mode name {name!r} is taken: {spelling!r} is an alias of mode {_ALIASES[spelling].mode} ({_ALIASES[spelling].origin})")
         if spelling in _REFUSED:
             raise ValueError(f"mode name {name!r} is taken: {spelling!r} is a refused name ({_REFUSED[spelling]})")
+    for what in ("denoms", "reference"):
+        if not callable(getattr(spec, what)):
+            raise TypeError(f"ModeSpec.{what} of mode {name!r} must be callable, got {type(getattr(spec, what)).__name__}")
     for what in ("summary", "formula", "denom_formula"):
         if not isinstance(getattr(spec, what), str) or not getattr(spec, what).strip():
             raise ValueError(f"ModeSpec.{what} of mode {name!r} must be a non-empty string, got {getattr(spec, what)!r}")
@@ -400,9 +296,6 @@ def _check_spec(spec: Any) -> None:
                 f"ModeSpec.totals of mode {name!r} names an unknown step total {total!r}{did_you_mean(total, TOTALS)}; "
                 f"the totals are {', '.join(TOTALS)}"
             )
-    for what in ("denoms", "reference"):
-        if not callable(getattr(spec, what)):
-            raise TypeError(f"ModeSpec.{what} of mode {name!r} must be callable, got {type(getattr(spec, what)).__name__}")
     if isinstance(spec.denoms, DenomProduct):
         if spec.denoms.formula != spec.denom_formula:
             raise ValueError(
@@ -414,9 +307,11 @@ def _check_spec(spec: Any) -> None:
             raise ValueError(
                 f"ModeSpec.denoms of mode {name!r} reads the step total(s) {', '.join(undeclared)}, which ModeSpec.totals does not declare"
             )
-        if ("L" in spec.denoms.factors) != spec.needs_divisor:
-            divides = "L" in spec.denoms.factors
-            raise ValueError(f"ModeSpec.needs_divisor of mode {name!r} must be {divides}: its DenomProduct is {spec.denoms.formula!r}")
+        if spec.denoms.needs_divisor != spec.needs_divisor:
+            raise ValueError(
+                f"ModeSpec.needs_divisor of mode {name!r} must be {spec.denoms.needs_divisor}: its DenomProduct is {spec.denoms.formula!r} "
+                "(leave it out: it is read from the product)"
+            )
     if not isinstance(spec.needs_divisor, bool):
         raise TypeError(f"ModeSpec.needs_divisor of mode {name!r} must be a bool, got {spec.needs_divisor!r}")
     if not isinstance(spec.example_settings, Mapping):

@@ -1,4 +1,5 @@
-"""Python surface of the native ops: wrappers, fake kernels and autograd.
+"""Python surface of the native ops: op glue only, one section per op (its wrapper, fake kernel,
+composite for devices without a native kernel, and autograd, together).
 
 Layouts (see docs/ops.md):
 
@@ -10,20 +11,35 @@ Layouts (see docs/ops.md):
 
 A token whose mask is 0 contributes exactly 0 (selected away, so a NaN loss there does
 not leak). Accumulation is float32 (float64 for float64 values).
+
+The fakes (meta tensors, torch.compile) check what the native kernels check without reading
+data: dtypes, shapes, devices, with the same messages; so a mistake is named at trace time
+instead of surfacing as a backend failure or an uninitialised result. The dtypes they accept
+are lossagg/dtypes.py's (the one list of the Python side).
+
+Autograd is registered here over the backward ops (the native library holds kernels only: the
+LibTorch stable ABI has no C++ autograd). Each forward op's backward is a registered op with
+its own kernels and fake, and each backward op is linear in its incoming gradient, so its own
+backward is the forward op again: reduce <-> reduce_backward and segment_sum <->
+segment_sum_backward make double backward exact. The ops are differentiable in values (and the
+backward ops in grad) only; a gradient asked of the mask or the denominators is refused, never
+silently left at None. The wrappers call the kernels below the autograd key through their own
+``autograd.Function`` (the registered autograd, for direct callers of ``torch.ops.lossagg.*``
+and for double backward, would add a second Python layer to every call).
+
+Adding an op: docs/adding_an_op.md.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-
 import torch
 
 from lossagg import _native  # noqa: F401  (registers torch.ops.lossagg)
+from lossagg.denom_program import evaluate as evaluate_program
 from lossagg.dtypes import MASK_DTYPES, VALUE_DTYPES, values_dtype_error
-from lossagg.validate import check_cu_seqlens
+from lossagg.validate import check_cu_seqlens, check_holds_data
 
-__all__ = ["segment_sum", "reduce"]
+__all__ = ["segment_sum", "reduce", "token_counts"]
 
 _REDUCE = torch.ops.lossagg.reduce.default
 _REDUCE_BACKWARD = torch.ops.lossagg.reduce_backward.default
@@ -31,197 +47,14 @@ _SEGMENT_SUM = torch.ops.lossagg.segment_sum.default
 _SEGMENT_SUM_BACKWARD = torch.ops.lossagg.segment_sum_backward.default
 _SEGMENT_SUM_AND_COUNT = torch.ops.lossagg.segment_sum_and_count.default
 _AGGREGATE = torch.ops.lossagg.aggregate.default
-# the native op's error for a d[i] that is not finite and > 0 starts with this (csrc/denom_program.h)
-_DENOMS_NOT_POSITIVE = "lossagg.aggregate: a denominator is not finite and > 0"
+_TOKEN_COUNTS = torch.ops.lossagg.token_counts.default
+#: The native aggregate op's error for a d[i] that is not finite and > 0 starts with this (csrc/denom_program.h).
+DENOMS_NOT_POSITIVE = "lossagg.aggregate: a denominator is not finite and > 0"
 # the dispatcher below the autograd key: the kernels themselves, for calls whose autograd
 # the wrappers handle (or that need none)
 _BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
 
-
-def segment_sum(values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-segment masked sums: ``out[k, i] = sum_{t in segment i} m[t] * values[k, t]``.
-
-    Returns ``[B]`` (or ``[K, B]`` for ``[K, T]`` / ``[K, B, T]`` values), float32
-    (float64 for float64 values). Differentiable in ``values``.
-    """
-    grad_mode = torch.is_grad_enabled()
-    needs_grad = grad_mode and isinstance(values, torch.Tensor) and values.requires_grad
-    check_readable(
-        "segment_sum", _SEGMENT_SUM_ARGS, (values, mask, cu_seqlens), (_token_layout, ("segment_sum", values, mask, cu_seqlens, True)), needs_grad
-    )
-    try:
-        if torch.compiler.is_compiling():
-            return torch.ops.lossagg.segment_sum(values, mask, cu_seqlens)
-        if grad_mode and getattr(mask, "requires_grad", False):
-            _not_differentiable("segment_sum", mask=mask)
-        if needs_grad:
-            return _SegmentSum.apply(values, mask, cu_seqlens)
-        with _BELOW_AUTOGRAD():
-            return _SEGMENT_SUM(values, mask, cu_seqlens)
-    except RuntimeError as exc:
-        raise python_error(exc) from None
-
-
-def reduce(
-    values: torch.Tensor,
-    mask: torch.Tensor,
-    *positional,
-    cu_seqlens: torch.Tensor | None = None,
-    sample_denoms: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The aggregated loss ``J = sum_i (sum_{t in i} m[t] * values[t]) / sample_denoms[i]``.
-
-    ``sample_denoms`` is ``[B]``, floating, finite and > 0 (the global per-sample
-    denominators ``d[i]`` of the chosen mode). Returns a 0-dim float32 tensor (float64 for
-    float64 values), differentiable in ``values``; the gradient is
-    ``grad * m[t] / sample_denoms[i(t)]`` in ``values.dtype``.
-
-    ``cu_seqlens`` and ``sample_denoms`` are keyword-only (the op itself,
-    ``torch.ops.lossagg.reduce``, takes ``values, mask, cu_seqlens, sample_denoms``).
-    """
-    if positional:
-        raise TypeError(
-            f"lossagg.reduce(values, mask, *, cu_seqlens=None, sample_denoms) takes 2 positional arguments, got {2 + len(positional)}: "
-            "pass cu_seqlens= and sample_denoms= by keyword"
-        )
-    if sample_denoms is None:
-        raise TypeError("lossagg.reduce: missing the keyword argument sample_denoms (the [B] per-sample denominators d[i])")
-    grad_mode = torch.is_grad_enabled()
-    needs_grad = grad_mode and isinstance(values, torch.Tensor) and values.requires_grad
-    check_readable(
-        "reduce", _REDUCE_ARGS, (values, mask, cu_seqlens, sample_denoms), (_reduce_fake, (values, mask, cu_seqlens, sample_denoms)), needs_grad
-    )
-    try:
-        if torch.compiler.is_compiling():
-            return torch.ops.lossagg.reduce(values, mask, cu_seqlens, sample_denoms)
-        if grad_mode and (getattr(mask, "requires_grad", False) or getattr(sample_denoms, "requires_grad", False)):
-            _not_differentiable("reduce", mask=mask, sample_denoms=sample_denoms)
-        if needs_grad:
-            return _Reduce.apply(values, mask, cu_seqlens, sample_denoms)
-        with _BELOW_AUTOGRAD():
-            return _REDUCE(values, mask, cu_seqlens, sample_denoms)
-    except RuntimeError as exc:
-        raise python_error(exc) from None
-
-
-def reduce_with_counts(
-    values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor | None, denoms_of: Callable[[torch.Tensor], torch.Tensor]
-) -> torch.Tensor:
-    """``reduce`` whose ``sample_denoms`` are a function of the segments' own kept-token counts.
-
-    ``denoms_of(counts)`` gets the int64 ``[B]`` counts of non-zero mask entries of each
-    segment and returns the ``[B]`` denominators ``d[i]``. Values and mask are read once
-    (``segment_sum_and_count``: the masked sums and the counts from one pass); ``J`` then
-    comes from the ``B`` sums and ``d`` in the order ``reduce`` adds them, so the result has
-    the bits of ``reduce(values, mask, cu_seqlens=cu_seqlens, sample_denoms=denoms_of(counts))``,
-    and so has the gradient (``reduce``'s backward). :func:`lossagg.aggregate` uses it when the
-    batch is the whole step.
-    """
-    grad_mode = torch.is_grad_enabled()
-    needs_grad = grad_mode and isinstance(values, torch.Tensor) and values.requires_grad
-    if (
-        not isinstance(values, torch.Tensor)
-        or not isinstance(mask, torch.Tensor)
-        or values.dim() != (1 if cu_seqlens is not None else 2)
-        or torch.compiler.is_compiling()
-    ):
-        check_readable("reduce", _SEGMENT_SUM_ARGS, (values, mask, cu_seqlens))  # names a non-tensor as reduce would
-        _token_layout("reduce", values, mask, cu_seqlens, allow_metric_dim=False)  # and a wrong layout
-        counts = torch.ops.lossagg.token_counts(mask, cu_seqlens)  # traced (torch.compile): the two ops
-        return torch.ops.lossagg.reduce(values, mask, cu_seqlens, denoms_of(counts))
-    check_readable("reduce", _SEGMENT_SUM_ARGS, (values, mask, cu_seqlens), (_token_layout, ("reduce", values, mask, cu_seqlens, False)), needs_grad)
-    if grad_mode and mask.requires_grad:
-        _not_differentiable("reduce", mask=mask)
-    if needs_grad:
-        return _ReduceWithCounts.apply(values, mask, cu_seqlens, denoms_of)
-    return _reduce_with_counts(values, mask, cu_seqlens, denoms_of)[0]
-
-
-def reduce_by_program(
-    values: torch.Tensor,
-    mask: torch.Tensor,
-    cu_seqlens: torch.Tensor | None,
-    denom_program: int,
-    divisor: float | None,
-    denoms_of: Callable[[torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
-    """:func:`reduce_with_counts` for denominators that are a native program (a
-    :class:`lossagg.modes.DenomProduct`, csrc/denom_program.h): the sums, the counts, ``d`` and
-    ``J`` all come from the one native call ``torch.ops.lossagg.aggregate``, with no Python
-    between the pass and ``J``. ``denoms_of(counts)`` must compute the same ``d`` (the product's
-    Python evaluation through a StepPlan); it serves the routes the native op does not take
-    (torch.compile, devices without its kernel, input the checks refuse) and names the numbers
-    when a ``d[i]`` overflows. Same bits as ``reduce_with_counts`` and as
-    ``reduce(values, mask, cu_seqlens=cu_seqlens, sample_denoms=denoms_of(counts))``.
-    """
-    if (
-        not isinstance(values, torch.Tensor)
-        or not isinstance(mask, torch.Tensor)
-        or not values.is_cpu
-        or values.dim() != (1 if cu_seqlens is not None else 2)
-        or torch.compiler.is_compiling()
-    ):
-        return reduce_with_counts(values, mask, cu_seqlens, denoms_of)
-    grad_mode = torch.is_grad_enabled()
-    needs_grad = grad_mode and values.requires_grad
-    check_readable("reduce", _SEGMENT_SUM_ARGS, (values, mask, cu_seqlens), (_token_layout, ("reduce", values, mask, cu_seqlens, False)), needs_grad)
-    if grad_mode and mask.requires_grad:
-        _not_differentiable("reduce", mask=mask)
-    divisor = 0.0 if divisor is None else float(divisor)
-    try:
-        if needs_grad:
-            return _Aggregate.apply(values, mask, cu_seqlens, denom_program, divisor)
-        with _BELOW_AUTOGRAD():
-            return _AGGREGATE(values, mask, cu_seqlens, denom_program, divisor)[0]
-    except RuntimeError as exc:
-        error = python_error(exc)
-        if isinstance(error, ValueError) and str(error).startswith(_DENOMS_NOT_POSITIVE):
-            return reduce_with_counts(values, mask, cu_seqlens, denoms_of)  # the plan's error names the settings and totals
-        raise error from None
-
-
-def check_division_denoms(d: torch.Tensor, values_dtype: torch.dtype) -> None:
-    """``d`` as the kernels divide by it: in the accumulation dtype of ``values_dtype``, finite and > 0.
-    The one check of every route (plan-then-reduce, the one-pass routes, the CUDA composite): a
-    ``d[i]`` that is not is refused by reduce's own check, with its message (B values). On an
-    accelerator it runs when reduce's data checks do (``lossagg.set_device_checks``): it needs a host sync."""
-    if d.device.type != "cpu" and not _native.device_checks_enabled():
-        return
-    acc = _acc_dtype(values_dtype)
-    dc = d.to(acc)
-    if d.numel() and not bool((torch.isfinite(dc) & (dc > 0)).all()):
-        ones = torch.ones((d.shape[0], 1), dtype=torch.bool, device=d.device)
-        try:
-            with _BELOW_AUTOGRAD():
-                _REDUCE(torch.zeros((d.shape[0], 1), dtype=values_dtype, device=d.device), ones, None, d.detach())
-        except RuntimeError as exc:
-            raise python_error(exc) from None
-
-
-def _reduce_with_counts(values, mask, cu_seqlens, denoms_of, grad_mode=None):
-    """(J, d) of :func:`reduce_with_counts`, below autograd. ``grad_mode``: whether the caller
-    runs with gradients on (inside an autograd Function's forward they are off)."""
-    try:
-        with _BELOW_AUTOGRAD():
-            sums, counts = _SEGMENT_SUM_AND_COUNT(values, mask, cu_seqlens)
-    except RuntimeError as exc:
-        raise python_error(exc) from None
-    grad_mode = torch.is_grad_enabled() if grad_mode is None else grad_mode
-    with torch.set_grad_enabled(grad_mode):
-        d = denoms_of(counts)
-    if grad_mode and isinstance(d, torch.Tensor) and d.requires_grad:
-        _not_differentiable("reduce", sample_denoms=d)  # as plan-then-reduce refuses it: J's gradient flows to values only
-    check_division_denoms(d, values.dtype)
-    # reduce over B one-token rows: each row's sum is its sample's sum (a one-term sum is
-    # that term), and the quotients are added as reduce adds them
-    ones = torch.ones((sums.shape[0], 1), dtype=torch.bool, device=sums.device)
-    try:
-        with _BELOW_AUTOGRAD():
-            return _REDUCE(sums.unsqueeze(1), ones, None, d), d
-    except RuntimeError as exc:
-        raise python_error(exc) from None
-
-
+# ------------------------------------------------- errors and the checks every op shares
 _KINDS = {"TypeError: ": TypeError, "ValueError: ": ValueError}
 
 
@@ -307,13 +140,6 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-# ---------------------------------------------------------------------- fake kernels
-# The fakes (meta tensors, torch.compile) check what the native kernels check without
-# reading data: dtypes, shapes, devices, with the same messages; so a mistake is named
-# at trace time instead of surfacing as a backend failure or an uninitialised result.
-# The dtypes they accept are lossagg/dtypes.py's (the one list of the Python side).
-
-
 def _fail(kind, op: str, message: str):
     raise kind(f"lossagg.{op}: {message}")
 
@@ -381,6 +207,37 @@ def _check_sample_denoms(op, sample_denoms, num_segments, like):
     _check_device(op, "sample_denoms", sample_denoms, like, "the token tensors")
 
 
+def _not_differentiable(op: str, **tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.requires_grad:
+            _fail(ValueError, op, f"not differentiable in {name}, which requires grad; pass {name}.detach() (the gradient flows to values only)")
+
+
+# --------------------------------------------------------------------------- segment_sum
+def segment_sum(values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-segment masked sums: ``out[k, i] = sum_{t in segment i} m[t] * values[k, t]``.
+
+    Returns ``[B]`` (or ``[K, B]`` for ``[K, T]`` / ``[K, B, T]`` values), float32
+    (float64 for float64 values). Differentiable in ``values``.
+    """
+    grad_mode = torch.is_grad_enabled()
+    needs_grad = grad_mode and isinstance(values, torch.Tensor) and values.requires_grad
+    check_readable(
+        "segment_sum", _SEGMENT_SUM_ARGS, (values, mask, cu_seqlens), (_token_layout, ("segment_sum", values, mask, cu_seqlens, True)), needs_grad
+    )
+    try:
+        if torch.compiler.is_compiling():
+            return torch.ops.lossagg.segment_sum(values, mask, cu_seqlens)
+        if grad_mode and getattr(mask, "requires_grad", False):
+            _not_differentiable("segment_sum", mask=mask)
+        if needs_grad:
+            return _SegmentSum.apply(values, mask, cu_seqlens)
+        with _BELOW_AUTOGRAD():
+            return _SEGMENT_SUM(values, mask, cu_seqlens)
+    except RuntimeError as exc:
+        raise python_error(exc) from None
+
+
 @torch.library.register_fake("lossagg::segment_sum")
 def _segment_sum_fake(values, mask, cu_seqlens):
     b, has_k = _token_layout("segment_sum", values, mask, cu_seqlens, allow_metric_dim=True)
@@ -388,12 +245,41 @@ def _segment_sum_fake(values, mask, cu_seqlens):
     return values.new_empty(shape, dtype=_acc_dtype(values.dtype))
 
 
-@torch.library.register_fake("lossagg::segment_sum_and_count")
-def _segment_sum_and_count_fake(values, mask, cu_seqlens):
-    b, _ = _token_layout("segment_sum_and_count", values, mask, cu_seqlens, allow_metric_dim=False)
-    return values.new_empty((b,), dtype=_acc_dtype(values.dtype)), values.new_empty((b,), dtype=torch.int64)
+def _setup_segment_sum(ctx, inputs, output):
+    values, mask, cu_seqlens = inputs
+    _not_differentiable("segment_sum", mask=mask)
+    ctx.save_for_backward(mask, cu_seqlens)
+    ctx.values_dtype = values.dtype
 
 
+def _segment_sum_grad(ctx, grad):
+    mask, cu_seqlens = ctx.saved_tensors
+    if not ctx.needs_input_grad[0]:
+        return None, None, None
+    if grad.requires_grad:
+        return torch.ops.lossagg.segment_sum_backward(grad.contiguous(), mask, cu_seqlens, ctx.values_dtype), None, None
+    with _BELOW_AUTOGRAD():
+        return _SEGMENT_SUM_BACKWARD(grad.contiguous(), mask, cu_seqlens, ctx.values_dtype), None, None
+
+
+class _SegmentSum(torch.autograd.Function):
+    """segment_sum with its backward, as the wrapper :func:`segment_sum` calls it (see _Reduce)."""
+
+    @staticmethod
+    def forward(ctx, values, mask, cu_seqlens):
+        with _BELOW_AUTOGRAD():
+            out = _SEGMENT_SUM(values, mask, cu_seqlens)
+        ctx.save_for_backward(mask, cu_seqlens)
+        ctx.values_dtype = values.dtype
+        return out
+
+    backward = staticmethod(_segment_sum_grad)
+
+
+torch.library.register_autograd("lossagg::segment_sum", _segment_sum_grad, setup_context=_setup_segment_sum)
+
+
+# ------------------------------------------------------------------ segment_sum_backward
 @torch.library.register_fake("lossagg::segment_sum_backward")
 def _segment_sum_backward_fake(grad, mask, cu_seqlens, values_dtype):
     op = "segment_sum_backward"
@@ -407,6 +293,84 @@ def _segment_sum_backward_fake(grad, mask, cu_seqlens, values_dtype):
     return mask.new_empty(shape, dtype=values_dtype)
 
 
+def _setup_segment_sum_backward(ctx, inputs, output):
+    grad, mask, cu_seqlens, _ = inputs
+    _not_differentiable("segment_sum_backward", mask=mask)
+    ctx.save_for_backward(mask, cu_seqlens)
+    ctx.grad_dtype = grad.dtype
+
+
+def _segment_sum_backward_grad(ctx, upstream):
+    # segment_sum_backward broadcasts grad [K, B] to the tokens: its derivative is segment_sum(upstream)
+    mask, cu_seqlens = ctx.saved_tensors
+    g = torch.ops.lossagg.segment_sum(upstream.contiguous(), mask, cu_seqlens).to(ctx.grad_dtype) if ctx.needs_input_grad[0] else None
+    return g, None, None, None
+
+
+torch.library.register_autograd("lossagg::segment_sum_backward", _segment_sum_backward_grad, setup_context=_setup_segment_sum_backward)
+
+
+# -------------------------------------------------------------------------------- reduce
+def reduce(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *positional,
+    cu_seqlens: torch.Tensor | None = None,
+    sample_denoms: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The aggregated loss ``J = sum_i (sum_{t in i} m[t] * values[t]) / sample_denoms[i]``.
+
+    ``sample_denoms`` is ``[B]``, floating, finite and > 0 (the global per-sample
+    denominators ``d[i]`` of the chosen mode). Returns a 0-dim float32 tensor (float64 for
+    float64 values), differentiable in ``values``; the gradient is
+    ``grad * m[t] / sample_denoms[i(t)]`` in ``values.dtype``.
+
+    ``cu_seqlens`` and ``sample_denoms`` are keyword-only (the op itself,
+    ``torch.ops.lossagg.reduce``, takes ``values, mask, cu_seqlens, sample_denoms``).
+    """
+    if positional:
+        raise TypeError(
+            f"lossagg.reduce(values, mask, *, cu_seqlens=None, sample_denoms) takes 2 positional arguments, got {2 + len(positional)}: "
+            "pass cu_seqlens= and sample_denoms= by keyword"
+        )
+    if sample_denoms is None:
+        raise TypeError("lossagg.reduce: missing the keyword argument sample_denoms (the [B] per-sample denominators d[i])")
+    grad_mode = torch.is_grad_enabled()
+    needs_grad = grad_mode and isinstance(values, torch.Tensor) and values.requires_grad
+    check_readable(
+        "reduce", _REDUCE_ARGS, (values, mask, cu_seqlens, sample_denoms), (_reduce_fake, (values, mask, cu_seqlens, sample_denoms)), needs_grad
+    )
+    try:
+        if torch.compiler.is_compiling():
+            return torch.ops.lossagg.reduce(values, mask, cu_seqlens, sample_denoms)
+        if grad_mode and (getattr(mask, "requires_grad", False) or getattr(sample_denoms, "requires_grad", False)):
+            _not_differentiable("reduce", mask=mask, sample_denoms=sample_denoms)
+        if needs_grad:
+            return _Reduce.apply(values, mask, cu_seqlens, sample_denoms)
+        with _BELOW_AUTOGRAD():
+            return _REDUCE(values, mask, cu_seqlens, sample_denoms)
+    except RuntimeError as exc:
+        raise python_error(exc) from None
+
+
+def check_division_denoms(d: torch.Tensor, values_dtype: torch.dtype) -> None:
+    """``d`` as the kernels divide by it: in the accumulation dtype of ``values_dtype``, finite and > 0.
+    The one check of every route (plan-then-reduce, the one-pass routes, the CUDA composite): a
+    ``d[i]`` that is not is refused by reduce's own check, with its message (B values). On an
+    accelerator it runs when reduce's data checks do (``lossagg.set_device_checks``): it needs a host sync."""
+    if d.device.type != "cpu" and not _native.device_checks_enabled():
+        return
+    acc = _acc_dtype(values_dtype)
+    dc = d.to(acc)
+    if d.numel() and not bool((torch.isfinite(dc) & (dc > 0)).all()):
+        ones = torch.ones((d.shape[0], 1), dtype=torch.bool, device=d.device)
+        try:
+            with _BELOW_AUTOGRAD():
+                _REDUCE(torch.zeros((d.shape[0], 1), dtype=values_dtype, device=d.device), ones, None, d.detach())
+        except RuntimeError as exc:
+            raise python_error(exc) from None
+
+
 @torch.library.register_fake("lossagg::reduce")
 def _reduce_fake(values, mask, cu_seqlens, sample_denoms):
     b, _ = _token_layout("reduce", values, mask, cu_seqlens, allow_metric_dim=False)
@@ -414,6 +378,43 @@ def _reduce_fake(values, mask, cu_seqlens, sample_denoms):
     return values.new_empty((), dtype=_acc_dtype(values.dtype))
 
 
+def _setup_reduce(ctx, inputs, output):
+    values, mask, cu_seqlens, sample_denoms = inputs
+    _not_differentiable("reduce", mask=mask, sample_denoms=sample_denoms)
+    ctx.save_for_backward(mask, cu_seqlens, sample_denoms)
+    ctx.values_dtype = values.dtype
+
+
+def _reduce_grad(ctx, grad):
+    mask, cu_seqlens, sample_denoms = ctx.saved_tensors
+    if not ctx.needs_input_grad[0]:
+        return None, None, None, None
+    if grad.requires_grad:  # create_graph: the backward op's own autograd records it
+        return torch.ops.lossagg.reduce_backward(grad, mask, cu_seqlens, sample_denoms, ctx.values_dtype), None, None, None
+    with _BELOW_AUTOGRAD():
+        return _REDUCE_BACKWARD(grad, mask, cu_seqlens, sample_denoms, ctx.values_dtype), None, None, None
+
+
+class _Reduce(torch.autograd.Function):
+    """reduce with its backward, as the wrapper :func:`reduce` calls it: the op runs below
+    the autograd key (its registered autograd, for direct callers of torch.ops.lossagg.reduce
+    and for double backward, would add a second Python layer to every call)."""
+
+    @staticmethod
+    def forward(ctx, values, mask, cu_seqlens, sample_denoms):
+        with _BELOW_AUTOGRAD():
+            out = _REDUCE(values, mask, cu_seqlens, sample_denoms)
+        ctx.save_for_backward(mask, cu_seqlens, sample_denoms)
+        ctx.values_dtype = values.dtype
+        return out
+
+    backward = staticmethod(_reduce_grad)
+
+
+torch.library.register_autograd("lossagg::reduce", _reduce_grad, setup_context=_setup_reduce)
+
+
+# ----------------------------------------------------------------------- reduce_backward
 @torch.library.register_fake("lossagg::reduce_backward")
 def _reduce_backward_fake(grad, mask, cu_seqlens, sample_denoms, values_dtype):
     op = "reduce_backward"
@@ -423,6 +424,87 @@ def _reduce_backward_fake(grad, mask, cu_seqlens, sample_denoms, values_dtype):
     _check_sample_denoms(op, sample_denoms, b, mask)
     _check_device(op, "grad", grad, mask, "mask")
     return mask.new_empty(mask.shape, dtype=values_dtype)
+
+
+def _setup_reduce_backward(ctx, inputs, output):
+    grad, mask, cu_seqlens, sample_denoms, _ = inputs
+    _not_differentiable("reduce_backward", mask=mask, sample_denoms=sample_denoms)
+    ctx.save_for_backward(mask, cu_seqlens, sample_denoms)
+    ctx.grad_dtype = grad.dtype
+
+
+def _reduce_backward_grad(ctx, upstream):
+    # reduce_backward(g) = g * m[t] / d[s(t)]: its derivative in g is reduce(upstream, m, d)
+    mask, cu_seqlens, sample_denoms = ctx.saved_tensors
+    g = torch.ops.lossagg.reduce(upstream, mask, cu_seqlens, sample_denoms).to(ctx.grad_dtype) if ctx.needs_input_grad[0] else None
+    return g, None, None, None, None
+
+
+torch.library.register_autograd("lossagg::reduce_backward", _reduce_backward_grad, setup_context=_setup_reduce_backward)
+
+
+# ----------------------------------------------------------------- segment_sum_and_count
+def segment_sum_and_count(values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-segment masked sums ``[B]`` and kept-token counts (int64 ``[B]``) from one read of
+    ``values`` (``[T]`` packed or ``[B, T]`` padded, as for :func:`reduce`) and ``mask``; not
+    differentiable (the one-pass route of :func:`lossagg.aggregate` gives the gradient of J)."""
+    check_readable(
+        "reduce", _SEGMENT_SUM_ARGS, (values, mask, cu_seqlens), (_token_layout, ("reduce", values, mask, cu_seqlens, False))
+    )  # named as reduce, whose argument it is
+    try:
+        with _BELOW_AUTOGRAD():
+            return _SEGMENT_SUM_AND_COUNT(values, mask, cu_seqlens)
+    except RuntimeError as exc:
+        raise python_error(exc) from None
+
+
+@torch.library.register_fake("lossagg::segment_sum_and_count")
+def _segment_sum_and_count_fake(values, mask, cu_seqlens):
+    b, _ = _token_layout("segment_sum_and_count", values, mask, cu_seqlens, allow_metric_dim=False)
+    return values.new_empty((b,), dtype=_acc_dtype(values.dtype)), values.new_empty((b,), dtype=torch.int64)
+
+
+def _setup_segment_sum_and_count(ctx, inputs, output):
+    pass
+
+
+def _segment_sum_and_count_grad(ctx, grad_sums, grad_counts):
+    raise RuntimeError(
+        "lossagg.segment_sum_and_count is not differentiable: lossagg.aggregate (lossagg.ops.reduce_with_counts) gives the gradient of J, "
+        "lossagg.segment_sum that of the per-segment sums"
+    )
+
+
+torch.library.register_autograd("lossagg::segment_sum_and_count", _segment_sum_and_count_grad, setup_context=_setup_segment_sum_and_count)
+
+
+# -------------------------------------------------------------------------- token_counts
+def token_counts(mask: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """``M[i]``: tokens of each sample whose mask is non-zero, counted exactly (int64 ``[B]``).
+
+    One native pass over the mask (``torch.ops.lossagg.token_counts``); ``cu_seqlens`` is
+    checked as the ops check it (offsets on the host for a mask on a device are accepted).
+    """
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a tensor, got {type(mask).__name__}")
+    try:
+        check_holds_data("mask", mask)
+        check_holds_data("cu_seqlens", cu_seqlens)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"lossagg.token_counts: {exc}") from None
+    if cu_seqlens is None and mask.dim() != 2:
+        raise ValueError(f"mask must be [B, T] when cu_seqlens is None (padded layout), got shape {tuple(mask.shape)}")
+    if cu_seqlens is not None:
+        if mask.dim() != 1:
+            raise ValueError(f"mask must be [T] when cu_seqlens is given (packed layout), got shape {tuple(mask.shape)}")
+        if not isinstance(cu_seqlens, torch.Tensor):
+            raise TypeError(f"cu_seqlens must be a 1-D int32/int64 tensor [B+1], got {type(cu_seqlens).__name__}")
+        cu_seqlens = cu_seqlens.to(mask.device)  # host offsets for a device mask are accepted
+    check_readable("token_counts", ("mask", "cu_seqlens"), (mask, cu_seqlens), (_mask_layout, ("token_counts", mask, cu_seqlens)))
+    try:
+        return torch.ops.lossagg.token_counts(mask, cu_seqlens)
+    except RuntimeError as exc:
+        raise python_error(exc) from None
 
 
 @torch.library.register_fake("lossagg::token_counts")
@@ -450,165 +532,43 @@ def _token_counts_composite(mask, cu_seqlens):
 torch.library.impl("lossagg::token_counts", "CUDA")(_token_counts_composite)
 
 
+# ----------------------------------------------------------------------------- aggregate
+def aggregate_by_program(values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor | None, program, divisor: float) -> torch.Tensor:
+    """J of the native ``aggregate`` op: the sums, the counts, ``d`` from the denominator
+    ``program`` (the factor codes of lossagg/denom_program.py) and ``J`` from one call,
+    differentiable in ``values`` (reduce's backward over the ``d`` it returned). The caller has
+    checked the arguments (:func:`lossagg.aggregate`'s one-pass route)."""
+    try:
+        if torch.is_grad_enabled() and values.requires_grad:
+            return _Aggregate.apply(values, mask, cu_seqlens, list(program), divisor)
+        with _BELOW_AUTOGRAD():
+            return _AGGREGATE(values, mask, cu_seqlens, list(program), divisor)[0]
+    except RuntimeError as exc:
+        raise python_error(exc) from None
+
+
 @torch.library.register_fake("lossagg::aggregate")
 def _aggregate_fake(values, mask, cu_seqlens, denom_program, divisor):
     b, _ = _token_layout("aggregate", values, mask, cu_seqlens, allow_metric_dim=False)
     return values.new_empty((), dtype=_acc_dtype(values.dtype)), values.new_empty((b,), dtype=torch.float64)
 
 
-# The codes of csrc/denom_program.h, for the composite below.
-_PROGRAM_BITS, _PROGRAM_FACTORS = 4, 15
-
-
-def _eval_denom_program(program: int, divisor: float, counts: torch.Tensor) -> torch.Tensor:
-    """d[i] of a denominator program from the int64 counts, in float64 tensor ops: the left fold
-    of csrc/denom_program.h, factor by factor (so the bits of the native evaluation)."""
-    if not (0 < program < 1 << (_PROGRAM_BITS * _PROGRAM_FACTORS)):
-        _fail(ValueError, "aggregate", f"denom_program must be a product of 1 to 15 factors, 4 bits each (csrc/denom_program.h), got {program}")
-    m = counts.to(torch.float64)
-    scalars = {
-        1: lambda: float(m.shape[0]),
-        2: lambda: max(float((m > 0).sum()), 1.0),
-        3: lambda: max(float(m.sum()), 1.0),
-        4: lambda: max(float(m.max()) if m.numel() else 0.0, 1.0),
-        5: lambda: float(divisor),
-    }
-    acc, ended = None, False
-    for k in range(_PROGRAM_FACTORS):
-        code = (program >> (_PROGRAM_BITS * k)) & 0xF
-        if code == 0:
-            ended = True
-            continue
-        if ended or code > 6:
-            _fail(ValueError, "aggregate", f"denom_program factor {k} must be 1 to 6 with no gap before it, got {code} (program {program})")
-        if code == 5 and not (math.isfinite(divisor) and divisor > 0):
-            _fail(ValueError, "aggregate", f"divisor must be finite and > 0 (the program divides by L), got {divisor}")
-        f = m.clamp(min=1.0) if code == 6 else scalars[code]()
-        acc = f if acc is None else acc * f
-    return m.new_full(m.shape, acc) if isinstance(acc, float) else acc
-
-
 def _aggregate_composite(values, mask, cu_seqlens, denom_program, divisor):
     """aggregate on devices without a native kernel (CUDA): segment_sum_and_count, d from the
-    program in tensor ops, then J as reduce adds the B quotients (same bits as the CPU kernel)."""
+    program in tensor ops (lossagg/denom_program.py: the native fold's bits), then J as reduce
+    adds the B quotients (same bits as the CPU kernel)."""
     sums, counts = torch.ops.lossagg.segment_sum_and_count(values, mask, cu_seqlens)
-    d = _eval_denom_program(denom_program, divisor, counts)
+    d = evaluate_program(denom_program, divisor, counts)
     if d.numel() and not bool(torch.isfinite(d).all() & (d > 0).all()):
         i = int(torch.nonzero(~torch.isfinite(d) | (d <= 0))[0, 0])
-        _fail(ValueError, "aggregate", f"a denominator is not finite and > 0: d[{i}] = {float(d[i])} (program {denom_program}, divisor {divisor})")
+        where = f"(program {list(denom_program)}, divisor {divisor})"
+        _fail(ValueError, "aggregate", f"a denominator is not finite and > 0: d[{i}] = {float(d[i])} {where}")
     check_division_denoms(d, values.dtype)
     ones = torch.ones((sums.shape[0], 1), dtype=torch.bool, device=sums.device)
     return torch.ops.lossagg.reduce(sums.unsqueeze(1), ones, None, d), d
 
 
 torch.library.impl("lossagg::aggregate", "CUDA")(_aggregate_composite)
-
-
-# ------------------------------------------------------------------------- autograd
-# Registered here over the backward ops (the native library holds kernels only: the
-# LibTorch stable ABI has no C++ autograd). Each forward op's backward is a registered op
-# with its own kernels and fake, and each backward op is linear in its incoming gradient,
-# so its own backward is the forward op again: reduce <-> reduce_backward and
-# segment_sum <-> segment_sum_backward make double backward exact. The ops are
-# differentiable in values (and the backward ops in grad) only; a gradient asked of the
-# mask or the denominators is refused, never silently left at None.
-
-
-def _not_differentiable(op: str, **tensors) -> None:
-    for name, t in tensors.items():
-        if t is not None and t.requires_grad:
-            _fail(ValueError, op, f"not differentiable in {name}, which requires grad; pass {name}.detach() (the gradient flows to values only)")
-
-
-def _setup_reduce(ctx, inputs, output):
-    values, mask, cu_seqlens, sample_denoms = inputs
-    _not_differentiable("reduce", mask=mask, sample_denoms=sample_denoms)
-    ctx.save_for_backward(mask, cu_seqlens, sample_denoms)
-    ctx.values_dtype = values.dtype
-
-
-def _reduce_grad(ctx, grad):
-    mask, cu_seqlens, sample_denoms = ctx.saved_tensors
-    if not ctx.needs_input_grad[0]:
-        return None, None, None, None
-    if grad.requires_grad:  # create_graph: the backward op's own autograd records it
-        return torch.ops.lossagg.reduce_backward(grad, mask, cu_seqlens, sample_denoms, ctx.values_dtype), None, None, None
-    with _BELOW_AUTOGRAD():
-        return _REDUCE_BACKWARD(grad, mask, cu_seqlens, sample_denoms, ctx.values_dtype), None, None, None
-
-
-def _setup_segment_sum(ctx, inputs, output):
-    values, mask, cu_seqlens = inputs
-    _not_differentiable("segment_sum", mask=mask)
-    ctx.save_for_backward(mask, cu_seqlens)
-    ctx.values_dtype = values.dtype
-
-
-def _segment_sum_grad(ctx, grad):
-    mask, cu_seqlens = ctx.saved_tensors
-    if not ctx.needs_input_grad[0]:
-        return None, None, None
-    if grad.requires_grad:
-        return torch.ops.lossagg.segment_sum_backward(grad.contiguous(), mask, cu_seqlens, ctx.values_dtype), None, None
-    with _BELOW_AUTOGRAD():
-        return _SEGMENT_SUM_BACKWARD(grad.contiguous(), mask, cu_seqlens, ctx.values_dtype), None, None
-
-
-def _setup_reduce_backward(ctx, inputs, output):
-    grad, mask, cu_seqlens, sample_denoms, _ = inputs
-    _not_differentiable("reduce_backward", mask=mask, sample_denoms=sample_denoms)
-    ctx.save_for_backward(mask, cu_seqlens, sample_denoms)
-    ctx.grad_dtype = grad.dtype
-
-
-def _reduce_backward_grad(ctx, upstream):
-    # reduce_backward(g) = g * m[t] / d[s(t)]: its derivative in g is reduce(upstream, m, d)
-    mask, cu_seqlens, sample_denoms = ctx.saved_tensors
-    g = torch.ops.lossagg.reduce(upstream, mask, cu_seqlens, sample_denoms).to(ctx.grad_dtype) if ctx.needs_input_grad[0] else None
-    return g, None, None, None, None
-
-
-def _setup_segment_sum_backward(ctx, inputs, output):
-    grad, mask, cu_seqlens, _ = inputs
-    _not_differentiable("segment_sum_backward", mask=mask)
-    ctx.save_for_backward(mask, cu_seqlens)
-    ctx.grad_dtype = grad.dtype
-
-
-def _segment_sum_backward_grad(ctx, upstream):
-    # segment_sum_backward broadcasts grad [K, B] to the tokens: its derivative is segment_sum(upstream)
-    mask, cu_seqlens = ctx.saved_tensors
-    g = torch.ops.lossagg.segment_sum(upstream.contiguous(), mask, cu_seqlens).to(ctx.grad_dtype) if ctx.needs_input_grad[0] else None
-    return g, None, None, None
-
-
-class _Reduce(torch.autograd.Function):
-    """reduce with its backward, as the wrapper :func:`reduce` calls it: the op runs below
-    the autograd key (its registered autograd, for direct callers of torch.ops.lossagg.reduce
-    and for double backward, would add a second Python layer to every call)."""
-
-    @staticmethod
-    def forward(ctx, values, mask, cu_seqlens, sample_denoms):
-        with _BELOW_AUTOGRAD():
-            out = _REDUCE(values, mask, cu_seqlens, sample_denoms)
-        ctx.save_for_backward(mask, cu_seqlens, sample_denoms)
-        ctx.values_dtype = values.dtype
-        return out
-
-    backward = staticmethod(_reduce_grad)
-
-
-class _ReduceWithCounts(torch.autograd.Function):
-    """reduce_with_counts with reduce's backward (the denominators it computed are saved)."""
-
-    @staticmethod
-    def forward(ctx, values, mask, cu_seqlens, denoms_of):
-        out, d = _reduce_with_counts(values, mask, cu_seqlens, denoms_of, grad_mode=True)
-        ctx.save_for_backward(mask, cu_seqlens, d)
-        ctx.values_dtype = values.dtype
-        return out
-
-    backward = staticmethod(_reduce_grad)
 
 
 class _Aggregate(torch.autograd.Function):
@@ -627,31 +587,6 @@ class _Aggregate(torch.autograd.Function):
         return (*_reduce_grad(ctx, grad), None)
 
 
-class _SegmentSum(torch.autograd.Function):
-    """segment_sum with its backward, as the wrapper :func:`segment_sum` calls it (see _Reduce)."""
-
-    @staticmethod
-    def forward(ctx, values, mask, cu_seqlens):
-        with _BELOW_AUTOGRAD():
-            out = _SEGMENT_SUM(values, mask, cu_seqlens)
-        ctx.save_for_backward(mask, cu_seqlens)
-        ctx.values_dtype = values.dtype
-        return out
-
-    backward = staticmethod(_segment_sum_grad)
-
-
-def _setup_segment_sum_and_count(ctx, inputs, output):
-    pass
-
-
-def _segment_sum_and_count_grad(ctx, grad_sums, grad_counts):
-    raise RuntimeError(
-        "lossagg.segment_sum_and_count is not differentiable: lossagg.aggregate (lossagg.ops.reduce_with_counts) gives the gradient of J, "
-        "lossagg.segment_sum that of the per-segment sums"
-    )
-
-
 def _setup_aggregate(ctx, inputs, output):
     values, mask, cu_seqlens, _, _ = inputs
     _not_differentiable("aggregate", mask=mask)
@@ -665,9 +600,4 @@ def _aggregate_grad(ctx, grad, grad_d):
     return (*_reduce_grad(ctx, grad), None)
 
 
-torch.library.register_autograd("lossagg::reduce", _reduce_grad, setup_context=_setup_reduce)
 torch.library.register_autograd("lossagg::aggregate", _aggregate_grad, setup_context=_setup_aggregate)
-torch.library.register_autograd("lossagg::segment_sum_and_count", _segment_sum_and_count_grad, setup_context=_setup_segment_sum_and_count)
-torch.library.register_autograd("lossagg::segment_sum", _segment_sum_grad, setup_context=_setup_segment_sum)
-torch.library.register_autograd("lossagg::reduce_backward", _reduce_backward_grad, setup_context=_setup_reduce_backward)
-torch.library.register_autograd("lossagg::segment_sum_backward", _segment_sum_backward_grad, setup_context=_setup_segment_sum_backward)

@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from lossagg.config import LossAggregationConfig
-from lossagg.denominators import denoms_from_totals, mode_totals, plan_totals, rank_share
+from lossagg.denominators import denoms_from_totals
 from lossagg.layout import token_counts as _token_counts
-from lossagg.modes import METRIC_MODE, ModeSpec, mode_spec
+from lossagg.modes import METRIC_MODE, mode_spec
 from lossagg.ops import reduce, segment_sum
-from lossagg.totals import DEFAULT_EMPTY_SAMPLES, RankShare, given_totals
+from lossagg.totals import mode_totals, plan_totals, read_totals
 from lossagg.validate import as_int, check_holds_data, check_token_counts
 
 GRADIENT_CONVENTIONS = ("sum", "mean", "micro_batch_mean", "megatron")
@@ -45,31 +45,6 @@ def _as_config(config) -> LossAggregationConfig:
     if not isinstance(config, LossAggregationConfig):
         raise TypeError(f"config must be a LossAggregationConfig (or a mapping of its settings), got {type(config).__name__}")
     return config
-
-
-def _rank_share(spec: ModeSpec, config: LossAggregationConfig, counts: torch.Tensor, group_index, process_group, num_group_labels) -> RankShare:
-    """This rank's own data for the totals a plan gathers (its counts and, with prompt groups, their labels)."""
-    if num_group_labels is not None:
-        num_group_labels = as_int("num_group_labels", num_group_labels, minimum=1)
-    if spec.needs_groups and process_group is not None and num_group_labels is None:
-        if config.global_batch_size is None or config.n_samples_per_prompt is None:
-            raise ValueError(
-                f"with a process group, mode={spec.name} needs the number of group labels in the step: set global_batch_size and "
-                "n_samples_per_prompt in the config or pass num_group_labels"
-            )
-        num_group_labels = config.global_batch_size // config.n_samples_per_prompt
-        labels_from = "num_group_labels (global_batch_size // n_samples_per_prompt of the config)"
-    else:
-        labels_from = "num_group_labels"
-    return rank_share(
-        spec,
-        counts,
-        group_index,
-        n_samples_per_prompt=config.n_samples_per_prompt,
-        process_group=process_group,
-        num_group_labels=num_group_labels,
-        labels_from=labels_from,
-    )
 
 
 class StepPlan:
@@ -95,7 +70,7 @@ class StepPlan:
     for ``P``; gathered in the same all-reduce), and ``num_samples`` still.
 
     ``_totals`` is private: :meth:`from_totals` hands a trainer's step totals through it
-    (checked by :func:`lossagg.totals.given_totals` instead of gathered), so that every plan is
+    (checked by :func:`lossagg.totals.plan_totals` instead of gathered), so that every plan is
     built by this one constructor.
     """
 
@@ -112,29 +87,35 @@ class StepPlan:
         config = _as_config(config)
         spec = mode_spec(config.mode)
         counts = check_token_counts(token_counts)
-        empty = config.empty_samples
-        if _totals is not None:  # from_totals: the trainer's totals, checked against this rank's counts
-            share = RankShare(counts, n_samples_per_prompt=config.n_samples_per_prompt)
-            what = spec.name if empty == DEFAULT_EMPTY_SAMPLES else f"{spec.name} with empty_samples={empty}"
-            totals = given_totals(mode_totals(spec, empty), _totals, share, what)
-        else:
-            share = _rank_share(spec, config, counts, group_index, process_group, num_group_labels)
-            totals = plan_totals(spec, share, process_group, empty)
         self.config = config
         self.token_counts = counts
         self.device = counts.device
-        self.totals = totals
-        self.sample_denoms = denoms_from_totals(spec, counts, totals, config.divisor, empty)
+        empty = config.empty_samples
+        self.totals = plan_totals(
+            spec.totals,
+            counts,
+            mode=spec.name,
+            also=mode_spec(METRIC_MODE).totals,
+            empty_samples=empty,
+            given=_totals,
+            group_index=group_index,
+            n_samples_per_prompt=config.n_samples_per_prompt,
+            global_batch_size=config.global_batch_size,
+            process_group=process_group,
+            num_group_labels=num_group_labels,
+        )
+        self.sample_denoms = denoms_from_totals(spec, counts, read_totals(spec.totals, self.totals, empty, spec.name), config.divisor, empty)
 
     @functools.cached_property
     def metric_denoms(self) -> torch.Tensor:
         """``d[i]`` of the default reducer (sample_mean), for metrics other than the PG loss, under
         the config's ``empty_samples`` (under skip, empty samples do not count in its N either)."""
         spec = mode_spec(METRIC_MODE)
-        missing = [name for name in mode_totals(spec, self.config.empty_samples) if name not in self.totals]
+        empty = self.config.empty_samples
+        missing = [name for name in mode_totals(spec.totals, empty) if name not in self.totals]
         if missing:
             raise ValueError(f"StepPlan.metrics reduces by {spec.name} and needs the step total(s) {', '.join(missing)}: pass them to from_totals")
-        return denoms_from_totals(spec, self.token_counts, self.totals, empty_samples=self.config.empty_samples)
+        return denoms_from_totals(spec, self.token_counts, read_totals(spec.totals, self.totals, empty, spec.name), empty_samples=empty)
 
     @classmethod
     def from_mask(

@@ -3,10 +3,11 @@
 Each :class:`StepTotal` says what the number is, how a rank computes its share from its own
 samples, how ranks combine their shares (``sum`` or ``max``), and how a value handed to
 ``StepPlan.from_totals`` under the same name is checked against the rank's own data. A mode
-lists the totals it needs (``ModeSpec.totals``); the planner gathers exactly those
-(:func:`gather_totals`: every ``sum`` total in one all-reduce, the ``max`` totals in a second
-one only when the mode has any), and ``from_totals`` asks for exactly those
-(:func:`given_totals`): a missing one is a named error, never a rank-local stand-in.
+lists the totals it needs (``ModeSpec.totals``). This module is also the plan's one place for
+them: which totals a plan needs, gathering them and reading them (:func:`plan_totals`: every
+``sum`` total in one all-reduce, the ``max`` totals in a second one only when the mode has
+any; or, for ``from_totals``, exactly the ones the mode reads, a missing one being a named
+error, never a rank-local stand-in; :func:`read_totals`: what the mode's ``d[i]`` reads).
 
 How empty samples (no rollout token) count is the config's ``empty_samples``
 (:data:`EMPTY_SAMPLES`, docs/modes.md, "Empty samples"): under ``skip`` a total a mode
@@ -309,6 +310,69 @@ def stand_in(name: str, empty_samples: str = DEFAULT_EMPTY_SAMPLES) -> str:
     return EMPTY_SAMPLES[empty_samples].get(name, name)
 
 
+# ------------------------------------------------------------------ group labels
+def needs_groups(names: Iterable[str]) -> bool:
+    return any(TOTALS[name].per_group for name in names)
+
+
+def check_group_label_count(num_labels: int, what: str = "num_group_labels") -> None:
+    if num_labels > MAX_GROUP_LABELS:
+        raise ValueError(
+            f"{what} must be <= {MAX_GROUP_LABELS} (the planner all-reduces two float64 per label, three with empty_samples=skip), got {num_labels}"
+        )
+
+
+# ------------------------------------------------------------ the plan's totals: which, gathered, read
+#: Totals every gathered plan holds besides its mode's: ``N`` (the metrics reducer) and ``T``
+#: (Megatron's per-token-loss scale); both travel in the one sum all-reduce.
+BASE_TOTALS = ("num_samples", "total_tokens")
+
+
+def mode_totals(totals: Iterable[str], empty_samples: str = DEFAULT_EMPTY_SAMPLES) -> tuple[str, ...]:
+    """The totals a mode that declares ``totals`` reads under the ``empty_samples`` convention:
+    each replaced by its stand-in (``num_samples`` by ``num_nonempty_samples`` under skip)."""
+    return tuple(dict.fromkeys(stand_in(name, empty_samples) for name in totals))
+
+
+def plan_totals(
+    totals: tuple[str, ...],
+    counts,
+    *,
+    mode: str,
+    also: tuple[str, ...] = (),
+    empty_samples: str = DEFAULT_EMPTY_SAMPLES,
+    given: Mapping[str, Any] | None = None,
+    **share,
+) -> StepTotals:
+    """The step totals of a plan whose mode declares ``totals``, for this rank's float64 ``counts``.
+
+    With ``given`` (a trainer's totals, ``StepPlan.from_totals``) the ones the mode reads under
+    ``empty_samples`` are required, and every given one is checked against this rank's own data
+    and against the others. Otherwise they are gathered from the rank's share (``share``: the
+    keywords of :func:`rank_share`) over its ``process_group``: the mode's own, their stand-ins,
+    those of ``also`` (the metric reducer's) and :data:`BASE_TOTALS`, every ``sum`` total in one
+    float64 all-reduce and the ``max`` totals in a second one only when there are any.
+    """
+    if given is not None:
+        rank = RankShare(counts, n_samples_per_prompt=share.get("n_samples_per_prompt"))
+        what = mode if empty_samples == DEFAULT_EMPTY_SAMPLES else f"{mode} with empty_samples={empty_samples}"
+        return _given(mode_totals(totals, empty_samples), given, rank, what)
+    rank = rank_share(totals, counts, share.pop("group_index", None), mode=mode, **share)
+    # the totals they stand in for are gathered too: P checks the group sizes against n_samples_per_prompt
+    names = (*totals, *mode_totals(totals, empty_samples), *also, *mode_totals(also, empty_samples), *BASE_TOTALS)
+    return _gather(names, rank, share.get("process_group"), mode)
+
+
+def read_totals(totals: tuple[str, ...], plan: Mapping[str, Any], empty_samples: str, mode: str) -> StepTotals:
+    """The totals a mode that declares ``totals`` reads from a plan's: under their declared names,
+    each the total itself or ``c(x) = max(x, 1)`` of its stand-in (:func:`read_as`). A total
+    the plan lacks is an error naming it."""
+    missing = [name for name in mode_totals(totals, empty_samples) if name not in plan]
+    if missing:
+        raise ValueError(f"mode={mode} needs the step total(s) {', '.join(missing)}")
+    return StepTotals({name: read_as(name, plan, empty_samples) for name in totals}, mode)
+
+
 def read_as(name: str, totals: Mapping[str, Any], empty_samples: str = DEFAULT_EMPTY_SAMPLES) -> Any:
     """The value a mode that declares ``name`` reads: the total itself, or ``c(x) = max(x, 1)`` of its
     stand-in (a step whose samples are all empty has J = 0 whatever N is; a count of 0 would make
@@ -317,7 +381,95 @@ def read_as(name: str, totals: Mapping[str, Any], empty_samples: str = DEFAULT_E
     return totals[gathered] if gathered == name else max(totals[gathered], 1)
 
 
-# ----------------------------------------------------------------- consistency
+def rank_share(
+    totals: Iterable[str],
+    counts,
+    group_index=None,
+    *,
+    mode: str,
+    n_samples_per_prompt: int | None = None,
+    global_batch_size: int | None = None,
+    process_group=None,
+    num_group_labels=None,
+) -> RankShare:
+    """This rank's own data for the step totals ``totals``: its counts and, with prompt groups,
+    its samples' group labels (the distinct labels it holds; with a process group, labels
+    ``0..num_group_labels-1`` shared by every rank, given or ``global_batch_size // n_samples_per_prompt``)."""
+    torch, checks = _torch(), _checks()
+    if num_group_labels is not None:
+        num_group_labels = checks.as_int("num_group_labels", num_group_labels, minimum=1)
+    if not needs_groups(totals):
+        return RankShare(counts, n_samples_per_prompt=n_samples_per_prompt)
+    labels_from = "num_group_labels"
+    if process_group is not None and num_group_labels is None:
+        if global_batch_size is None or n_samples_per_prompt is None:
+            raise ValueError(
+                f"with a process group, mode={mode} needs the number of group labels in the step: set global_batch_size and "
+                "n_samples_per_prompt in the config or pass num_group_labels"
+            )
+        num_group_labels = global_batch_size // n_samples_per_prompt
+        labels_from = "num_group_labels (global_batch_size // n_samples_per_prompt of the config)"
+    group_index = checks.check_group_index(group_index, counts.shape[0], counts.device, mode)
+    if process_group is None:
+        labels, dense = torch.unique(group_index, return_inverse=True)
+        return RankShare(counts, labels, dense, n_samples_per_prompt)
+    g = num_group_labels
+    check_group_label_count(g, labels_from)
+    if group_index.numel() and (group_index.min() < 0 or group_index.max() >= g):
+        raise ValueError(
+            f"group_index must lie in [0, {g}) (global prompt index within the step), "
+            f"got values in [{int(group_index.min())}, {int(group_index.max())}]"
+        )
+    return RankShare(counts, torch.arange(g, device=counts.device), group_index.long(), n_samples_per_prompt)
+
+
+def _gather(names: Iterable[str], share: RankShare, process_group=None, mode: str | None = None) -> StepTotals:
+    """The totals ``names`` of the step: the rank's shares combined over ``process_group``.
+
+    All ``sum`` totals travel in one float64 all-reduce, the ``max`` totals in a second one
+    (only when there are any); without a process group the rank's shares are the step's.
+    """
+    torch = _torch()
+    wanted = [TOTALS[name] for name in dict.fromkeys(names)]
+    values: dict[str, Any] = {}
+    for combine in COMBINES:
+        group = [t for t in wanted if t.combine == combine]
+        if not group:
+            continue
+        shares = [t.share(share).to(torch.float64).reshape(-1) for t in group]
+        if process_group is None:  # the rank's shares are the step's (no buffer to fill)
+            for t, piece in zip(group, shares, strict=True):
+                values[t.name] = t.value(piece, share)
+            continue
+        buf = torch.cat(shares)
+        dist = torch.distributed
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM if combine == "sum" else dist.ReduceOp.MAX, group=process_group)
+        for t, piece in zip(group, buf.split([s.numel() for s in shares]), strict=True):
+            values[t.name] = t.value(piece, share)
+    return StepTotals({t.name: values[t.name] for t in wanted}, mode)
+
+
+def _given(names: Iterable[str], given: Mapping[str, Any], share: RankShare, mode: str | None = None) -> StepTotals:
+    """The totals ``names`` from values a trainer already has (``StepPlan.from_totals``).
+
+    Every total the mode needs must be given (a named error otherwise); each is checked
+    against the rank's own data and against the others. Totals given but not needed are
+    checked too and kept.
+    """
+    unknown = [k for k in given if k not in TOTALS]
+    if unknown:
+        raise TypeError(f"unknown step total {unknown[0]!r}{did_you_mean(unknown[0], TOTALS)}; the totals are {', '.join(TOTALS)}")
+    wanted = list(dict.fromkeys(names))
+    missing = [name for name in wanted if given.get(name) is None]
+    if missing:
+        described = "; ".join(f"{name} ({TOTALS[name].symbol}, {TOTALS[name].meaning})" for name in missing)
+        raise ValueError(f"mode={mode} needs the step total(s) {described}: pass them to from_totals")
+    values = {name: TOTALS[name].given(value, share) for name, value in given.items() if value is not None}
+    _consistency(values, share.n_samples_per_prompt)
+    order = wanted + [name for name in values if name not in wanted]
+    return StepTotals({name: values[name] for name in order}, mode)
+
+
 def _consistency(values: Mapping[str, Any], n_samples_per_prompt: int | None) -> None:
     """Totals handed to from_totals that contradict each other."""
     n, p = values.get("num_samples"), values.get("num_groups")
@@ -351,62 +503,3 @@ def _consistency(values: Mapping[str, Any], n_samples_per_prompt: int | None) ->
         raise ValueError(f"group_token_sums holds {float(sg.max()):g}, more than total_tokens (T, {t:g}): a group's tokens are part of the step's")
     if t is not None and lmax is not None and lmax > t:
         raise ValueError(f"max_tokens (L_max, {lmax:g}) cannot exceed total_tokens (T, {t:g})")
-
-
-# ------------------------------------------------------------------ the two paths
-def needs_groups(names: Iterable[str]) -> bool:
-    return any(TOTALS[name].per_group for name in names)
-
-
-def gather_totals(names: Iterable[str], share: RankShare, process_group=None, mode: str | None = None) -> StepTotals:
-    """The totals ``names`` of the step: the rank's shares combined over ``process_group``.
-
-    All ``sum`` totals travel in one float64 all-reduce, the ``max`` totals in a second one
-    (only when there are any); without a process group the rank's shares are the step's.
-    """
-    torch = _torch()
-    wanted = [TOTALS[name] for name in dict.fromkeys(names)]
-    values: dict[str, Any] = {}
-    for combine in COMBINES:
-        group = [t for t in wanted if t.combine == combine]
-        if not group:
-            continue
-        shares = [t.share(share).to(torch.float64).reshape(-1) for t in group]
-        if process_group is None:  # the rank's shares are the step's (no buffer to fill)
-            for t, piece in zip(group, shares, strict=True):
-                values[t.name] = t.value(piece, share)
-            continue
-        buf = torch.cat(shares)
-        dist = torch.distributed
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM if combine == "sum" else dist.ReduceOp.MAX, group=process_group)
-        for t, piece in zip(group, buf.split([s.numel() for s in shares]), strict=True):
-            values[t.name] = t.value(piece, share)
-    return StepTotals({t.name: values[t.name] for t in wanted}, mode)
-
-
-def given_totals(names: Iterable[str], given: Mapping[str, Any], share: RankShare, mode: str | None = None) -> StepTotals:
-    """The totals ``names`` from values a trainer already has (``StepPlan.from_totals``).
-
-    Every total the mode needs must be given (a named error otherwise); each is checked
-    against the rank's own data and against the others. Totals given but not needed are
-    checked too and kept.
-    """
-    unknown = [k for k in given if k not in TOTALS]
-    if unknown:
-        raise TypeError(f"unknown step total {unknown[0]!r}{did_you_mean(unknown[0], TOTALS)}; the totals are {', '.join(TOTALS)}")
-    wanted = list(dict.fromkeys(names))
-    missing = [name for name in wanted if given.get(name) is None]
-    if missing:
-        described = "; ".join(f"{name} ({TOTALS[name].symbol}, {TOTALS[name].meaning})" for name in missing)
-        raise ValueError(f"mode={mode} needs the step total(s) {described}: pass them to from_totals")
-    values = {name: TOTALS[name].given(value, share) for name, value in given.items() if value is not None}
-    _consistency(values, share.n_samples_per_prompt)
-    order = wanted + [name for name in values if name not in wanted]
-    return StepTotals({name: values[name] for name in order}, mode)
-
-
-def check_group_label_count(num_labels: int, what: str = "num_group_labels") -> None:
-    if num_labels > MAX_GROUP_LABELS:
-        raise ValueError(
-            f"{what} must be <= {MAX_GROUP_LABELS} (the planner all-reduces two float64 per label, three with empty_samples=skip), got {num_labels}"
-        )

@@ -90,7 +90,7 @@ Tensor reduce(const Tensor& values, const Tensor& mask, const std::optional<Tens
 // quotients (weighted_total, d rounded once to the accumulation dtype as kernel_denoms does),
 // so J has the bits of reduce(values, mask, cu_seqlens, d).
 std::tuple<Tensor, Tensor> aggregate(
-    const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, int64_t denom_program, double divisor) {
+    const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, std::vector<int64_t> denom_program, double divisor) {
   const TokenCall call = aggregate_call(values, mask, cu_seqlens, denom_program, divisor);
   const ScalarType acc_dtype = acc_scalar_type(values.scalar_type());
   const int64_t b = call.layout.num_segments;
@@ -105,7 +105,7 @@ std::tuple<Tensor, Tensor> aggregate(
   double* dd = d.mutable_data_ptr<double>();
   const int64_t bad = eval_denom_program(denom_program, divisor, counts.data(), b, dd);
   LOSSAGG_CHECK_VALUE(
-      bad < 0, "lossagg.aggregate: ", kDenomsNotPositive, ": d[", bad, "] = ", dd[bad < 0 ? 0 : bad], " (program ", denom_program, ", divisor ",
+      bad < 0, "lossagg.aggregate: ", kDenomsNotPositive, ": d[", bad, "] = ", dd[bad < 0 ? 0 : bad], " (program ", program_text(denom_program), ", divisor ",
       divisor, ")");
   // d is divided in the accumulation dtype: checked there by reduce's own check, so that this
   // route refuses what plan-then-reduce refuses, with its message

@@ -46,14 +46,13 @@ import math
 import torch
 
 from lossagg.config import LossAggregationConfig
-from lossagg.denominators import mode_totals
 from lossagg.dtypes import MASK_DTYPES, VALUE_DTYPES, VALUE_DTYPES_TEXT, values_dtype_error
 from lossagg.layout import token_counts
 from lossagg.messages import short_repr
 from lossagg.modes import MODES, divisor_for
 from lossagg.ops import reduce
 from lossagg.step import StepPlan
-from lossagg.totals import DEFAULT_EMPTY_SAMPLES, EMPTY_SAMPLES
+from lossagg.totals import DEFAULT_EMPTY_SAMPLES, EMPTY_SAMPLES, mode_totals
 from lossagg.validate import as_int, as_number, as_tensor
 
 VERL_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
@@ -189,7 +188,7 @@ def _lossagg_denoms(loss_mask, mode, dp_size, batch_num_tokens, global_batch_siz
         raise ValueError(f"empty_samples must be one of {', '.join(map(repr, EMPTY_SAMPLES))}, got {short_repr(empty_samples)}")
     if dp_size > 1 or batch_num_tokens is not None or global_batch_size is not None:
         # the totals verl cannot carry first: no argument would help
-        needed = mode_totals(spec, convention)
+        needed = mode_totals(spec.totals, convention)
         uncarried = [total for total in needed if total not in _VERL_TOTALS]
         if uncarried:
             skipped = f" (with empty_samples={convention})" if convention != DEFAULT_EMPTY_SAMPLES else ""

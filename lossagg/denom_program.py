@@ -1,0 +1,212 @@
+"""The denominator program: ``d[i]`` as a product of factors, the Python twin of csrc/denom_program.h.
+
+One table of factors (:data:`FACTORS`: symbol, the step total it reads, whether it is read as
+``c(x) = max(x, 1)``) and one table of the native codes (:data:`CODES`, the enum of
+csrc/denom_program.h: what each code reads and how its value comes from the token counts of
+the whole step). Everything that evaluates a product reads them:
+
+* :class:`DenomProduct` (a mode's ``denoms``, evaluated by the plan from its step totals),
+* :meth:`DenomProduct.program` (the codes the native ``aggregate`` op runs, under each
+  ``empty_samples`` convention: the code of the total the factor reads there),
+* :func:`evaluate` (the program from the counts in float64 tensor ops: the composite that
+  serves devices without the native kernel, :mod:`lossagg.ops`).
+
+Each multiplies the same numbers left to right, so all three give the bits of the native
+evaluation. ``tests/test_denom_program.py`` compares :data:`CODES` with the native library's
+own table (``lossagg._native.denom_factor_codes()``). Adding a factor: a row here, a row in
+csrc/denom_program.h (when it has a native code), a total in :mod:`lossagg.totals` when it
+reads a new one, and the docs (docs/modes.md).
+
+Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from lossagg.messages import did_you_mean
+from lossagg.totals import EMPTY_SAMPLES, StepTotals, stand_in
+
+#: At most this many factors in a product (csrc/denom_program.h, kMaxFactors).
+MAX_FACTORS = 15
+
+
+@dataclass(frozen=True)
+class DenomInputs:
+    """What ``d[i]`` is made of, for this rank's samples (tensors are float64 ``[n_local]``).
+
+    ``totals`` holds exactly the step totals the mode declares (attributes of
+    :class:`lossagg.totals.StepTotals`: ``num_samples``, ``total_tokens``, ``max_tokens``,
+    ``num_groups``, ``group_token_sums`` (``Sg[g(i)]`` of each local sample)).
+    """
+
+    token_counts: Any  # M[i]
+    totals: StepTotals
+    divisor: float | None = None  # L, for a mode with needs_divisor
+
+
+@dataclass(frozen=True)
+class Factor:
+    """One factor of a product, as docs/modes.md writes it."""
+
+    symbol: str
+    reads: str  # the step total it reads (lossagg.totals.TOTALS), or "divisor" (L) or "token_counts" (M[i])
+    clamped: bool  # read as c(x) = max(x, 1)
+    per_sample: bool  # one value per sample (M[i], Sg[g(i)]), not one for the step
+
+
+_FACTOR_ROWS = (
+    Factor("N", "num_samples", clamped=False, per_sample=False),
+    Factor("P", "num_groups", clamped=False, per_sample=False),
+    Factor("c(T)", "total_tokens", clamped=True, per_sample=False),
+    Factor("c(L_max)", "max_tokens", clamped=True, per_sample=False),
+    Factor("L", "divisor", clamped=False, per_sample=False),
+    Factor("c(M[i])", "token_counts", clamped=True, per_sample=True),
+    Factor("c(Sg[g(i)])", "group_token_sums", clamped=True, per_sample=True),
+)
+#: The factors a :class:`DenomProduct` multiplies, by symbol.
+FACTORS: Mapping[str, Factor] = MappingProxyType({f.symbol: f for f in _FACTOR_ROWS})
+_NOT_TOTALS = ("divisor", "token_counts")
+
+
+def _c(x: float) -> float:
+    return max(float(x), 1.0)
+
+
+@dataclass(frozen=True)
+class Code:
+    """One code of the native program (csrc/denom_program.h): what it reads, and its value
+    from the float64 token counts ``m`` of the whole step (and the divisor)."""
+
+    code: int
+    symbol: str  # as csrc/denom_program.h's table names it
+    reads: str  # the step total (stand-in included), "divisor" or "token_counts"
+    of_counts: Callable[[Any, float], Any]
+
+
+_CODE_ROWS = (
+    Code(1, "N", "num_samples", lambda m, divisor: float(m.shape[0])),
+    Code(2, "c(N')", "num_nonempty_samples", lambda m, divisor: _c((m > 0).sum())),
+    Code(3, "c(T)", "total_tokens", lambda m, divisor: _c(m.sum())),
+    Code(4, "c(L_max)", "max_tokens", lambda m, divisor: _c(m.max() if m.numel() else 0.0)),
+    Code(5, "L", "divisor", lambda m, divisor: float(divisor)),
+    Code(6, "c(M[i])", "token_counts", lambda m, divisor: m.clamp(min=1.0)),
+)
+#: The native codes, by code (the twin of csrc/denom_program.h's kFactorCodes).
+CODES: Mapping[int, Code] = MappingProxyType({c.code: c for c in _CODE_ROWS})
+_CODE_OF_READ: Mapping[str, int] = MappingProxyType({c.reads: c.code for c in _CODE_ROWS})
+
+
+def code_of(symbol: str, empty_samples: str) -> int | None:
+    """The native code of factor ``symbol`` under the ``empty_samples`` convention: that of the
+    total it reads there (``N`` reads ``c(N')`` under skip), or None where there is none."""
+    reads = FACTORS[symbol].reads
+    return _CODE_OF_READ.get(reads if reads in _NOT_TOTALS else stand_in(reads, empty_samples))
+
+
+def _fail(message: str):
+    raise ValueError(f"lossagg.aggregate: {message}")
+
+
+def check_program(program: Sequence[int], divisor: float) -> tuple[int, ...]:
+    """``program`` as the native op checks it: 1 to 15 known codes; a divisor factor needs a
+    finite divisor > 0 (the native op's messages, csrc/denom_program.h)."""
+    program = tuple(int(code) for code in program)
+    if not 0 < len(program) <= MAX_FACTORS:
+        _fail(f"denom_program must be a list of 1 to {MAX_FACTORS} factor codes (csrc/denom_program.h), got {len(program)}")
+    for k, code in enumerate(program):
+        if code not in CODES:
+            _fail(f"denom_program factor {k} must be a code of 1 to {len(CODES)}, got {code} (program {list(program)})")
+        if CODES[code].reads == "divisor" and not (math.isfinite(divisor) and divisor > 0):
+            _fail(f"divisor must be finite and > 0 (the program divides by L), got {divisor}")
+    return program
+
+
+def evaluate(program: Sequence[int], divisor: float, counts) -> Any:
+    """``d[i]`` of a program from the int64 token counts of the whole step, in float64 tensor ops:
+    the left fold of csrc/denom_program.h, factor by factor (so the bits of the native evaluation)."""
+    program = check_program(program, divisor)
+    m = counts.double()
+    acc = None
+    for code in program:
+        v = CODES[code].of_counts(m, divisor)
+        acc = v if acc is None else acc * v
+    return m.new_full(m.shape, acc) if isinstance(acc, float) else acc
+
+
+class DenomProduct:
+    """``d[i]`` as a product of factors, e.g. ``DenomProduct("N", "c(M[i])")``: a mode's ``denoms``
+    written declaratively (every built-in mode is one).
+
+    The factors are those of :data:`FACTORS` (docs/modes.md): ``N``, ``P``, ``c(T)``,
+    ``c(L_max)``, ``L`` (the divisor), ``c(M[i])`` and ``c(Sg[g(i)])``. Called like any ``denoms``
+    (on :class:`DenomInputs`) it multiplies them left to right in float64. A product whose
+    factors all have a native code (:func:`code_of`) also has a native program
+    (:meth:`program`) that multiplies the same numbers in the same order, so
+    :func:`lossagg.aggregate` computes ``d[i]`` and ``J`` in the one pass over the tokens, with
+    the bits of this evaluation. A :class:`lossagg.ModeSpec` built on one reads its formula, its
+    totals and whether it takes the divisor from it.
+    """
+
+    __slots__ = ("factors", "formula", "totals", "needs_divisor", "_programs")
+
+    def __init__(self, *factors: str):
+        if not factors or len(factors) > MAX_FACTORS:
+            raise ValueError(f"DenomProduct takes 1 to {MAX_FACTORS} factors, got {len(factors)}")
+        for f in factors:
+            if not isinstance(f, str):
+                raise TypeError(
+                    f"DenomProduct takes its factors as separate strings, e.g. DenomProduct('N', 'c(M[i])'), got {type(f).__name__} {f!r}"
+                    + (f": unpack it, DenomProduct(*{f!r})" if isinstance(f, (list, tuple)) else "")
+                )
+            if f not in FACTORS:
+                raise ValueError(f"DenomProduct factor {f!r} is not one of {', '.join(FACTORS)}{did_you_mean(str(f), FACTORS)}")
+        # set once: the registry and the native program read the declaration, which must not change under them
+        setattr_ = object.__setattr__
+        setattr_(self, "factors", tuple(factors))
+        setattr_(self, "formula", " · ".join(factors))
+        #: the step totals the product reads (its mode's ModeSpec.totals)
+        setattr_(self, "totals", tuple(dict.fromkeys(FACTORS[f].reads for f in factors if FACTORS[f].reads not in _NOT_TOTALS)))
+        #: whether it divides by the constant divisor L
+        setattr_(self, "needs_divisor", "L" in factors)
+        programs = {}
+        for empty in EMPTY_SAMPLES:
+            codes = tuple(code_of(f, empty) for f in factors)
+            programs[empty] = None if None in codes else codes
+        setattr_(self, "_programs", MappingProxyType(programs))
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"DenomProduct is immutable: {name} cannot be set (make a new DenomProduct and register a new mode)")
+
+    def __delattr__(self, name):
+        raise AttributeError(f"DenomProduct is immutable: {name} cannot be deleted")
+
+    def program(self, empty_samples: str = "count") -> tuple[int, ...] | None:
+        """The native program of this product under the ``empty_samples`` convention (its factors'
+        codes, :data:`CODES`), or None where a factor has none (``P``, ``c(Sg[g(i)])``: the groups
+        are planned in Python)."""
+        return self._programs.get(empty_samples)
+
+    def __call__(self, x: DenomInputs):
+        acc = None
+        for symbol in self.factors:
+            f = FACTORS[symbol]
+            if f.reads == "divisor":
+                v = float(x.divisor)
+            elif f.reads == "token_counts":
+                v = x.token_counts.clamp(min=1.0)
+            elif f.per_sample:
+                v = x.totals[f.reads].clamp(min=1.0) if f.clamped else x.totals[f.reads]
+            else:
+                v = _c(x.totals[f.reads]) if f.clamped else float(x.totals[f.reads])
+            acc = v if acc is None else acc * v
+        if isinstance(acc, float):
+            return x.token_counts.new_full(x.token_counts.shape, acc)
+        return acc
+
+    def __repr__(self) -> str:
+        return f"DenomProduct({', '.join(map(repr, self.factors))})"
