@@ -34,8 +34,8 @@ struct FactorCode {
   const char* symbol;  // as docs/modes.md and lossagg/denom_program.py write it
 };
 inline constexpr FactorCode kFactorCodes[] = {
-    {kFactorSamples, "N"},      {kFactorNonemptySamples, "c(N')"}, {kFactorTokens, "c(T)"},
-    {kFactorMaxTokens, "c(L_max)"}, {kFactorDivisor, "L"},         {kFactorOwnTokens, "c(M[i])"},
+    {kFactorSamples, "N"}, {kFactorNonemptySamples, "c(N')"}, {kFactorTokens, "c(T)"}, {kFactorMaxTokens, "c(L_max)"},
+    {kFactorDivisor, "L"}, {kFactorOwnTokens, "c(M[i])"},
 };
 constexpr int64_t kNumFactorCodes = sizeof(kFactorCodes) / sizeof(kFactorCodes[0]);
 // Starts the message of the error for a d[i] that is not finite and > 0 (lossagg/aggregate.py
@@ -48,8 +48,8 @@ constexpr int64_t kMaxFactors = 15;
 inline void check_denom_program(const char* op, const std::vector<int64_t>& program, double divisor) {
   const int64_t n = static_cast<int64_t>(program.size());
   LOSSAGG_CHECK_VALUE(
-      n > 0 && n <= kMaxFactors, "lossagg.", op, ": denom_program must be a list of 1 to ", kMaxFactors,
-      " factor codes (csrc/denom_program.h), got ", n);
+      n > 0 && n <= kMaxFactors, "lossagg.", op, ": denom_program must be a list of 1 to ", kMaxFactors, " factor codes (csrc/denom_program.h), got ",
+      n);
   for (int64_t k = 0; k < n; ++k) {
     const int64_t f = program[static_cast<size_t>(k)];
     LOSSAGG_CHECK_VALUE(

@@ -136,6 +136,34 @@ def check_group_sizes(labels: torch.Tensor, sizes: torch.Tensor, n_samples_per_p
         )
 
 
+def _first(bad: torch.Tensor, mask: torch.Tensor):
+    if not bool(bad.any()):
+        return None
+    return mask[bad][0].item(), tuple(torch.nonzero(bad)[0].tolist())
+
+
+def zero_one_violation(mask: torch.Tensor):
+    """The first entry of ``mask`` that is neither 0 nor 1, as ``(value, index)``, or None: the
+    check of every adapter whose trainer divides by a mask's sum where lossagg counts its
+    non-zero entries (the two agree for a 0/1 mask only). Reads the mask (a host sync on an
+    accelerator, none for a bool mask)."""
+    if mask.dtype == torch.bool:
+        return None
+    return _first((mask != 0) & (mask != 1), mask)
+
+
+def weight_violation(mask: torch.Tensor):
+    """The first entry of ``mask`` that is not a finite weight >= 0, as ``(value, index)``, or None:
+    the check of every adapter whose trainer multiplies each token's loss by its mask entry
+    (lossagg's step totals are sums of non-negative counts). NaN and inf are refused."""
+    if mask.dtype == torch.bool or not (mask.is_floating_point() or mask.is_signed()):
+        return None
+    bad = ~(mask >= 0)  # NaN fails the comparison too
+    if mask.is_floating_point():
+        bad |= torch.isinf(mask)
+    return _first(bad, mask)
+
+
 def check_cu_seqlens(cu_seqlens, num_tokens: int | None = None, *, name: str = "cu_seqlens") -> torch.Tensor:
     """``cu_seqlens`` validated for the Python helpers: a 1-D integer tensor starting at 0,
     non-decreasing, ending at ``num_tokens`` when given. Reads the data (a host sync on CUDA)."""

@@ -7,6 +7,7 @@
 #include "../dispatch.h"
 #include "../kernel_common.h"
 #include "engine.h"
+#include "lanes.h"
 #include "work.h"
 
 #include "../torch_api.h"

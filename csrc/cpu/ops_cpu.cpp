@@ -2,6 +2,7 @@
 // kernel types and dispatch are shared with CUDA (op_setup.h); the loops are the engine
 // (engine.h), whose instruction set is chosen once per op.
 #include "../denom_program.h"
+#include "lanes.h"
 #include "../op_setup.h"
 #include "../torch_api.h"
 #include "engine.h"
@@ -29,7 +30,6 @@ const Engine& engine() {
 // rounding kernel_denoms does before reduce's call.
 template <typename acc_t, typename d_t>
 acc_t weighted_total(const acc_t* x, const d_t* d, int64_t n) {
-  constexpr int kLanes = 32;
   acc_t lane[kLanes] = {};
   int64_t s = 0;
   for (; s + kLanes <= n; s += kLanes) {
@@ -40,12 +40,7 @@ acc_t weighted_total(const acc_t* x, const d_t* d, int64_t n) {
   for (; s < n; ++s) {
     lane[0] += x[s] / static_cast<acc_t>(d[s]);
   }
-  for (int width = kLanes / 2; width > 0; width /= 2) {
-    for (int l = 0; l < width; ++l) {
-      lane[l] += lane[l + width];
-    }
-  }
-  return lane[0];
+  return combine_lanes(lane);
 }
 
 Tensor segment_sum(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
@@ -105,8 +100,8 @@ std::tuple<Tensor, Tensor> aggregate(
   double* dd = d.mutable_data_ptr<double>();
   const int64_t bad = eval_denom_program(denom_program, divisor, counts.data(), b, dd);
   LOSSAGG_CHECK_VALUE(
-      bad < 0, "lossagg.aggregate: ", kDenomsNotPositive, ": d[", bad, "] = ", dd[bad < 0 ? 0 : bad], " (program ", program_text(denom_program), ", divisor ",
-      divisor, ")");
+      bad < 0, "lossagg.aggregate: ", kDenomsNotPositive, ": d[", bad, "] = ", dd[bad < 0 ? 0 : bad], " (program ", program_text(denom_program),
+      ", divisor ", divisor, ")");
   // d is divided in the accumulation dtype: checked there by reduce's own check, so that this
   // route refuses what plan-then-reduce refuses, with its message
   check_sample_denoms_data("reduce", d, values.scalar_type());

@@ -74,6 +74,13 @@ __device__ __forceinline__ int vec_phase(const T* p) {
   return static_cast<int>((addr / sizeof(T)) % VEC);
 }
 
+// The phase both tensors share, or -1 (then every token of a segment is read as head).
+template <int VEC, typename T, typename M>
+__device__ __forceinline__ int common_phase(const T* p, const M* mask) {
+  const int pp = vec_phase<VEC>(p);
+  return (pp >= 0 && pp == vec_phase<VEC>(mask)) ? pp : -1;
+}
+
 // [a, b) splits into a scalar head [a, begin), a vector body [begin, end) of whole
 // VEC-token vectors aligned for both tensors, and a scalar tail [end, b). Without a
 // common phase (phase < 0) everything is head.
@@ -133,6 +140,23 @@ __device__ __forceinline__ bool table_chunk_bad(
     bad = bad || seg.begin(i) > seg.begin(i + 1);
   }
   return warp_any(bad);
+}
+
+// The tile a warp of a tile kernel takes: its index (tiles of kTileTokens tokens, kWarpsPerBlock
+// warps per block along x), its tokens [lo, hi), and this thread's lane. A warp whose index is
+// past the last tile returns at once (the grid is rounded up to whole blocks).
+struct WarpTile {
+  int lane;
+  int64_t index, lo, hi;
+};
+
+__device__ __forceinline__ WarpTile warp_tile(int64_t num_tokens) {
+  WarpTile t;
+  t.lane = static_cast<int>(threadIdx.x % kWarp);
+  t.index = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+  t.lo = t.index * kTileTokens;
+  t.hi = t.lo + kTileTokens < num_tokens ? t.lo + kTileTokens : num_tokens;
+  return t;
 }
 
 // Calls f(s, a, b, sb, se) for each segment s overlapping the tile [lo, hi), in order,
@@ -243,20 +267,18 @@ __global__ void segment_sum_tiles_kernel(
     int64_t* __restrict__ first_count,
     int64_t* __restrict__ last_count) {
   constexpr int VEC = vec_width<scalar_t>();
-  const int lane = threadIdx.x % kWarp;
-  const int64_t tile = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
-  if (tile >= tiles) {
+  const WarpTile t = warp_tile(num_tokens);
+  if (t.index >= tiles) {
     return;
   }
-  const int64_t lo = tile * kTileTokens;
-  const int64_t hi = lo + kTileTokens < num_tokens ? lo + kTileTokens : num_tokens;
+  const int lane = t.lane;
+  const int64_t tile = t.index, lo = t.lo, hi = t.hi;
   if (blockIdx.y == 0 && table_chunk_bad(seg, num_segments, num_tokens, tile, tiles, lane) && lane == 0) {
     *bad_table = 1u;
   }
   for (int64_t k = blockIdx.y; k < num_metrics; k += gridDim.y) {
     const scalar_t* v = values + k * num_tokens;
-    const int pv = vec_phase<VEC>(v);
-    const int phase = (pv >= 0 && pv == vec_phase<VEC>(mask)) ? pv : -1;
+    const int phase = common_phase<VEC>(v, mask);
     const bool count = counts != nullptr && k == 0;
     const bool ok = for_each_segment_in_tile(seg, num_segments, num_tokens, lo, hi, [&](int64_t s, int64_t a, int64_t b, int64_t sb, int64_t se) {
       unsigned int lane_kept = 0;
@@ -426,18 +448,16 @@ __global__ void expand_tiles_kernel(
     int64_t tiles,
     Coef coef) {
   constexpr int VEC = vec_width<scalar_t>();
-  const int lane = threadIdx.x % kWarp;
-  const int64_t tile = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
-  if (tile >= tiles) {
+  const WarpTile t = warp_tile(num_tokens);
+  if (t.index >= tiles) {
     return;
   }
-  const int64_t lo = tile * kTileTokens;
-  const int64_t hi = lo + kTileTokens < num_tokens ? lo + kTileTokens : num_tokens;
+  const int lane = t.lane;
+  const int64_t tile = t.index, lo = t.lo, hi = t.hi;
   const bool table_bad = table_chunk_bad(seg, num_segments, num_tokens, tile, tiles, lane);
   for (int64_t k = blockIdx.y; k < num_metrics; k += gridDim.y) {
     scalar_t* o = out + k * num_tokens;
-    const int po = vec_phase<VEC>(o);
-    const int phase = (po >= 0 && po == vec_phase<VEC>(mask)) ? po : -1;
+    const int phase = common_phase<VEC>(o, mask);
     const bool ok =
         !table_bad && for_each_segment_in_tile(seg, num_segments, num_tokens, lo, hi, [&](int64_t s, int64_t a, int64_t b, int64_t, int64_t) {
           const acc_t c = coef(k, s);

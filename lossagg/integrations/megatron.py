@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from lossagg.step import StepPlan, gradient_scale
-from lossagg.validate import as_int, as_tensor
+from lossagg.validate import as_int, as_tensor, zero_one_violation
 
 
 def _check_zero_one(name: str, mask) -> None:
@@ -44,13 +44,12 @@ def _check_zero_one(name: str, mask) -> None:
     as_tensor(name, mask)
     if mask.is_complex():
         raise TypeError(f"{name} must be a bool, integer or floating tensor of 0s and 1s, got dtype {mask.dtype}")
-    if mask.dtype == torch.bool:
-        return
-    bad = (mask != 0) & (mask != 1)
-    if bool(bad.any()):
-        where = ", ".join(str(i) for i in torch.nonzero(bad)[0].tolist())
+    found = zero_one_violation(mask)
+    if found is not None:
+        value, index = found
+        where = ", ".join(map(str, index))
         raise ValueError(
-            f"{name} must hold 0s and 1s, got {mask[bad][0].item()!r} at {name}[{where}]: the plan's d[i] and the num_tokens reported to "
+            f"{name} must hold 0s and 1s, got {value!r} at {name}[{where}]: the plan's d[i] and the num_tokens reported to "
             "Megatron are token counts, while a fractional mask would weigh the token's loss (Megatron's own per-token loss divides "
             "by loss_mask.sum(), a weight sum)"
         )

@@ -70,7 +70,7 @@ from lossagg.config import ConfigError, LossAggregationConfig
 from lossagg.modes import ALIASES, MODES, canonical_mode, divisor_for
 from lossagg.ops import reduce
 from lossagg.step import StepPlan
-from lossagg.validate import as_int
+from lossagg.validate import as_int, weight_violation
 
 __all__ = ["GRPOTrainer", "TRL_LOSS_TYPES", "config_for_loss_type"]
 
@@ -150,15 +150,10 @@ def _check_weights(mask: torch.Tensor, with_tool_mask: bool) -> None:
     """TRL multiplies each token's loss by its loss-mask entry and divides by sums of the
     mask, so any finite entry >= 0 is a weight with TRL's number. A negative or non-finite
     one is refused: lossagg's step totals are sums of non-negative counts."""
-    if mask.dtype == torch.bool or not (mask.is_floating_point() or mask.is_signed()):
-        return
-    bad = ~(mask >= 0)  # NaN fails the comparison too
-    if mask.is_floating_point():
-        bad |= torch.isinf(mask)
-    if bool(bad.any()):
+    found = weight_violation(mask)
+    if found is not None:
         name = "completion_mask * tool_mask" if with_tool_mask else "completion_mask"
-        where = ", ".join(str(i) for i in torch.nonzero(bad)[0].tolist())
-        raise ValueError(f"the loss mask ({name}) must hold finite weights >= 0, got {mask[bad][0].item()!r} at [{where}]")
+        raise ValueError(f"the loss mask ({name}) must hold finite weights >= 0, got {found[0]!r} at [{', '.join(map(str, found[1]))}]")
 
 
 class GRPOTrainer(_TRLGRPOTrainer):

@@ -53,13 +53,13 @@ from lossagg.modes import MODES, divisor_for
 from lossagg.ops import reduce
 from lossagg.step import StepPlan
 from lossagg.totals import DEFAULT_EMPTY_SAMPLES, EMPTY_SAMPLES, mode_totals
-from lossagg.validate import as_int, as_number, as_tensor
+from lossagg.validate import as_int, as_number, as_tensor, weight_violation, zero_one_violation
 
 VERL_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
 
 
-def _where(bad: torch.Tensor) -> str:
-    return "loss_mask[" + ", ".join(str(i) for i in torch.nonzero(bad)[0].tolist()) + "]"
+def _at(index: tuple[int, ...]) -> str:
+    return "loss_mask[" + ", ".join(map(str, index)) + "]"
 
 
 def _check_weights(loss_mask: torch.Tensor) -> None:
@@ -67,28 +67,21 @@ def _check_weights(loss_mask: torch.Tensor) -> None:
     value >= 0 is a weight. A negative one is refused rather than followed: with it verl's
     token total can be 0 or below (and verl divides by it), and its seq-mean modes drop a
     row whose sum is <= 0 although some of its tokens weigh more than 0."""
-    if loss_mask.dtype in (torch.bool, torch.uint8):
-        return
-    bad = ~(loss_mask >= 0)  # NaN fails the comparison too
-    if loss_mask.is_floating_point():
-        bad |= torch.isinf(loss_mask)
-    if bool(bad.any()):
-        where = _where(bad)
+    found = weight_violation(loss_mask)
+    if found is not None:
         raise ValueError(
             f"loss_mask must hold finite weights >= 0 (verl's modes multiply each token's loss by its mask entry), "
-            f"got {loss_mask[bad][0].item()!r} at {where}"
+            f"got {found[0]!r} at {_at(found[1])}"
         )
 
 
 def _check_zero_one(loss_mask: torch.Tensor, mode: str) -> None:
     """lossagg's modes build d[i] from token counts (mask entries that are non-zero), while
     the numerator multiplies by the mask: only a 0/1 mask makes the two agree."""
-    if loss_mask.dtype == torch.bool:
-        return
-    bad = (loss_mask != 0) & (loss_mask != 1)
-    if bool(bad.any()):
+    found = zero_one_violation(loss_mask)
+    if found is not None:
         raise ValueError(
-            f"loss_agg_mode={mode} needs a 0/1 loss_mask, got {loss_mask[bad][0].item()!r} at {_where(bad)}: lossagg's modes count tokens "
+            f"loss_agg_mode={mode} needs a 0/1 loss_mask, got {found[0]!r} at {_at(found[1])}: lossagg's modes count tokens "
             "(d[i] is built from how many entries are non-zero), while verl's mode names (token-mean, seq-mean-token-mean, ...) "
             "treat a fractional mask as a weight"
         )
