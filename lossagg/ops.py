@@ -470,7 +470,7 @@ def _setup_segment_sum_and_count(ctx, inputs, output):
 
 def _segment_sum_and_count_grad(ctx, grad_sums, grad_counts):
     raise RuntimeError(
-        "lossagg.segment_sum_and_count is not differentiable: lossagg.aggregate (lossagg.ops.reduce_with_counts) gives the gradient of J, "
+        "lossagg.segment_sum_and_count is not differentiable: lossagg.aggregate (its one-pass route, lossagg/aggregate.py) gives the gradient of J, "
         "lossagg.segment_sum that of the per-segment sums"
     )
 

@@ -79,14 +79,10 @@ def _outcome(fn) -> str:
 
 
 def _composite():
-    """The CUDA composite of the native aggregate op, wherever this version of lossagg keeps it."""
-    from lossagg import ops
+    """The CUDA composite of the native aggregate op (run here on CPU tensors)."""
+    from lossagg.ops import _aggregate_composite
 
-    if hasattr(ops, "_aggregate_composite"):
-        return ops._aggregate_composite
-    from lossagg import denom_program
-
-    return denom_program.aggregate_composite
+    return _aggregate_composite
 
 
 def corpus() -> dict[str, str]:

@@ -36,7 +36,7 @@ FRESH = textwrap.dedent(
         "reduce": [(v, m, cu, d), (padded, padded_mask, None, torch.tensor([1.0, 2.0, 3.0]))],
         "segment_sum": [(v, m, cu), (k2, m, cu), (padded, padded_mask, None)],
         "segment_sum_and_count": [(v.detach(), m, cu), (padded.detach(), padded_mask, None)],
-        "aggregate": [(v, m, cu, 0x61, 0.0), (padded, padded_mask, None, 0x3, 0.0)],
+        "aggregate": [(v, m, cu, [1, 6], 0.0), (padded, padded_mask, None, [3], 0.0)],
         "reduce_backward": [(torch.tensor(1.5, dtype=torch.float64), m, cu, d, torch.float64)],
         "segment_sum_backward": [(torch.randn(3, dtype=torch.float64), m, cu, torch.float32)],
         "token_counts": [(m, cu), (padded_mask, None)],

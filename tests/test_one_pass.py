@@ -302,18 +302,18 @@ def test_an_overflowing_denominator_is_named_as_the_plan_names_it():
         lossagg.aggregate(config, values, mask, cu_seqlens=cu)
     assert str(got.value) == str(plan_error.value)
     with pytest.raises(RuntimeError, match=r"ValueError: lossagg.aggregate: a denominator is not finite and > 0: d\[0\] = inf"):
-        torch.ops.lossagg.aggregate(values, mask, cu, 0x51, 1e308)
+        torch.ops.lossagg.aggregate(values, mask, cu, [1, 5], 1e308)
 
 
 @pytest.mark.parametrize(
     ("program", "divisor", "message"),
     [
-        (0, 0.0, "denom_program must be a product of 1 to 15 factors, 4 bits each"),
-        (1 << 60, 0.0, "denom_program must be a product of 1 to 15 factors, 4 bits each"),
-        (0x601, 0.0, "denom_program factor 2 must be 1 to 6 with no gap before it, got 6"),
-        (0x7, 0.0, "denom_program factor 0 must be 1 to 6 with no gap before it, got 7"),
-        (0x51, 0.0, r"divisor must be finite and > 0 \(the program divides by L\), got 0"),
-        (0x51, float("nan"), r"divisor must be finite and > 0 \(the program divides by L\), got nan"),
+        ([], 0.0, r"denom_program must be a list of 1 to 15 factor codes \(csrc/denom_program.h\), got 0"),
+        ([1] * 16, 0.0, r"denom_program must be a list of 1 to 15 factor codes \(csrc/denom_program.h\), got 16"),
+        ([1, 0, 6], 0.0, "denom_program factor 1 must be a code of 1 to 6, got 0"),
+        ([7], 0.0, "denom_program factor 0 must be a code of 1 to 6, got 7"),
+        ([1, 5], 0.0, r"divisor must be finite and > 0 \(the program divides by L\), got 0"),
+        ([1, 5], float("nan"), r"divisor must be finite and > 0 \(the program divides by L\), got nan"),
     ],
 )
 def test_a_malformed_program_is_refused_by_name(program, divisor, message):
@@ -328,11 +328,11 @@ def test_a_malformed_program_is_refused_by_name(program, divisor, message):
 
 def test_the_op_gives_reduces_gradient():
     b = make_batch("packed32", dtype=torch.float64, requires_grad=True)
-    j, d = torch.ops.lossagg.aggregate(b.values, b.mask, b.cu_seqlens, 0x61, 0.0)
+    j, d = torch.ops.lossagg.aggregate(b.values, b.mask, b.cu_seqlens, [1, 6], 0.0)
     (g,) = torch.autograd.grad(j, b.values)
     want = torch.autograd.grad(lossagg.reduce(b.values, b.mask, cu_seqlens=b.cu_seqlens, sample_denoms=d), b.values)[0]
     assert torch.equal(g, want) and not d.requires_grad
-    assert torch.autograd.gradcheck(lambda v: torch.ops.lossagg.aggregate(v, b.mask, b.cu_seqlens, 0x61, 0.0)[0], (b.values,))
+    assert torch.autograd.gradcheck(lambda v: torch.ops.lossagg.aggregate(v, b.mask, b.cu_seqlens, [1, 6], 0.0)[0], (b.values,))
 
 
 def _product_mode(name, product, **changes):
@@ -352,7 +352,7 @@ def _product_mode(name, product, **changes):
 def test_a_registered_product_mode_runs_natively_with_the_plans_bits():
     spec = lossagg.register_mode(_product_mode("one_pass_product", lossagg.DenomProduct("N", "c(T)")))
     try:
-        assert spec.denoms.program() == 0x31
+        assert spec.denoms.program() == (1, 3)
         b = make_batch("packed32", requires_grad=True)
         config = lossagg.LossAggregationConfig(mode=spec.name)
         with torch.autograd.profiler.profile() as prof:

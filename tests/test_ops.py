@@ -112,8 +112,8 @@ def sample_inputs(device, requires_grad):
             cases.append((torch.ops.lossagg.segment_sum.default, (bk.values, bk.mask, bk.cu_seqlens)))
             cases.append((torch.ops.lossagg.reduce.default, (b.values, b.mask, b.cu_seqlens, b.sample_denoms)))
             cases.append((torch.ops.lossagg.segment_sum_and_count.default, (b.values, b.mask, b.cu_seqlens)))
-            cases.append((torch.ops.lossagg.aggregate.default, (b.values, b.mask, b.cu_seqlens, 0x61, 0.0)))  # N · c(M[i])
-            cases.append((torch.ops.lossagg.aggregate.default, (b.values, b.mask, b.cu_seqlens, 0x51, 8.0)))  # N · L
+            cases.append((torch.ops.lossagg.aggregate.default, (b.values, b.mask, b.cu_seqlens, [1, 6], 0.0)))  # N · c(M[i])
+            cases.append((torch.ops.lossagg.aggregate.default, (b.values, b.mask, b.cu_seqlens, [1, 5], 8.0)))  # N · L
             grad = torch.tensor(1.5, device=device)
             cases.append(
                 (
