@@ -143,20 +143,22 @@ __device__ __forceinline__ bool table_chunk_bad(
 }
 
 // The tile a warp of a tile kernel takes: its index (tiles of kTileTokens tokens, kWarpsPerBlock
-// warps per block along x), its tokens [lo, hi), and this thread's lane. A warp whose index is
-// past the last tile returns at once (the grid is rounded up to whole blocks).
+// warps per block along x), its tokens [lo, hi), and this thread's lane. False for a warp past
+// the last tile (the grid is rounded up to whole blocks), which returns at once.
 struct WarpTile {
   int lane;
   int64_t index, lo, hi;
 };
 
-__device__ __forceinline__ WarpTile warp_tile(int64_t num_tokens) {
-  WarpTile t;
-  t.lane = static_cast<int>(threadIdx.x % kWarp);
+__device__ __forceinline__ bool warp_tile(int64_t tiles, int64_t num_tokens, WarpTile& t) {
+  t.lane = threadIdx.x % kWarp;
   t.index = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+  if (t.index >= tiles) {
+    return false;
+  }
   t.lo = t.index * kTileTokens;
   t.hi = t.lo + kTileTokens < num_tokens ? t.lo + kTileTokens : num_tokens;
-  return t;
+  return true;
 }
 
 // Calls f(s, a, b, sb, se) for each segment s overlapping the tile [lo, hi), in order,
@@ -267,8 +269,8 @@ __global__ void segment_sum_tiles_kernel(
     int64_t* __restrict__ first_count,
     int64_t* __restrict__ last_count) {
   constexpr int VEC = vec_width<scalar_t>();
-  const WarpTile t = warp_tile(num_tokens);
-  if (t.index >= tiles) {
+  WarpTile t;
+  if (!warp_tile(tiles, num_tokens, t)) {
     return;
   }
   const int lane = t.lane;
@@ -448,8 +450,8 @@ __global__ void expand_tiles_kernel(
     int64_t tiles,
     Coef coef) {
   constexpr int VEC = vec_width<scalar_t>();
-  const WarpTile t = warp_tile(num_tokens);
-  if (t.index >= tiles) {
+  WarpTile t;
+  if (!warp_tile(tiles, num_tokens, t)) {
     return;
   }
   const int lane = t.lane;
