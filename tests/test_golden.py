@@ -19,6 +19,18 @@ ISAS = [
 ]
 
 
+def run_on(isa: str, threads: int, corpus):
+    """``corpus()`` with the CPU kernels capped at ``isa`` and torch on ``threads`` threads."""
+    before = torch.get_num_threads()
+    try:
+        lossagg.set_cpu_isa(isa)
+        torch.set_num_threads(threads)
+        return corpus()
+    finally:
+        lossagg.set_cpu_isa("auto")
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def recorded():
     with open(golden.GOLDEN_PATH) as f:
@@ -38,14 +50,7 @@ def test_corpus_covers_every_admitted_dtype_combination(recorded):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("isa", ISAS)
 def test_outputs_match_the_recorded_hashes(recorded, isa, threads):
-    before = torch.get_num_threads()
-    try:
-        lossagg.set_cpu_isa(isa)
-        torch.set_num_threads(threads)
-        now = golden.corpus_hashes()
-    finally:
-        lossagg.set_cpu_isa("auto")
-        torch.set_num_threads(before)
+    now = run_on(isa, threads, golden.corpus_hashes)
     changed = [f"{case}:{op}" for case, ops in recorded.items() for op, h in ops.items() if now[case][op] != h]
     assert not changed, f"{len(changed)} outputs changed bits on {isa} with {threads} threads, e.g. {changed[:8]}"
 
@@ -75,14 +80,7 @@ def test_denominator_program_routes_match_the_recording(isa, threads):
 
     with open(golden_program.GOLDEN_PATH) as f:
         recorded = json.load(f)["cases"]
-    before = torch.get_num_threads()
-    try:
-        lossagg.set_cpu_isa(isa)
-        torch.set_num_threads(threads)
-        now = golden_program.corpus()
-    finally:
-        lossagg.set_cpu_isa("auto")
-        torch.set_num_threads(before)
+    now = run_on(isa, threads, golden_program.corpus)
     assert set(now) == set(recorded)
     changed = [k for k in recorded if now[k] != recorded[k] and k not in golden_program.CHANGED]
     assert not changed, f"{len(changed)} results changed on {isa} with {threads} threads, e.g. {[(k, recorded[k], now[k]) for k in changed[:3]]}"
