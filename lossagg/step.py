@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from lossagg.config import LossAggregationConfig
+from lossagg.config.model import PG_TERM
 from lossagg.denominators import denoms_from_totals
 from lossagg.layout import token_counts as _token_counts
 from lossagg.modes import METRIC_MODE, mode_spec
@@ -91,10 +92,14 @@ class StepPlan:
         self.token_counts = counts
         self.device = counts.device
         empty = config.empty_samples
+        terms = {name: mode_spec(term.mode) for name, term in config.terms.items()}
+        # what J reads: the PG mode's totals and every other term's, gathered in the same all-reduces
+        needed = tuple(dict.fromkeys((*spec.totals, *(t for term in terms.values() for t in term.totals))))
+        grouped = next((f"{s.name} (the reducer of term {n!r})" for n, s in terms.items() if s.needs_groups and not spec.needs_groups), None)
         self.totals = plan_totals(
-            spec.totals,
+            needed,
             counts,
-            mode=spec.name,
+            mode=grouped or spec.name,
             also=mode_spec(METRIC_MODE).totals,
             empty_samples=empty,
             given=_totals,
@@ -105,6 +110,19 @@ class StepPlan:
             num_group_labels=num_group_labels,
         )
         self.sample_denoms = denoms_from_totals(spec, counts, read_totals(spec.totals, self.totals, empty, spec.name), config.divisor, empty)
+
+    @functools.cached_property
+    def term_denoms(self) -> dict[str, torch.Tensor]:
+        """``d_k[i]`` of every term of the loss (float64 ``[n_local]``, by name): the PG term's,
+        ``"pg"``, is :attr:`sample_denoms`; each of ``config.terms`` has its own mode's and divisor's,
+        from the totals this plan gathered (docs/terms.md)."""
+        empty = self.config.empty_samples
+        out = {PG_TERM: self.sample_denoms}
+        for name, term in self.config.terms.items():
+            spec = mode_spec(term.mode)
+            read = read_totals(spec.totals, self.totals, empty, f"{spec.name} (the reducer of term {name!r})")
+            out[name] = denoms_from_totals(spec, self.token_counts, read, term.divisor, empty)
+        return out
 
     @functools.cached_property
     def metric_denoms(self) -> torch.Tensor:
@@ -206,6 +224,60 @@ class StepPlan:
         """This micro-batch's contribution to J (on this CP rank's tokens, if sharded)."""
         d = self._micro_batch_denoms(samples, mask, cu_seqlens, per_token_loss.device)
         return reduce(per_token_loss, mask, cu_seqlens=cu_seqlens, sample_denoms=d)
+
+    def loss_terms(
+        self,
+        terms: Mapping[str, torch.Tensor],
+        mask: torch.Tensor,
+        samples: Samples,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """This micro-batch's contribution to the whole loss ``J = Σ_k c_k J_k`` (docs/terms.md).
+
+        ``terms`` maps every term's name to its per-token values (each with the token shape of
+        ``mask``, one dtype for all): ``"pg"`` (the config's own mode, coefficient 1) and each
+        of ``config.terms`` (its own reducer and coefficient). ``J_k`` is the term's
+        ``Σ_i S_ki / d_k[i]`` over this micro-batch's samples, with ``d_k`` from this plan
+        (:attr:`term_denoms`): summed over every micro-batch and rank it is the step's value of
+        every term at once, and so is the gradient of each term's values,
+        ``c_k · m[t] / d_k[i(t)]``. The values are stacked and summed in one native pass
+        (``segment_sum`` over ``[K, tokens]``, one read of the mask); each term's sums are then
+        added as :func:`lossagg.reduce` adds them, so a step with the PG term alone gives the
+        bits of :meth:`loss`.
+        """
+        names = [PG_TERM, *self.config.terms]
+        if not isinstance(terms, Mapping):
+            raise TypeError(f"terms must be a mapping of term name -> per-token values ({', '.join(names)}), got {type(terms).__name__}")
+        missing = [n for n in names if n not in terms]
+        unknown = [n for n in terms if n not in names]
+        if missing or unknown:
+            got = ", ".join(map(repr, terms)) or "none"
+            raise ValueError(
+                f"terms must hold exactly the loss's terms, {', '.join(names)} ('pg' and the config's terms), got {got}"
+                + (f": missing {', '.join(missing)}" if missing else "")
+                + (f"; not terms of the config: {', '.join(map(repr, unknown))}" if unknown else "")
+            )
+        check_holds_data("mask", mask)
+        for n in names:
+            t = terms[n]
+            check_holds_data(f"terms[{n!r}]", t)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(mask.shape):
+                got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"terms[{n!r}] must be a tensor with the token shape of mask {tuple(mask.shape)}, got {got}")
+            if t.dtype != terms[PG_TERM].dtype:
+                raise TypeError(f"every term's values must have one dtype: terms['pg'] is {terms[PG_TERM].dtype}, terms[{n!r}] is {t.dtype}")
+        d = self._micro_batch_denoms(samples, mask, cu_seqlens, mask.device)
+        positions = self._positions(samples)
+        sums = segment_sum(torch.stack([terms[n] for n in names]), mask, cu_seqlens)  # [K, B]: one pass over the K values and the mask
+        rows = torch.ones((sums.shape[-1], 1), dtype=torch.bool, device=sums.device)
+        total = None
+        for k, n in enumerate(names):
+            d_k = d if n == PG_TERM else self.term_denoms[n][positions].to(device=sums.device)
+            # the term's sums as B one-token rows: reduce adds their quotients as it adds a sample's
+            j_k = reduce(sums[k].unsqueeze(1), rows, sample_denoms=d_k)
+            part = j_k if n == PG_TERM else j_k * self.config.terms[n].coefficient
+            total = part if total is None else total + part
+        return total
 
     def metrics(
         self,

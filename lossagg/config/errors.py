@@ -41,7 +41,13 @@ class HugeInt:
 
 
 def issues_from_validation(
-    exc, *, fields: Iterable[str], modes: Iterable[str], migration_names: Iterable[str], invalid: Iterable[str] = ()
+    exc,
+    *,
+    fields: Iterable[str],
+    modes: Iterable[str],
+    migration_names: Iterable[str],
+    invalid: Iterable[str] = (),
+    term_fields: Iterable[str] = (),
 ) -> list[tuple[str, str]]:
     """(path, message) for each error of a pydantic ``ValidationError`` of the config model.
 
@@ -49,7 +55,7 @@ def issues_from_validation(
     be judged against a default standing in for the user's invalid value.
     """
     invalid = set(invalid)
-    fields, modes, migration_names = list(fields), list(modes), sorted(migration_names)
+    fields, modes, migration_names, term_fields = list(fields), list(modes), sorted(migration_names), list(term_fields)
     issues: list[tuple[str, str]] = []
     for err in exc.errors():
         loc = ".".join(short_repr(p, quote=False) for p in err["loc"])
@@ -60,7 +66,12 @@ def issues_from_validation(
         elif kind == "refused_mode":
             issues.append(("mode", err["msg"]))
         elif kind == "extra_forbidden":
-            issues.append((loc, f"unknown setting{did_you_mean(err['loc'][-1], fields)}"))
+            in_term = err["loc"][0] == "terms" and len(err["loc"]) == 3
+            issues.append((loc, f"unknown setting{did_you_mean(err['loc'][-1], term_fields if in_term else fields)}"))
+        elif kind == "unknown_mode" and err["loc"][0] == "terms":  # a term's reducer: a registered mode's own name
+            value = err.get("input")
+            what = f"unknown mode {short_repr(value)}" if isinstance(value, str) else f"expected a mode name (a string), got {short_repr(value)}"
+            issues.append((loc, f"{what}{did_you_mean(value, modes)}; a term's reducer is one of {', '.join(modes)}"))
         elif kind == "unknown_mode":
             value = err.get("input")
             what = f"unknown mode {short_repr(value)}" if isinstance(value, str) else f"expected a mode name (a string), got {short_repr(value)}"

@@ -18,10 +18,37 @@ class Flag:
     flag: str  # as typed on the command line
     setting: str  # the LossAggregationConfig field it sets
     kwargs: dict[str, Any] = field(default_factory=dict)  # for argparse.add_argument
+    to_setting: Any = None  # the parsed value to the setting's (a ValueError names what is wrong); None: as parsed
 
     @property
     def dest(self) -> str:
         return self.flag.lstrip("-").replace("-", "_")
+
+
+def terms_from_flags(values: list[str]) -> dict[str, dict[str, Any]]:
+    """``--loss-aggregation-term NAME:COEFFICIENT[:MODE[:DIVISOR]]``, given once per term, as the
+    ``terms`` setting; the config then checks each term as it checks a file's."""
+    terms: dict[str, dict[str, Any]] = {}
+    for value in values:
+        parts = value.split(":")
+        if not 2 <= len(parts) <= 4 or not parts[0]:
+            raise ValueError(f"expected NAME:COEFFICIENT[:MODE[:DIVISOR]], e.g. entropy:-0.01 or kl:0.05:token_mean, got {value!r}")
+        name, number = parts[0], parts[1]
+        if name in terms:
+            raise ValueError(f"term {name!r} is given twice")
+        try:
+            term: dict[str, Any] = {"coefficient": float(number)}
+        except ValueError:
+            raise ValueError(f"the coefficient of term {name!r} must be a number, got {number!r}") from None
+        if len(parts) >= 3 and parts[2]:
+            term["mode"] = parts[2]
+        if len(parts) == 4:
+            try:
+                term["divisor"] = float(parts[3])
+            except ValueError:
+                raise ValueError(f"the divisor of term {name!r} must be a number, got {parts[3]!r}") from None
+        terms[name] = term
+    return terms
 
 
 FLAGS: tuple[Flag, ...] = (
@@ -57,6 +84,17 @@ FLAGS: tuple[Flag, ...] = (
             help="how samples with no loss token count in N and P: count (default) or skip (docs/modes.md, 'Empty samples')",
         ),
     ),
+    Flag(
+        "--loss-aggregation-term",
+        "terms",
+        dict(
+            action="append",
+            default=None,
+            metavar="NAME:COEF[:MODE[:L]]",
+            help="another term of the loss with its coefficient and reducer (default: the default reducer), once per term (docs/terms.md)",
+        ),
+        to_setting=terms_from_flags,
+    ),
 )
 
 
@@ -81,8 +119,18 @@ def config_from_args(args: argparse.Namespace) -> LossAggregationConfig:
     """
     # a flag not given is None (or False for a switch); 0 is a value (0 == False, so `is`)
     data = {f.setting: v for f in FLAGS if (v := getattr(args, f.dest, None)) is not None and v is not False}
+    for f in FLAGS:
+        if f.to_setting is not None and f.setting in data:
+            try:
+                data[f.setting] = f.to_setting(data[f.setting])
+            except ValueError as exc:
+                raise ConfigError([(f.flag, str(exc))], "command line") from None
     try:
         return LossAggregationConfig.from_dict(data, source="command line")
     except ConfigError as exc:
         flag_of = {f.setting: f.flag for f in FLAGS}
-        raise ConfigError([(flag_of.get(p, p), m) for p, m in exc.issues], "command line") from None
+        # a term's setting keeps its path after the flag: "--loss-aggregation-term kl.divisor"
+        named = [
+            (flag_of[p.split(".")[0]] + p[len(p.split(".")[0]) :].replace(".", " ", 1) if p.split(".")[0] in flag_of else p, m) for p, m in exc.issues
+        ]
+        raise ConfigError(named, "command line") from None

@@ -17,6 +17,12 @@
 * ``empty_samples``: how samples with no rollout token count, one of
   :data:`lossagg.totals.EMPTY_SAMPLES` (``count``, the default: in ``N`` and ``P`` like any
   other; ``skip``: nowhere, as NeMo-RL and AReaL count them). Valid with every mode.
+* ``terms``: the other terms of the step's loss (an entropy bonus, a KL penalty, an NLL term),
+  by name: each a :class:`LossTerm` with its own reducer (a registered mode; unset, the
+  default reducer :func:`default_term_mode`: the metrics' reducer, or the per-token mode when
+  the step itself is token-level) and its coefficient. ``J = Σ_k c_k J_k`` with the PG term (the
+  config's own ``mode``, coefficient 1) named ``pg`` (docs/terms.md). A term's ``divisor`` is
+  required with a mode that needs one, an error with any other.
 * Unknown keys are errors ("did you mean"); every error is reported at once, with its
   field path (and the file's name when loaded from a file); nothing is half-applied.
 
@@ -31,16 +37,29 @@ valid config.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr, StrictBool, StrictFloat, StrictInt, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    PrivateAttr,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from lossagg.config.errors import ConfigError, issues_from_validation
 from lossagg.config.files import read_file, select_section
 from lossagg.messages import short_repr
-from lossagg.modes import ALIASES, DEFAULT_MODE, MODES, ModeSpec, add_registration_check, canonical_mode, mode_spec
+from lossagg.modes import ALIASES, DEFAULT_MODE, METRIC_MODE, MODES, ModeSpec, add_registration_check, canonical_mode, mode_spec
 from lossagg.totals import DEFAULT_EMPTY_SAMPLES, EMPTY_SAMPLES
 
 # The mode the legacy flag calculate_per_token_loss means: Megatron's per-token loss, as the registry maps it.
@@ -72,6 +91,37 @@ class _ModeJsonSchema:
 
 #: A registered mode's name (validated against the registry at validation time).
 ModeName = Annotated[str, PlainValidator(_registered_mode), _ModeJsonSchema()]
+
+
+#: The name of the PG term (the config's own ``mode``) among a step's terms.
+PG_TERM = "pg"
+_TERM_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+
+
+def default_term_mode(mode: str) -> str:
+    """The reducer of a term that names none, under a step of ``mode``: the default reducer
+    (:data:`lossagg.modes.METRIC_MODE`), or the per-token mode when the step itself is token-level (a trainer then
+    takes its per-token path for every term)."""
+    return _PER_TOKEN_MODE if mode == _PER_TOKEN_MODE else METRIC_MODE
+
+
+def _int_as_float(value: Any) -> Any:
+    """An integer coefficient (1, -2) as the float it means; anything else as given (a bool or a
+    string is refused by the strict float)."""
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) and abs(value) <= MAX_COUNT else value
+
+
+class LossTerm(BaseModel):
+    """One term of the step's loss besides the PG term: ``coefficient × J_k`` with ``J_k`` this
+    term's per-token values reduced by its own ``mode``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: ModeName | None = Field(None, description="The term's reducer, a registered mode; unset: the default reducer (docs/terms.md).")
+    coefficient: Annotated[StrictFloat, BeforeValidator(_int_as_float)] = Field(
+        1.0, allow_inf_nan=False, description="The term's weight in J (finite; negative for a bonus such as entropy)."
+    )
+    divisor: StrictFloat | None = Field(None, gt=0, allow_inf_nan=False, description="The term's constant divisor L, with a mode that needs one.")
 
 
 def _canonical_mode_name(data: Any) -> tuple[Any, str | None]:
@@ -111,6 +161,11 @@ class LossAggregationConfig(BaseModel):
         "only samples, and groups, with at least one rollout token; NeMo-RL's and AReaL's convention). See docs/modes.md, 'Empty samples'.",
     )
 
+    terms: dict[str, LossTerm] = Field(
+        default_factory=dict,
+        description="The loss's other terms by name (lower case, [a-z][a-z0-9_]*, not 'pg'), each with its reducer and coefficient (docs/terms.md).",
+    )
+
     _notes: tuple[str, ...] = PrivateAttr(default=())
 
     @model_validator(mode="wrap")
@@ -138,6 +193,14 @@ class LossAggregationConfig(BaseModel):
         # the legacy flag chose, and the flag derived from the mode (true exactly under _PER_TOKEN_MODE).
         resolved = {name: getattr(model, name) for name in model.model_fields_set}
         resolved.update(mode=mode, calculate_per_token_loss=mode == _PER_TOKEN_MODE)
+        if model.terms:  # every term's reducer named: a term that names none gets the default reducer, noted
+            terms = {}
+            for name, term in model.terms.items():
+                if term.mode is None:
+                    term = term.model_copy(update={"mode": default_term_mode(mode)})
+                    notes.append(f"terms.{name}.mode unset: the default reducer under mode={mode}, {term.mode}")
+                terms[name] = term
+            resolved["terms"] = terms
         model = handler(resolved)
         model._notes = tuple(notes)
         return model
@@ -223,6 +286,8 @@ def _rule_problems(model: LossAggregationConfig, mode) -> list[tuple[str, str, t
             )
         )
     n = model.n_samples_per_prompt
+    for name, term in model.terms.items():
+        problems += _term_problems(name, term, mode, model)
     if spec.needs_groups and model.global_batch_size is not None and n is not None and model.global_batch_size % n != 0:
         problems.append(
             (
@@ -235,8 +300,43 @@ def _rule_problems(model: LossAggregationConfig, mode) -> list[tuple[str, str, t
     return problems
 
 
+def _term_problems(name: str, term: LossTerm, mode: str, model: LossAggregationConfig) -> list[tuple[str, str, tuple[str, ...]]]:
+    """The rules of one term, on its validated fields: its name, its divisor, its groups."""
+    at = f"terms.{name}"
+    if not _TERM_NAME.fullmatch(name):
+        why = "a term's name must be lower case letters, digits and '_' (starting with a letter, <= 64 characters)"
+        return [(at, f"{why}, got {name!r}", ("terms",))]
+    if name == PG_TERM:
+        return [(at, f"the term name {PG_TERM!r} is the PG term (the config's own mode); give this term another name", ("terms",))]
+    term_mode = term.mode if term.mode is not None else default_term_mode(mode)
+    spec = mode_spec(term_mode)
+    problems = []
+    if spec.needs_divisor and term.divisor is None:
+        problems.append((f"{at}.divisor", f"the term's mode={term_mode} needs divisor (L, a finite number > 0)", ("terms",)))
+    elif not spec.needs_divisor and term.divisor is not None:
+        problems.append((f"{at}.divisor", f"divisor is only used with a mode that divides by L, got it with the term's mode={term_mode}", ("terms",)))
+    n = model.n_samples_per_prompt
+    if spec.needs_groups and model.global_batch_size is not None and n is not None and model.global_batch_size % n != 0:
+        problems.append(
+            (
+                f"{at}.mode",
+                f"under the term's mode={term_mode} global_batch_size ({model.global_batch_size}) must be a multiple of "
+                f"n_samples_per_prompt ({n}) so that prompt groups stay whole",
+                ("terms", "global_batch_size", "n_samples_per_prompt"),
+            )
+        )
+    return problems
+
+
 def _issues(exc: ValidationError, invalid=()) -> list[tuple[str, str]]:
-    return issues_from_validation(exc, fields=LossAggregationConfig.model_fields, modes=tuple(MODES), migration_names=tuple(ALIASES), invalid=invalid)
+    return issues_from_validation(
+        exc,
+        fields=LossAggregationConfig.model_fields,
+        modes=tuple(MODES),
+        migration_names=tuple(ALIASES),
+        invalid=invalid,
+        term_fields=LossTerm.model_fields,
+    )
 
 
 def _check_example_settings(spec: ModeSpec) -> None:

@@ -1,0 +1,298 @@
+"""The whole loss: several terms, each with its own reducer and coefficient, in one plan and one
+pass (docs/terms.md). ``J = Σ_k c_k J_k``; every term is checked against the float64 reference
+of its own mode (lossagg.testing.reference_loss, docs/modes.md), over micro-batch splits, and
+across DP x CP ranks in gloo processes with the plan's all-reduces counted."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import lossagg
+from lossagg import ConfigError, LossAggregationConfig, StepPlan
+from lossagg.cli import main as cli_main
+from lossagg.testing import reference_loss
+
+N_PER_PROMPT = 4
+
+
+def batch(seed=0, n=12, dtype=torch.float64, padded=False):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 24, (n,), generator=g)
+    lengths[3] = 0  # an empty sample
+    cu = lossagg.cu_seqlens_from_lengths(lengths).long()
+    total = int(cu[-1])
+    mask = torch.rand(total, generator=g) < 0.8
+    mask[int(cu[5]) : int(cu[6])] = False  # a fully masked sample
+    values = {name: torch.randn(total, generator=g).to(dtype) for name in ("pg", "entropy", "kl", "nll")}
+    groups = torch.arange(n) // N_PER_PROMPT
+    if padded:
+        width = int(lengths.max())
+        pmask = torch.zeros(n, width, dtype=torch.bool)
+        pvalues = {k: torch.zeros(n, width, dtype=dtype) for k in values}
+        for i in range(n):
+            a, b = int(cu[i]), int(cu[i + 1])
+            pmask[i, : b - a] = mask[a:b]
+            for k in values:
+                pvalues[k][i, : b - a] = values[k][a:b]
+        return pvalues, pmask, None, groups
+    return values, mask, cu, groups
+
+
+def term_config(pg="prompt_mean", **terms):
+    settings = {"mode": pg, "n_samples_per_prompt": N_PER_PROMPT, **lossagg.MODES[pg].example_settings}
+    settings["terms"] = terms or {"entropy": {"coefficient": -0.01}, "kl": {"mode": "token_mean", "coefficient": 0.05}}
+    return LossAggregationConfig.from_dict(settings)
+
+
+def reference(config, values, mask, cu, groups):
+    """Σ_k c_k J_k, each J_k the float64 reference of the term's own mode."""
+    base = {"empty_samples": config.empty_samples}
+    pg = LossAggregationConfig.from_dict({"mode": config.mode, **({"divisor": config.divisor} if config.divisor else {}), **base})
+    total = reference_loss(pg, values["pg"], mask, cu, groups)
+    for name, term in config.terms.items():
+        c = LossAggregationConfig.from_dict({"mode": term.mode, **({"divisor": term.divisor} if term.divisor else {}), **base})
+        total = total + term.coefficient * reference_loss(c, values[name], mask, cu, groups)
+    return total
+
+
+# ---------------------------------------------------------------------- config
+def test_a_term_without_a_mode_gets_the_default_reducer_and_a_note():
+    config = term_config()
+    assert config.terms["entropy"].mode == "sample_mean" and config.terms["kl"].mode == "token_mean"
+    assert "terms.entropy.mode unset: the default reducer under mode=prompt_mean, sample_mean" in config.resolution_notes
+    token_level = LossAggregationConfig.from_dict({"mode": "token_mean", "terms": {"entropy": {"coefficient": -1}}})
+    assert token_level.terms["entropy"].mode == "token_mean" and token_level.terms["entropy"].coefficient == -1.0
+    assert LossAggregationConfig().terms == {}
+
+
+@pytest.mark.parametrize(
+    ("terms", "path", "message"),
+    [
+        ({"pg": {}}, "terms.pg", "the term name 'pg' is the PG term"),
+        ({"Entropy": {}}, "terms.Entropy", "a term's name must be lower case letters"),
+        ({"x": {"mode": "constant"}}, "terms.x.divisor", "the term's mode=constant needs divisor"),
+        ({"x": {"divisor": 2.0}}, "terms.x.divisor", "divisor is only used with a mode that divides by L"),
+        ({"x": {"mode": "nope"}}, "terms.x.mode", "unknown mode 'nope'; a term's reducer is one of"),
+        ({"x": {"coefficient": float("nan")}}, "terms.x.coefficient", "finite number"),
+        ({"x": {"coefficient": "1"}}, "terms.x.coefficient", "valid number"),
+        ({"x": {"coefficient": True}}, "terms.x.coefficient", "valid number"),
+        ({"x": {"weight": 1.0}}, "terms.x.weight", "unknown setting"),
+    ],
+)
+def test_a_bad_term_is_refused_by_its_path(terms, path, message):
+    with pytest.raises(ConfigError) as got:
+        LossAggregationConfig.from_dict({"mode": "sample_mean", "terms": terms})
+    assert any(p == path and message in m for p, m in got.value.issues), got.value.issues
+
+
+def test_a_grouped_term_keeps_the_groups_whole():
+    with pytest.raises(ConfigError, match="terms.x.mode: under the term's mode=prompt_mean global_batch_size"):
+        LossAggregationConfig.from_dict({"n_samples_per_prompt": 4, "global_batch_size": 10, "terms": {"x": {"mode": "prompt_mean"}}})
+
+
+def test_flags_give_the_terms_and_name_the_flag():
+    parser = lossagg.add_loss_aggregation_args(argparse.ArgumentParser())
+    args = parser.parse_args(
+        ["--loss-aggregation", "prompt_mean", "--loss-aggregation-term", "entropy:-0.01", "--loss-aggregation-term", "kl:0.05:token_mean"]
+    )
+    config = lossagg.config_from_args(args)
+    assert config.terms["kl"].mode == "token_mean" and config.terms["entropy"].coefficient == -0.01
+    for argv, message in (
+        (["--loss-aggregation-term", "x"], "--loss-aggregation-term: expected NAME:COEFFICIENT[:MODE[:DIVISOR]]"),
+        (["--loss-aggregation-term", "x:abc"], "--loss-aggregation-term: the coefficient of term 'x' must be a number, got 'abc'"),
+        (["--loss-aggregation-term", "x:1", "--loss-aggregation-term", "x:2"], "term 'x' is given twice"),
+        (["--loss-aggregation-term", "x:1:constant"], "--loss-aggregation-term x.divisor: the term's mode=constant needs divisor"),
+        (["--loss-aggregation-term", "x:1:constant:0"], "--loss-aggregation-term x.divisor"),
+    ):
+        with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            lossagg.config_from_args(parser.parse_args(argv))
+
+
+def test_the_schema_and_check_know_the_terms(tmp_path, capsys):
+    assert cli_main(["schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert "terms" in schema["properties"]
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps({"mode": "prompt_mean", "terms": {"entropy": {"coefficient": -0.01}}}))
+    assert cli_main(["check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert '"entropy"' in out and "terms.entropy.mode unset" in out
+    path.write_text(json.dumps({"terms": {"x": {"mode": "constant"}}}))
+    assert cli_main(["check", str(path)]) == 1
+    assert "terms.x.divisor" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------ plan
+@pytest.mark.parametrize("empty", ["count", "skip"])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("term_mode", list(lossagg.MODES))
+def test_every_term_is_its_own_modes_reference(term_mode, padded, empty):
+    values, mask, cu, groups = batch(padded=padded)
+    packed_values, packed_mask, packed_cu, _ = batch(padded=False)  # the same step, packed, for the reference
+    term = {"mode": term_mode, "coefficient": -0.3, **lossagg.MODES[term_mode].example_settings}
+    settings = {"mode": "sample_mean", "n_samples_per_prompt": N_PER_PROMPT, "empty_samples": empty}
+    config = LossAggregationConfig.from_dict({**settings, "terms": {"nll": term, "kl": {"mode": "token_mean", "coefficient": 0.05}}})
+    names = ("pg", "nll", "kl")
+    leaves = {k: values[k].clone().requires_grad_(True) for k in names}
+    plan = StepPlan.from_mask(config, mask, cu, group_index=groups)
+    j = plan.loss_terms(leaves, mask, slice(None), cu)
+    ref_leaves = {k: packed_values[k].clone().requires_grad_(True) for k in names}
+    want = reference(config, ref_leaves, packed_mask, packed_cu, groups)
+    assert abs(j.item() - want.item()) <= 1e-12 * max(1.0, abs(want.item()))
+    got_g = torch.autograd.grad(j, [leaves[k] for k in names])
+    want_g = torch.autograd.grad(want, [ref_leaves[k] for k in names])
+    lengths = (packed_cu[1:] - packed_cu[:-1]).tolist()
+    for a, b in zip(got_g, want_g, strict=True):
+        if padded:  # the padded gradient's rows, read as the packed tokens
+            a = torch.cat([a[i, :n] for i, n in enumerate(lengths)])
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-15)
+
+
+def test_micro_batches_add_up_to_the_step():
+    values, mask, cu, groups = batch(seed=3)
+    config = term_config()
+    values = {k: values[k] for k in ("pg", "entropy", "kl")}
+    plan = StepPlan.from_mask(config, mask, cu, group_index=groups)
+    whole = plan.loss_terms(values, mask, slice(None), cu)
+    total = 0.0
+    lengths = cu[1:] - cu[:-1]
+    for samples in (torch.tensor([0, 5, 7]), torch.tensor([1, 2, 3, 4]), torch.tensor([6, 8, 9, 10, 11])):
+        idx = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in samples.tolist()])
+        mb_cu = lossagg.cu_seqlens_from_lengths(lengths[samples]).long()
+        total = total + plan.loss_terms({k: v[idx] for k, v in values.items()}, mask[idx], samples, mb_cu)
+    assert abs(total.item() - whole.item()) <= 1e-12
+    assert abs(whole.item() - reference(config, values, mask, cu, groups).item()) <= 1e-12
+
+
+@pytest.mark.parametrize("mode", list(lossagg.MODES))
+def test_the_pg_term_alone_has_the_bits_of_plan_loss(mode):
+    values, mask, cu, groups = batch(seed=5, n=40, dtype=torch.float32)
+    config = LossAggregationConfig.from_dict({"mode": mode, **lossagg.MODES[mode].example_settings})
+    plan = StepPlan.from_mask(config, mask, cu, group_index=groups)
+    v = values["pg"].clone().requires_grad_(True)
+    a = plan.loss_terms({"pg": v}, mask, slice(None), cu)
+    (ga,) = torch.autograd.grad(a, v)
+    b = plan.loss(v, mask, slice(None), cu)
+    (gb,) = torch.autograd.grad(b, v)
+    assert torch.equal(a, b) and torch.equal(ga, gb)
+
+
+def test_one_plan_gathers_every_terms_totals_and_from_totals_asks_for_them():
+    values, mask, cu, groups = batch()
+    config = LossAggregationConfig.from_dict({"mode": "sample_mean", "terms": {"kl": {"mode": "max_length", "coefficient": 0.5}}})
+    plan = StepPlan.from_mask(config, mask, cu)
+    assert {"num_samples", "max_tokens", "total_tokens"} <= set(plan.totals)
+    counts = lossagg.token_counts(mask, cu)
+    with pytest.raises(ValueError, match="max_tokens"):
+        StepPlan.from_totals(config, counts, num_samples=12)
+    given = StepPlan.from_totals(config, counts, num_samples=12, max_tokens=float(counts.max()))
+    assert torch.equal(given.term_denoms["kl"], plan.term_denoms["kl"])
+
+
+def test_a_grouped_term_without_groups_is_named():
+    values, mask, cu, groups = batch()
+    config = LossAggregationConfig.from_dict({"mode": "sample_mean", "terms": {"nll": {"mode": "prompt_mean"}}})
+    with pytest.raises(ValueError, match=r"group_index is required under mode=prompt_mean \(the reducer of term 'nll'\)"):
+        StepPlan.from_mask(config, mask, cu)
+
+
+def test_the_terms_given_must_be_the_configs():
+    values, mask, cu, groups = batch()
+    plan = StepPlan.from_mask(term_config(), mask, cu, group_index=groups)
+    with pytest.raises(ValueError, match="missing kl"):
+        plan.loss_terms({"pg": values["pg"], "entropy": values["entropy"]}, mask, slice(None), cu)
+    with pytest.raises(ValueError, match="not terms of the config: 'nll'"):
+        plan.loss_terms(values, mask, slice(None), cu)
+    three = {k: values[k] for k in ("pg", "entropy", "kl")}
+    with pytest.raises(ValueError, match=r"terms\['kl'\] must be a tensor with the token shape of mask"):
+        plan.loss_terms({**three, "kl": values["kl"][:-1]}, mask, slice(None), cu)
+    with pytest.raises(TypeError, match=r"every term's values must have one dtype"):
+        plan.loss_terms({**three, "kl": values["kl"].float()}, mask, slice(None), cu)
+    with pytest.raises(TypeError, match="terms must be a mapping"):
+        plan.loss_terms([values["pg"]], mask, slice(None), cu)
+
+
+# ---------------------------------------------------------- DP x CP, gloo processes
+DP, CP, MICRO_BATCHES = 2, 2, 2
+
+
+def _model():
+    torch.manual_seed(11)
+    return torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).double()
+
+
+def _step():
+    g = torch.Generator().manual_seed(21)
+    n = 4 * N_PER_PROMPT
+    lengths = torch.randint(0, 26, (n,), generator=g)
+    lengths[2] = 0
+    cu = lossagg.cu_seqlens_from_lengths(lengths).long()
+    total = int(cu[-1])
+    features = torch.randn(total, 5, generator=g, dtype=torch.float64)
+    mask = torch.rand(total, generator=g) < 0.75
+    groups = torch.arange(n) // N_PER_PROMPT
+    return features, mask, cu, groups
+
+
+def _terms_of(model, features):
+    out = model(features)
+    return {"pg": out[:, 0] ** 2, "entropy": torch.tanh(out[:, 1]), "kl": out[:, 2].exp()}
+
+
+def _worker(rank, world, init_file, results_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    dp_rank, cp_rank = divmod(rank, CP)
+    dp_group = [dist.new_group([d * CP + c for d in range(DP)]) for c in range(CP)][cp_rank]
+    features, mask, cu, groups = _step()
+    n = cu.numel() - 1
+    lengths = cu[1:] - cu[:-1]
+    own = torch.tensor_split(torch.arange(n), DP)[dp_rank]
+    config = term_config()
+    calls = []
+    real = dist.all_reduce
+    dist.all_reduce = lambda *a, **k: (calls.append(k.get("op")), real(*a, **k))[1]
+    try:
+        plan = StepPlan(
+            config, lossagg.token_counts(mask, cu)[own], group_index=groups[own], process_group=dp_group, num_group_labels=n // N_PER_PROMPT
+        )
+    finally:
+        dist.all_reduce = real
+    model = _model()
+    for mb_local in torch.tensor_split(torch.arange(own.numel()), MICRO_BATCHES):
+        mb = own[mb_local]
+        idx = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in mb.tolist()] + [torch.zeros(0, dtype=torch.long)])
+        mb_cu = lossagg.cu_seqlens_from_lengths(lengths[mb]).long()
+        local_cu = lossagg.zigzag_local_cu_seqlens(mb_cu, CP)
+        local_features = lossagg.zigzag_shard(features[idx].T, mb_cu, CP, cp_rank).T
+        local_mask = lossagg.zigzag_shard(mask[idx], mb_cu, CP, cp_rank, pad_value=False)
+        plan.loss_terms(_terms_of(model, local_features), local_mask, mb_local, local_cu).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+    ref_model = _model()
+    reference(config, _terms_of(ref_model, features), mask, cu, groups).backward()
+    failures = [f"rank {rank}: the plan made {len(calls)} all-reduces ({calls}), not one sum"] if calls != [dist.ReduceOp.SUM] else []
+    for p, r in zip(model.parameters(), ref_model.parameters(), strict=True):
+        if not torch.allclose(p.grad, r.grad, rtol=1e-10, atol=1e-13):
+            failures.append(f"rank {rank}: max gradient error {(p.grad - r.grad).abs().max():.3g}")
+    with open(os.path.join(results_dir, f"rank{rank}.txt"), "w") as f:
+        f.write("\n".join(failures))
+    dist.destroy_process_group()
+
+
+@pytest.mark.xdist_group("engines")
+def test_dp2_cp2_whole_loss_gradient_equals_the_unsplit_step(tmp_path):
+    """pg on prompt_mean, entropy on sample_mean, KL on token_mean, over 2 micro-batches × DP 2 ×
+    CP 2: the summed gradients are the unsplit step's (float64), and the plan makes one sum all-reduce."""
+    world = DP * CP
+    mp.spawn(_worker, args=(world, tempfile.mktemp(dir=tmp_path), str(tmp_path)), nprocs=world, join=True)
+    failures = [t for r in range(world) if (t := (tmp_path / f"rank{r}.txt").read_text())]
+    assert not failures, "\n".join(failures)
