@@ -245,6 +245,18 @@ class StepPlan:
         added as :func:`lossagg.reduce` adds them, so a step with the PG term alone gives the
         bits of :meth:`loss`.
         """
+        return self.loss_terms_parts(terms, mask, samples, cu_seqlens)[0]
+
+    def loss_terms_parts(
+        self,
+        terms: Mapping[str, torch.Tensor],
+        mask: torch.Tensor,
+        samples: Samples,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(:meth:`loss_terms`, each term's own contribution ``J_k`` before its coefficient, by
+        name): the total is differentiable, the parts are detached (for a tracker: summed over
+        micro-batches and ranks they are each term's step value)."""
         names = [PG_TERM, *self.config.terms]
         if not isinstance(terms, Mapping):
             raise TypeError(f"terms must be a mapping of term name -> per-token values ({', '.join(names)}), got {type(terms).__name__}")
@@ -270,14 +282,15 @@ class StepPlan:
         positions = self._positions(samples)
         sums = segment_sum(torch.stack([terms[n] for n in names]), mask, cu_seqlens)  # [K, B]: one pass over the K values and the mask
         rows = torch.ones((sums.shape[-1], 1), dtype=torch.bool, device=sums.device)
-        total = None
+        total, parts = None, {}
         for k, n in enumerate(names):
             d_k = d if n == PG_TERM else self.term_denoms[n][positions].to(device=sums.device)
             # the term's sums as B one-token rows: reduce adds their quotients as it adds a sample's
             j_k = reduce(sums[k].unsqueeze(1), rows, sample_denoms=d_k)
+            parts[n] = j_k.detach()
             part = j_k if n == PG_TERM else j_k * self.config.terms[n].coefficient
             total = part if total is None else total + part
-        return total
+        return total, parts
 
     def metrics(
         self,

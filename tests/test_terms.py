@@ -296,3 +296,35 @@ def test_dp2_cp2_whole_loss_gradient_equals_the_unsplit_step(tmp_path):
     mp.spawn(_worker, args=(world, tempfile.mktemp(dir=tmp_path), str(tmp_path)), nprocs=world, join=True)
     failures = [t for r in range(world) if (t := (tmp_path / f"rank{r}.txt").read_text())]
     assert not failures, "\n".join(failures)
+
+
+# ------------------------------------------------------------------ the Megatron adapter
+@pytest.mark.parametrize("per_token", [False, True])
+def test_the_megatron_loss_func_returns_the_whole_loss(per_token):
+    from lossagg.integrations.megatron import make_loss_func
+
+    values, mask, cu, groups = batch(seed=8)
+    values = {k: values[k] for k in ("pg", "entropy", "kl")}
+    config = term_config(pg="token_mean" if per_token else "prompt_mean")
+    plan = StepPlan.from_mask(config, mask, cu, group_index=groups)
+    lengths = cu[1:] - cu[:-1]
+    total, tokens, reports = 0.0, 0, {}
+    for samples in (torch.arange(0, 6), torch.arange(6, 12)):
+        idx = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in samples.tolist()])
+        mb_cu = lossagg.cu_seqlens_from_lengths(lengths[samples]).long()
+        loss_func = make_loss_func(plan, samples, mb_cu, mask[idx], num_micro_batches=2, calculate_per_token_loss=per_token)
+        out = loss_func({k: v[idx] for k, v in values.items()})
+        # Megatron's treatment: divide by the micro-batches (off) or by the summed num_tokens (on)
+        total = total + (out[0] / 2 if not per_token else out[0])
+        for k, v in out[-1].items():
+            reports[k] = reports.get(k, 0.0) + v
+        if per_token:
+            tokens = tokens + out[1]
+    if per_token:
+        total = total / tokens
+    assert abs(total.item() - reference(config, values, mask, cu, groups).item()) <= 1e-12
+    assert set(reports) == {"pg_loss", "entropy_loss", "kl_loss"}
+    single = LossAggregationConfig.from_dict({"mode": "token_mean"})
+    assert abs(reports["kl_loss"].item() - reference_loss(single, values["kl"], mask, cu).item()) <= 1e-12
+    with pytest.raises(TypeError, match="output_tensor must be a mapping of every term's per-token values"):
+        make_loss_func(plan, torch.arange(0, 12), cu, mask, num_micro_batches=1)(values["pg"])

@@ -21,14 +21,17 @@ Everything about the mode, ``empty_samples`` included, comes from the plan's con
 ``StepPlan.from_totals(..., num_nonempty_samples=...)`` with ``empty_samples: skip``).
 
 ``output_tensor`` is the per-token loss of this micro-batch on this rank (packed ``[T]``
-with ``cu_seqlens``, or padded ``[B, T]``). The reports are this micro-batch's
-contributions (sum them over micro-batches and ranks for the step's value): ``pg_loss``
-and the default-reducer value of each metric in ``metrics``.
+with ``cu_seqlens``, or padded ``[B, T]``). With a plan whose config has ``terms``
+(docs/terms.md) it is a mapping of every term's per-token values by name (``"pg"`` and the
+config's terms), and the returned loss is the whole ``J = Σ_k c_k J_k``, every term on its own
+reducer. The reports are this micro-batch's contributions (sum them over micro-batches and
+ranks for the step's value): ``pg_loss``, ``<term>_loss`` for each other term (its ``J_k``,
+before its coefficient), and the default-reducer value of each metric in ``metrics``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -96,9 +99,18 @@ def make_loss_func(
     else:
         scale = gradient_scale("megatron", dp_size=dp_size, cp_size=cp_size, num_micro_batches=num_micro_batches)
 
-    def loss_func(output_tensor: torch.Tensor):
-        contribution = plan.loss(output_tensor, loss_mask, samples, cu_seqlens)
-        report = {"pg_loss": contribution.detach()}
+    def loss_func(output_tensor):
+        if plan.config.terms or isinstance(output_tensor, Mapping):
+            if not isinstance(output_tensor, Mapping):
+                raise TypeError(
+                    f"the plan's config has the terms {', '.join(plan.config.terms)}: output_tensor must be a mapping of every term's "
+                    f"per-token values by name ('pg' and those), got {type(output_tensor).__name__}"
+                )
+            contribution, parts = plan.loss_terms_parts(output_tensor, loss_mask, samples, cu_seqlens)
+            report = {f"{name}_loss": value for name, value in parts.items()}
+        else:
+            contribution = plan.loss(output_tensor, loss_mask, samples, cu_seqlens)
+            report = {"pg_loss": contribution.detach()}
         if metrics:
             report.update(plan.metrics(metrics, loss_mask, samples, cu_seqlens))
         if calculate_per_token_loss:
