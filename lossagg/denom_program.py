@@ -57,6 +57,7 @@ class Factor:
     reads: str  # the step total it reads (lossagg.totals.TOTALS), or "divisor" (L) or "token_counts" (M[i])
     clamped: bool  # read as c(x) = max(x, 1)
     per_sample: bool  # one value per sample (M[i], Sg[g(i)]), not one for the step
+    zero_as_one: bool = False  # 0 read as 1: a weight sum that is 0 only when every numerator is 0 (J = 0)
 
 
 _FACTOR_ROWS = (
@@ -67,7 +68,11 @@ _FACTOR_ROWS = (
     Factor("L", "divisor", clamped=False, per_sample=False),
     Factor("c(M[i])", "token_counts", clamped=True, per_sample=True),
     Factor("c(Sg[g(i)])", "group_token_sums", clamped=True, per_sample=True),
+    Factor("W", "weight_sum", clamped=False, per_sample=False),
+    Factor("W_abs", "abs_weight_sum", clamped=False, per_sample=False, zero_as_one=True),
 )
+#: What a weighted mean puts in place of the sample count N (docs/terms.md, "Per-sample weights").
+WEIGHTED_COUNT = MappingProxyType({"mean": "W", "abs_mean": "W_abs"})
 #: The factors a :class:`DenomProduct` multiplies, by symbol.
 FACTORS: Mapping[str, Factor] = MappingProxyType({f.symbol: f for f in _FACTOR_ROWS})
 _NOT_TOTALS = ("divisor", "token_counts")
@@ -203,6 +208,8 @@ class DenomProduct:
                 v = x.totals[f.reads].clamp(min=1.0) if f.clamped else x.totals[f.reads]
             else:
                 v = _c(x.totals[f.reads]) if f.clamped else float(x.totals[f.reads])
+                if f.zero_as_one and v == 0.0:
+                    v = 1.0
             acc = v if acc is None else acc * v
         if isinstance(acc, float):
             return x.token_counts.new_full(x.token_counts.shape, acc)
@@ -210,3 +217,11 @@ class DenomProduct:
 
     def __repr__(self) -> str:
         return f"DenomProduct({', '.join(map(repr, self.factors))})"
+
+    def weighted(self, weighting: str) -> DenomProduct:
+        """This product as a weighted mean (``weighting`` ``"mean"`` or ``"abs_mean"``): its sample
+        count ``N`` replaced by the weights' sum ``W`` or ``W_abs``. ValueError for a product
+        without ``N``."""
+        if "N" not in self.factors:
+            raise ValueError(f"a weighted mean replaces the sample count N, and {self.formula} has none")
+        return DenomProduct(*(WEIGHTED_COUNT[weighting] if f == "N" else f for f in self.factors))

@@ -15,6 +15,7 @@ only, and token counts from the full (unsharded) rollout masks (see
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -46,6 +47,37 @@ def _as_config(config) -> LossAggregationConfig:
     if not isinstance(config, LossAggregationConfig):
         raise TypeError(f"config must be a LossAggregationConfig (or a mapping of its settings), got {type(config).__name__}")
     return config
+
+
+def _weighted(spec, weighting: str):
+    """The mode ``spec`` as a term with this weighting reduces: itself, or (``mean``, ``abs_mean``)
+    its product with the sample count N replaced by the weights' sum (the config has checked it has N)."""
+    if weighting not in ("mean", "abs_mean"):
+        return spec
+    product = spec.denoms.weighted(weighting)
+    return dataclasses.replace(spec, denoms=product, denom_formula=product.formula, totals=product.totals)
+
+
+def _sample_weights(weights, weightings: Mapping[str, str], counts: torch.Tensor) -> torch.Tensor | None:
+    """The samples' weights as float64 ``[n_local]``, checked: given exactly when a term of the
+    config uses them, one per sample, finite (docs/terms.md, "Per-sample weights")."""
+    users = [name for name, w in weightings.items() if w != "none"]
+    if weights is None:
+        if users:
+            raise ValueError(f"the term(s) {', '.join(users)} weigh the samples (weighting={weightings[users[0]]}): pass sample_weights= to StepPlan")
+        return None
+    if not users:
+        raise ValueError("sample_weights were given, but no term of the config uses them: set weighting for the PG term or a term (docs/terms.md)")
+    check_holds_data("sample_weights", weights)
+    if not isinstance(weights, torch.Tensor) or not weights.is_floating_point() or weights.dim() != 1 or weights.shape[0] != counts.shape[0]:
+        got = f"{weights.dtype} tensor of shape {tuple(weights.shape)}" if isinstance(weights, torch.Tensor) else type(weights).__name__
+        raise ValueError(f"sample_weights must be a floating 1-D tensor with one weight per sample of this rank ({counts.shape[0]}), got a {got}")
+    w = weights.detach().to(device=counts.device, dtype=torch.float64)
+    bad = ~torch.isfinite(w)
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0, 0])
+        raise ValueError(f"sample_weights[{i}] is {float(w[i])!r}: every weight must be finite")
+    return w
 
 
 class StepPlan:
@@ -83,16 +115,21 @@ class StepPlan:
         group_index: torch.Tensor | None = None,
         process_group=None,
         num_group_labels: int | None = None,
+        sample_weights: torch.Tensor | None = None,
         _totals: Mapping[str, Any] | None = None,
     ):
         config = _as_config(config)
-        spec = mode_spec(config.mode)
         counts = check_token_counts(token_counts)
         self.config = config
         self.token_counts = counts
         self.device = counts.device
         empty = config.empty_samples
-        terms = {name: mode_spec(term.mode) for name, term in config.terms.items()}
+        weightings = {PG_TERM: config.weighting, **{name: term.weighting for name, term in config.terms.items()}}
+        self.sample_weights = _sample_weights(sample_weights, weightings, counts)
+        # each term's mode, as a weighted mean where its weighting says so (N replaced by W or W_abs)
+        spec = _weighted(mode_spec(config.mode), config.weighting)
+        terms = {name: _weighted(mode_spec(term.mode), term.weighting) for name, term in config.terms.items()}
+        self._specs = {PG_TERM: spec, **terms}
         # what J reads: the PG mode's totals and every other term's, gathered in the same all-reduces
         needed = tuple(dict.fromkeys((*spec.totals, *(t for term in terms.values() for t in term.totals))))
         grouped = next((f"{s.name} (the reducer of term {n!r})" for n, s in terms.items() if s.needs_groups and not spec.needs_groups), None)
@@ -108,6 +145,7 @@ class StepPlan:
             global_batch_size=config.global_batch_size,
             process_group=process_group,
             num_group_labels=num_group_labels,
+            weights=self.sample_weights,
         )
         self.sample_denoms = denoms_from_totals(spec, counts, read_totals(spec.totals, self.totals, empty, spec.name), config.divisor, empty)
 
@@ -119,7 +157,7 @@ class StepPlan:
         empty = self.config.empty_samples
         out = {PG_TERM: self.sample_denoms}
         for name, term in self.config.terms.items():
-            spec = mode_spec(term.mode)
+            spec = self._specs[name]
             read = read_totals(spec.totals, self.totals, empty, f"{spec.name} (the reducer of term {name!r})")
             out[name] = denoms_from_totals(spec, self.token_counts, read, term.divisor, empty)
         return out
@@ -147,7 +185,7 @@ class StepPlan:
         return cls(config, _token_counts(rollout_mask, cu_seqlens), **kwargs)
 
     @classmethod
-    def from_totals(cls, config: LossAggregationConfig, token_counts: torch.Tensor, **totals) -> StepPlan:
+    def from_totals(cls, config: LossAggregationConfig, token_counts: torch.Tensor, *, sample_weights=None, **totals) -> StepPlan:
         """The plan of this rank's samples from step totals a trainer already has (no collective).
 
         The keywords are the step totals of :data:`lossagg.totals.TOTALS`: ``num_samples``
@@ -159,9 +197,10 @@ class StepPlan:
         also for :meth:`metrics`; under ``empty_samples="skip"`` their stand-ins instead
         (``num_nonempty_samples`` for ``num_samples``, ``num_nonempty_groups`` for
         ``num_groups``). Each value is checked against this rank's own ``token_counts`` and
-        against the others.
+        against the others. A weighted mean (docs/terms.md) also needs ``weight_sum`` or
+        ``abs_weight_sum`` (their ``nonempty_`` stand-ins under skip), and ``sample_weights``.
         """
-        return cls(config, token_counts, _totals=totals)
+        return cls(config, token_counts, sample_weights=sample_weights, _totals=totals)
 
     # ------------------------------------------------------------------- use
     def sample_denoms_for(self, samples: Samples, *, dtype=torch.float32, device=None) -> torch.Tensor:
@@ -223,7 +262,18 @@ class StepPlan:
     ) -> torch.Tensor:
         """This micro-batch's contribution to J (on this CP rank's tokens, if sharded)."""
         d = self._micro_batch_denoms(samples, mask, cu_seqlens, per_token_loss.device)
-        return reduce(per_token_loss, mask, cu_seqlens=cu_seqlens, sample_denoms=d)
+        if self.config.weighting == "none":
+            return reduce(per_token_loss, mask, cu_seqlens=cu_seqlens, sample_denoms=d)
+        # weighted numerators: the sample's sum times its weight, then added as reduce adds them
+        sums = segment_sum(per_token_loss, mask, cu_seqlens)
+        return self._weighted_total(sums, d, self._positions(samples))
+
+    def _weighted_total(self, sums: torch.Tensor, d: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Σ_i w_i S_i / d[i] of a micro-batch's sums ``S`` ``[B]``, added as reduce adds a sample's
+        quotients (over B one-token rows)."""
+        w = self.sample_weights[positions.to(self.sample_weights.device)].to(device=sums.device, dtype=sums.dtype)
+        rows = torch.ones((sums.shape[-1], 1), dtype=torch.bool, device=sums.device)
+        return reduce((sums * w).unsqueeze(1), rows, sample_denoms=d)
 
     def loss_terms(
         self,
@@ -285,8 +335,12 @@ class StepPlan:
         total, parts = None, {}
         for k, n in enumerate(names):
             d_k = d if n == PG_TERM else self.term_denoms[n][positions].to(device=sums.device)
-            # the term's sums as B one-token rows: reduce adds their quotients as it adds a sample's
-            j_k = reduce(sums[k].unsqueeze(1), rows, sample_denoms=d_k)
+            weighting = self.config.weighting if n == PG_TERM else self.config.terms[n].weighting
+            if weighting == "none":
+                # the term's sums as B one-token rows: reduce adds their quotients as it adds a sample's
+                j_k = reduce(sums[k].unsqueeze(1), rows, sample_denoms=d_k)
+            else:
+                j_k = self._weighted_total(sums[k], d_k, positions)
             parts[n] = j_k.detach()
             part = j_k if n == PG_TERM else j_k * self.config.terms[n].coefficient
             total = part if total is None else total + part
@@ -361,9 +415,15 @@ class StepPlan:
             raise type(exc)(str(exc).replace("lossagg.token_counts: ", "StepPlan.token_weights: ", 1)) from None
         d = self._micro_batch_denoms(samples, mask, cu_seqlens, mask.device)
         per_sample = d.new_full(d.shape, scale) / d  # float64, rounded once (a number over a tensor is its reciprocal times it)
-        rounded = per_sample.to(dtype)
-        if per_sample.numel() and not bool((torch.isfinite(rounded) & (rounded > 0)).all()):
-            i = int(torch.nonzero(~(torch.isfinite(rounded) & (rounded > 0)))[0, 0])
+        if self.config.weighting != "none":  # the sample's weight too: w_i · scale / d[i], any sign, 0 a weight of 0
+            per_sample = per_sample * self.sample_weights[self._positions(samples).to(self.sample_weights.device)].to(per_sample.device)
+            rounded = per_sample.to(dtype)
+            lost = ~torch.isfinite(rounded) | ((rounded == 0) & (per_sample != 0))
+        else:
+            rounded = per_sample.to(dtype)
+            lost = ~(torch.isfinite(rounded) & (rounded > 0))
+        if per_sample.numel() and bool(lost.any()):
+            i = int(torch.nonzero(lost)[0, 0])
             raise ValueError(
                 f"StepPlan.token_weights: the weight of sample {i} is {float(per_sample[i])!r}, which is {float(rounded[i])!r} in {dtype} "
                 f"(gradient_scale {scale} / d[i] = {float(d[i])!r}): the identity with plan.loss would fail silently; use dtype=torch.float32"

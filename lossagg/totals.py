@@ -45,13 +45,15 @@ class RankShare:
 
     ``token_counts`` are the rollout token counts ``M[i]`` (float64 ``[n_local]``);
     ``group_dense`` the index of each sample's group label in ``group_labels`` (when the mode
-    has prompt groups); ``n_samples_per_prompt`` the group size the config promises.
+    has prompt groups); ``n_samples_per_prompt`` the group size the config promises;
+    ``weights`` the samples' weights when a term is a weighted mean.
     """
 
     token_counts: Any
     group_labels: Any = None
     group_dense: Any = None
     n_samples_per_prompt: int | None = None
+    weights: Any = None  # the samples' weights w_i (float64 [n_local]), for a weighted mean (docs/terms.md)
 
     @property
     def num_labels(self) -> int:
@@ -71,6 +73,7 @@ class StepTotal:
     given: Callable[[Any, RankShare], Any]  # a value handed to from_totals, checked against the rank's own data
     per_group: bool = False  # needs each sample's prompt group
     per_sample: bool = False  # the value is one entry per local sample (not one number for the step)
+    count: bool = True  # a count (of samples, groups, tokens); standing in for another it is read as c(x) = max(x, 1)
 
     def __post_init__(self):
         if self.combine not in COMBINES:
@@ -159,6 +162,23 @@ def _nonempty_group_sizes(share: RankShare):
     torch = _torch()
     sizes = torch.zeros(share.num_labels, dtype=torch.float64, device=share.token_counts.device)
     return sizes.index_add_(0, share.group_dense, _nonempty(share.token_counts))
+
+
+def _weights(share: RankShare):
+    if share.weights is None:
+        raise ValueError("a weighted mean needs the samples' weights: pass sample_weights= to StepPlan (docs/terms.md, 'Per-sample weights')")
+    return share.weights
+
+
+def _given_weight_total(name: str, what: str, local: Callable[[RankShare], Any], signed: bool) -> Callable[[Any, RankShare], float]:
+    def check(value, share: RankShare) -> float:
+        number = _checks().as_number(name, value, positive=signed)
+        own = float(local(share))
+        if not signed and number < own:
+            raise ValueError(f"{name} ({what}) must be >= this rank's own {own:g}, got {value!r}")
+        return number
+
+    return check
 
 
 def _given_num_samples(value, share: RankShare) -> int:
@@ -286,6 +306,51 @@ _ENTRIES = (
         per_group=True,
         per_sample=True,
     ),
+    StepTotal(
+        name="weight_sum",
+        symbol="W",
+        combine="sum",
+        meaning="the samples' weights summed over the step (a weighted mean's sample count)",
+        share=lambda s: _weights(s).sum().reshape(1),
+        value=lambda x, s: float(x.item()),
+        given=_given_weight_total("weight_sum", "W, the step's weights summed", lambda s: _weights(s).sum(), signed=True),
+        count=False,
+    ),
+    StepTotal(
+        name="nonempty_weight_sum",
+        symbol="W'",
+        combine="sum",
+        meaning="the weights of the step's samples with at least one rollout token, summed",
+        share=lambda s: (_weights(s) * _nonempty(s.token_counts)).sum().reshape(1),
+        value=lambda x, s: float(x.item()),
+        given=_given_weight_total("nonempty_weight_sum", "W', the non-empty samples' weights summed", lambda s: 0.0, signed=True),
+        count=False,
+    ),
+    StepTotal(
+        name="abs_weight_sum",
+        symbol="W_abs",
+        combine="sum",
+        meaning="the samples' absolute weights summed over the step",
+        share=lambda s: _weights(s).abs().sum().reshape(1),
+        value=lambda x, s: float(x.item()),
+        given=_given_weight_total("abs_weight_sum", "W_abs, the step's absolute weights summed", lambda s: _weights(s).abs().sum(), signed=False),
+        count=False,
+    ),
+    StepTotal(
+        name="nonempty_abs_weight_sum",
+        symbol="W'_abs",
+        combine="sum",
+        meaning="the absolute weights of the step's samples with at least one rollout token, summed",
+        share=lambda s: (_weights(s).abs() * _nonempty(s.token_counts)).sum().reshape(1),
+        value=lambda x, s: float(x.item()),
+        given=_given_weight_total(
+            "nonempty_abs_weight_sum",
+            "W'_abs, the non-empty samples' absolute weights summed",
+            lambda s: (_weights(s).abs() * _nonempty(s.token_counts)).sum(),
+            signed=False,
+        ),
+        count=False,
+    ),
 )
 
 #: Every step total a mode can declare, by name.
@@ -299,7 +364,14 @@ TOTALS: Mapping[str, StepTotal] = MappingProxyType({t.name: t for t in _ENTRIES}
 EMPTY_SAMPLES: Mapping[str, Mapping[str, str]] = MappingProxyType(
     {
         "count": MappingProxyType({}),
-        "skip": MappingProxyType({"num_samples": "num_nonempty_samples", "num_groups": "num_nonempty_groups"}),
+        "skip": MappingProxyType(
+            {
+                "num_samples": "num_nonempty_samples",
+                "num_groups": "num_nonempty_groups",
+                "weight_sum": "nonempty_weight_sum",
+                "abs_weight_sum": "nonempty_abs_weight_sum",
+            }
+        ),
     }
 )
 DEFAULT_EMPTY_SAMPLES = "count"
@@ -354,7 +426,7 @@ def plan_totals(
     float64 all-reduce and the ``max`` totals in a second one only when there are any.
     """
     if given is not None:
-        rank = RankShare(counts, n_samples_per_prompt=share.get("n_samples_per_prompt"))
+        rank = RankShare(counts, n_samples_per_prompt=share.get("n_samples_per_prompt"), weights=share.get("weights"))
         what = mode if empty_samples == DEFAULT_EMPTY_SAMPLES else f"{mode} with empty_samples={empty_samples}"
         return _given(mode_totals(totals, empty_samples), given, rank, what)
     rank = rank_share(totals, counts, share.pop("group_index", None), mode=mode, **share)
@@ -374,11 +446,13 @@ def read_totals(totals: tuple[str, ...], plan: Mapping[str, Any], empty_samples:
 
 
 def read_as(name: str, totals: Mapping[str, Any], empty_samples: str = DEFAULT_EMPTY_SAMPLES) -> Any:
-    """The value a mode that declares ``name`` reads: the total itself, or ``c(x) = max(x, 1)`` of its
-    stand-in (a step whose samples are all empty has J = 0 whatever N is; a count of 0 would make
-    every d[i] 0)."""
+    """The value a mode that declares ``name`` reads: the total itself, or its stand-in, a count
+    read as ``c(x) = max(x, 1)`` (a step whose samples are all empty has J = 0 whatever N is; a
+    count of 0 would make every d[i] 0); a weight sum standing in is read as it is."""
     gathered = stand_in(name, empty_samples)
-    return totals[gathered] if gathered == name else max(totals[gathered], 1)
+    if gathered == name:
+        return totals[gathered]
+    return max(totals[gathered], 1) if TOTALS[gathered].count else totals[gathered]
 
 
 def rank_share(
@@ -391,6 +465,7 @@ def rank_share(
     global_batch_size: int | None = None,
     process_group=None,
     num_group_labels=None,
+    weights=None,
 ) -> RankShare:
     """This rank's own data for the step totals ``totals``: its counts and, with prompt groups,
     its samples' group labels (the distinct labels it holds; with a process group, labels
@@ -399,7 +474,7 @@ def rank_share(
     if num_group_labels is not None:
         num_group_labels = checks.as_int("num_group_labels", num_group_labels, minimum=1)
     if not needs_groups(totals):
-        return RankShare(counts, n_samples_per_prompt=n_samples_per_prompt)
+        return RankShare(counts, n_samples_per_prompt=n_samples_per_prompt, weights=weights)
     labels_from = "num_group_labels"
     if process_group is not None and num_group_labels is None:
         if global_batch_size is None or n_samples_per_prompt is None:
@@ -412,7 +487,7 @@ def rank_share(
     group_index = checks.check_group_index(group_index, counts.shape[0], counts.device, mode)
     if process_group is None:
         labels, dense = torch.unique(group_index, return_inverse=True)
-        return RankShare(counts, labels, dense, n_samples_per_prompt)
+        return RankShare(counts, labels, dense, n_samples_per_prompt, weights)
     g = num_group_labels
     check_group_label_count(g, labels_from)
     if group_index.numel() and (group_index.min() < 0 or group_index.max() >= g):
@@ -420,7 +495,7 @@ def rank_share(
             f"group_index must lie in [0, {g}) (global prompt index within the step), "
             f"got values in [{int(group_index.min())}, {int(group_index.max())}]"
         )
-    return RankShare(counts, torch.arange(g, device=counts.device), group_index.long(), n_samples_per_prompt)
+    return RankShare(counts, torch.arange(g, device=counts.device), group_index.long(), n_samples_per_prompt, weights)
 
 
 def _gather(names: Iterable[str], share: RankShare, process_group=None, mode: str | None = None) -> StepTotals:

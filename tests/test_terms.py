@@ -52,14 +52,31 @@ def term_config(pg="prompt_mean", **terms):
     return LossAggregationConfig.from_dict(settings)
 
 
-def reference(config, values, mask, cu, groups):
-    """Σ_k c_k J_k, each J_k the float64 reference of the term's own mode."""
+def weighted_reference(config, values, mask, cu, groups, weights, weighting):
+    """J of one term with per-sample weights, from the float64 reference of its mode (docs/terms.md):
+    J is linear in the numerators, so ``multiply`` is the reference of the values times their
+    sample's weight; a weighted mean has the mode's sample count (N, or c(N') under skip) replaced
+    by the weights' sum over the samples that count (every one, or the non-empty ones under skip)."""
+    if weighting == "none":
+        return reference_loss(config, values, mask, cu, groups)
+    per_token = torch.repeat_interleave(weights, cu[1:] - cu[:-1])
+    j = reference_loss(config, values * per_token, mask, cu, groups)
+    if weighting == "multiply":
+        return j
+    counted = lossagg.token_counts(mask, cu) > 0 if config.empty_samples == "skip" else torch.ones(weights.shape[0], dtype=torch.bool)
+    n = max(int(counted.sum()), 1) if config.empty_samples == "skip" else weights.shape[0]
+    w = weights[counted].sum() if weighting == "mean" else weights[counted].abs().sum()
+    return j * n / (w if w != 0 else 1.0)
+
+
+def reference(config, values, mask, cu, groups, weights=None):
+    """Σ_k c_k J_k, each J_k the float64 reference of the term's own mode (weighted as the term says)."""
     base = {"empty_samples": config.empty_samples}
     pg = LossAggregationConfig.from_dict({"mode": config.mode, **({"divisor": config.divisor} if config.divisor else {}), **base})
-    total = reference_loss(pg, values["pg"], mask, cu, groups)
+    total = weighted_reference(pg, values["pg"], mask, cu, groups, weights, config.weighting)
     for name, term in config.terms.items():
         c = LossAggregationConfig.from_dict({"mode": term.mode, **({"divisor": term.divisor} if term.divisor else {}), **base})
-        total = total + term.coefficient * reference_loss(c, values[name], mask, cu, groups)
+        total = total + term.coefficient * weighted_reference(c, values[name], mask, cu, groups, weights, term.weighting)
     return total
 
 
@@ -242,6 +259,14 @@ def _step():
     return features, mask, cu, groups
 
 
+def _weights():
+    return torch.linspace(-0.5, 2.0, 4 * N_PER_PROMPT, dtype=torch.float64)
+
+
+def _weighted_config():
+    return LossAggregationConfig.from_dict({**term_config().model_dump(exclude_unset=True), "weighting": "multiply"})
+
+
 def _terms_of(model, features):
     out = model(features)
     return {"pg": out[:, 0] ** 2, "entropy": torch.tanh(out[:, 1]), "kl": out[:, 2].exp()}
@@ -256,14 +281,14 @@ def _worker(rank, world, init_file, results_dir):
     n = cu.numel() - 1
     lengths = cu[1:] - cu[:-1]
     own = torch.tensor_split(torch.arange(n), DP)[dp_rank]
-    config = term_config()
+    config = _weighted_config()
     calls = []
     real = dist.all_reduce
     dist.all_reduce = lambda *a, **k: (calls.append(k.get("op")), real(*a, **k))[1]
     try:
-        plan = StepPlan(
-            config, lossagg.token_counts(mask, cu)[own], group_index=groups[own], process_group=dp_group, num_group_labels=n // N_PER_PROMPT
-        )
+        counts = lossagg.token_counts(mask, cu)[own]
+        labels = n // N_PER_PROMPT
+        plan = StepPlan(config, counts, group_index=groups[own], process_group=dp_group, num_group_labels=labels, sample_weights=_weights()[own])
     finally:
         dist.all_reduce = real
     model = _model()
@@ -278,7 +303,7 @@ def _worker(rank, world, init_file, results_dir):
     for p in model.parameters():
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
     ref_model = _model()
-    reference(config, _terms_of(ref_model, features), mask, cu, groups).backward()
+    reference(config, _terms_of(ref_model, features), mask, cu, groups, weights=_weights()).backward()
     failures = [f"rank {rank}: the plan made {len(calls)} all-reduces ({calls}), not one sum"] if calls != [dist.ReduceOp.SUM] else []
     for p, r in zip(model.parameters(), ref_model.parameters(), strict=True):
         if not torch.allclose(p.grad, r.grad, rtol=1e-10, atol=1e-13):
@@ -290,8 +315,9 @@ def _worker(rank, world, init_file, results_dir):
 
 @pytest.mark.xdist_group("engines")
 def test_dp2_cp2_whole_loss_gradient_equals_the_unsplit_step(tmp_path):
-    """pg on prompt_mean, entropy on sample_mean, KL on token_mean, over 2 micro-batches × DP 2 ×
-    CP 2: the summed gradients are the unsplit step's (float64), and the plan makes one sum all-reduce."""
+    """pg on prompt_mean with per-sample weights, entropy on sample_mean, KL on token_mean, over 2
+    micro-batches × DP 2 × CP 2: the summed gradients are the unsplit step's (float64), and the
+    plan makes one sum all-reduce."""
     world = DP * CP
     mp.spawn(_worker, args=(world, tempfile.mktemp(dir=tmp_path), str(tmp_path)), nprocs=world, join=True)
     failures = [t for r in range(world) if (t := (tmp_path / f"rank{r}.txt").read_text())]
@@ -328,3 +354,131 @@ def test_the_megatron_loss_func_returns_the_whole_loss(per_token):
     assert abs(reports["kl_loss"].item() - reference_loss(single, values["kl"], mask, cu).item()) <= 1e-12
     with pytest.raises(TypeError, match="output_tensor must be a mapping of every term's per-token values"):
         make_loss_func(plan, torch.arange(0, 12), cu, mask, num_micro_batches=1)(values["pg"])
+
+
+# ---------------------------------------------------------------- per-sample weights
+def _weights_for(n, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, generator=g, dtype=torch.float64) * 2.5 - 0.5  # some negative, none zero
+
+
+@pytest.mark.parametrize("empty", ["count", "skip"])
+@pytest.mark.parametrize("weighting", ["multiply", "mean", "abs_mean"])
+@pytest.mark.parametrize("mode", list(lossagg.MODES))
+def test_a_weighted_term_is_its_reference(mode, weighting, empty):
+    spec = lossagg.MODES[mode]
+    has_n = isinstance(spec.denoms, lossagg.DenomProduct) and "N" in spec.denoms.factors
+    settings = {"mode": mode, "weighting": weighting, "empty_samples": empty, "n_samples_per_prompt": N_PER_PROMPT, **spec.example_settings}
+    if weighting != "multiply" and not has_n:
+        with pytest.raises(ConfigError, match=f"weighting={weighting} replaces the sample count N"):
+            LossAggregationConfig.from_dict(settings)
+        return
+    values, mask, cu, groups = batch(seed=9)
+    weights = _weights_for(cu.numel() - 1)
+    config = LossAggregationConfig.from_dict({**settings, "terms": {"kl": {"mode": "token_mean", "coefficient": 0.5, "weighting": "multiply"}}})
+    plan = StepPlan.from_mask(config, mask, cu, group_index=groups, sample_weights=weights)
+    leaves = {k: values[k].clone().requires_grad_(True) for k in ("pg", "kl")}
+    j = plan.loss_terms(leaves, mask, slice(None), cu)
+    ref_leaves = {k: v.detach().clone().requires_grad_(True) for k, v in leaves.items()}
+    want = reference(config, ref_leaves, mask, cu, groups, weights=weights)
+    assert abs(j.item() - want.item()) <= 1e-12 * max(1.0, abs(want.item()))
+    for a, b in zip(torch.autograd.grad(j, list(leaves.values())), torch.autograd.grad(want, list(ref_leaves.values())), strict=True):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-15)
+    # the PG term alone through plan.loss, and its split into micro-batches
+    v = leaves["pg"].detach()
+    whole = plan.loss(v, mask, slice(None), cu)
+    assert (
+        abs(
+            whole.item()
+            - weighted_reference(LossAggregationConfig.from_dict({**settings, "weighting": "none"}), v, mask, cu, groups, weights, weighting).item()
+        )
+        <= 1e-12
+    )
+    lengths = cu[1:] - cu[:-1]
+    parts = 0.0
+    for samples in (torch.arange(0, 5), torch.arange(5, 12)):
+        idx = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in samples.tolist()])
+        parts = parts + plan.loss(v[idx], mask[idx], samples, lossagg.cu_seqlens_from_lengths(lengths[samples]).long())
+    assert abs(parts.item() - whole.item()) <= 1e-12
+
+
+def _padded_of(values, mask, cu):
+    n, width = cu.numel() - 1, int((cu[1:] - cu[:-1]).max())
+    pv, pm = torch.zeros(n, width, dtype=values.dtype), torch.zeros(n, width, dtype=torch.bool)
+    for i in range(n):
+        a, b = int(cu[i]), int(cu[i + 1])
+        pv[i, : b - a], pm[i, : b - a] = values[a:b], mask[a:b]
+    return pv, pm
+
+
+def test_trl_weighted_nll_is_sample_mean_with_abs_mean_weights():
+    """TRL's weighted_nll (huggingface/trl PR #5952, head 349a4cb2f, closed unmerged;
+    trl/trainer/sft_trainer.py:850-857, the branch without num_items_in_batch), transcribed in
+    float64: per_sample_loss = (l * valid).sum(-1) / valid.sum(-1).clamp(min=1), loss =
+    (per_sample_loss * w).sum() / w.abs().sum().clamp(min=1e-8). Over the whole step it is
+    sample_mean with weighting=abs_mean (N replaced by Σ|w|)."""
+    values, mask, cu, groups = batch(seed=12)
+    weights = _weights_for(cu.numel() - 1, seed=13)
+    loss_mat, valid = _padded_of(values["pg"], mask, cu)
+    per_sample_loss = (loss_mat * valid).sum(-1) / valid.sum(-1).clamp(min=1)
+    trl = (per_sample_loss * weights).sum() / weights.abs().sum().clamp(min=1e-8)
+    config = LossAggregationConfig(mode="sample_mean", weighting="abs_mean")
+    ours = StepPlan.from_mask(config, mask, cu, sample_weights=weights).loss(values["pg"], mask, slice(None), cu)
+    assert abs(ours.item() - trl.item()) <= 1e-12 * abs(trl.item())
+
+
+def test_roll_weights_are_multiply():
+    """ROLL's agg_loss with weights (alibaba/ROLL 8eb27cc, roll/utils/functionals.py:249-268, and
+    masked_mean at 285-297), transcribed in float64 for one DP rank: seq-mean-token-mean is
+    (masked_mean(l, m) * w * valid).sum() / (valid.sum() + 1e-8), sample_mean with
+    empty_samples=skip and weighting=multiply (to about 1e-8, ROLL's epsilon); token-mean is
+    (l * w[:, None]).sum() / m.sum() over a loss already zero off the mask, token_mean with
+    weighting=multiply."""
+    values, mask, cu, groups = batch(seed=14)
+    weights = _weights_for(cu.numel() - 1, seed=15)
+    loss_mat, m = _padded_of(values["pg"], mask, cu)
+    m = m.to(torch.float64)
+    mask_sum = m.sum(-1)
+    seq = torch.where(mask_sum > 0, (loss_mat * m).sum(-1) / (mask_sum + 1e-8), torch.zeros_like(mask_sum))
+    valid = (mask_sum > 0).to(torch.float64)
+    roll_seq = (seq * weights * valid).sum() / (valid.sum() + 1e-8)
+    roll_token = ((loss_mat * m) * weights.unsqueeze(-1)).sum() / m.sum()
+    for settings, want in (({"mode": "sample_mean", "empty_samples": "skip"}, roll_seq), ({"mode": "token_mean"}, roll_token)):
+        config = LossAggregationConfig.from_dict({**settings, "weighting": "multiply"})
+        ours = StepPlan.from_mask(config, mask, cu, sample_weights=weights).loss(values["pg"], mask, slice(None), cu)
+        assert abs(ours.item() - want.item()) <= 1e-7 * abs(want.item()), settings
+
+
+def test_the_edges_of_weights_are_defined():
+    values, mask, cu, groups = batch(seed=16)
+    n = cu.numel() - 1
+    v = values["pg"].clone().requires_grad_(True)
+    # every weight zero under abs_mean: J = 0 and zero gradients (TRL's clamp gives the same)
+    plan = StepPlan.from_mask(LossAggregationConfig(weighting="abs_mean"), mask, cu, sample_weights=torch.zeros(n, dtype=torch.float64))
+    j = plan.loss(v, mask, slice(None), cu)
+    (g,) = torch.autograd.grad(j, v)
+    assert j.item() == 0.0 and not g.any()
+    # a signed mean whose weights sum to 0 or less: refused, naming the total
+    with pytest.raises(ValueError, match="weight_sum=0"):
+        StepPlan.from_mask(
+            LossAggregationConfig(weighting="mean"), mask, cu, sample_weights=torch.tensor([1.0, -1.0] * (n // 2), dtype=torch.float64)
+        )
+    bad = torch.ones(n, dtype=torch.float64)
+    bad[7] = float("nan")
+    with pytest.raises(ValueError, match=r"sample_weights\[7\] is nan: every weight must be finite"):
+        StepPlan.from_mask(LossAggregationConfig(weighting="multiply"), mask, cu, sample_weights=bad)
+    with pytest.raises(ValueError, match="pass sample_weights= to StepPlan"):
+        StepPlan.from_mask(LossAggregationConfig(weighting="multiply"), mask, cu)
+    with pytest.raises(ValueError, match="no term of the config uses them"):
+        StepPlan.from_mask(LossAggregationConfig(), mask, cu, sample_weights=torch.ones(n, dtype=torch.float64))
+    with pytest.raises(ValueError, match=f"one weight per sample of this rank \\({n}\\)"):
+        StepPlan.from_mask(LossAggregationConfig(weighting="multiply"), mask, cu, sample_weights=torch.ones(n + 1))
+    # from_totals asks for the weights' sum by name
+    counts = lossagg.token_counts(mask, cu)
+    with pytest.raises(ValueError, match="abs_weight_sum"):
+        StepPlan.from_totals(LossAggregationConfig(weighting="abs_mean"), counts, sample_weights=torch.ones(n, dtype=torch.float64), num_samples=n)
+    given = StepPlan.from_totals(
+        LossAggregationConfig(weighting="abs_mean"), counts, sample_weights=torch.ones(n, dtype=torch.float64), num_samples=n, abs_weight_sum=2.0 * n
+    )
+    whole = StepPlan.from_mask(LossAggregationConfig(weighting="abs_mean"), mask, cu, sample_weights=torch.ones(n, dtype=torch.float64))
+    assert torch.allclose(given.sample_denoms * 1.0, whole.sample_denoms * 2.0)

@@ -58,6 +58,7 @@ from pydantic_core import PydanticCustomError
 
 from lossagg.config.errors import ConfigError, issues_from_validation
 from lossagg.config.files import read_file, select_section
+from lossagg.denom_program import DenomProduct
 from lossagg.messages import short_repr
 from lossagg.modes import ALIASES, DEFAULT_MODE, METRIC_MODE, MODES, ModeSpec, add_registration_check, canonical_mode, mode_spec
 from lossagg.totals import DEFAULT_EMPTY_SAMPLES, EMPTY_SAMPLES
@@ -66,6 +67,11 @@ from lossagg.totals import DEFAULT_EMPTY_SAMPLES, EMPTY_SAMPLES
 _PER_TOKEN_MODE = ALIASES["per_token"].mode
 # Sample counts travel in float64 between ranks: exact up to 2**53.
 MAX_COUNT = 2**53
+#: How a term uses the samples' weights w_i (docs/terms.md, "Per-sample weights"): not at all; as
+#: factors of the numerators (J = Σ_i w_i S_i / d[i]); or also in the mean's sample count, N
+#: replaced by Σ w_i ("mean") or Σ |w_i| ("abs_mean").
+WEIGHTINGS = ("none", "multiply", "mean", "abs_mean")
+Weighting = Literal[WEIGHTINGS]  # type: ignore[valid-type]
 #: The conventions for empty samples, as the step totals declare them (lossagg/totals.py).
 EmptySamples = Literal[tuple(EMPTY_SAMPLES)]  # type: ignore[valid-type]
 
@@ -122,6 +128,7 @@ class LossTerm(BaseModel):
         1.0, allow_inf_nan=False, description="The term's weight in J (finite; negative for a bonus such as entropy)."
     )
     divisor: StrictFloat | None = Field(None, gt=0, allow_inf_nan=False, description="The term's constant divisor L, with a mode that needs one.")
+    weighting: Weighting = Field("none", description="How the term uses the samples' weights (docs/terms.md, 'Per-sample weights').")
 
 
 def _canonical_mode_name(data: Any) -> tuple[Any, str | None]:
@@ -161,6 +168,11 @@ class LossAggregationConfig(BaseModel):
         "only samples, and groups, with at least one rollout token; NeMo-RL's and AReaL's convention). See docs/modes.md, 'Empty samples'.",
     )
 
+    weighting: Weighting = Field(
+        "none",
+        description="How the PG term uses the samples' weights w_i (StepPlan's sample_weights): 'none', 'multiply' (J = Σ w_i S_i / d[i]), "
+        "'mean' or 'abs_mean' (also N replaced by Σ w_i or Σ |w_i|). See docs/terms.md, 'Per-sample weights'.",
+    )
     terms: dict[str, LossTerm] = Field(
         default_factory=dict,
         description="The loss's other terms by name (lower case, [a-z][a-z0-9_]*, not 'pg'), each with its reducer and coefficient (docs/terms.md).",
@@ -285,6 +297,7 @@ def _rule_problems(model: LossAggregationConfig, mode) -> list[tuple[str, str, t
                 (*by, "divisor"),
             )
         )
+    problems += _weighting_problems("weighting", model.weighting, spec, (*by, "weighting"))
     n = model.n_samples_per_prompt
     for name, term in model.terms.items():
         problems += _term_problems(name, term, mode, model)
@@ -300,6 +313,16 @@ def _rule_problems(model: LossAggregationConfig, mode) -> list[tuple[str, str, t
     return problems
 
 
+def _weighting_problems(at: str, weighting: str, spec: ModeSpec, depends: tuple[str, ...]) -> list[tuple[str, str, tuple[str, ...]]]:
+    """A weighted mean replaces the mode's sample count N: the mode's d[i] must be a DenomProduct with N."""
+    if weighting not in ("mean", "abs_mean"):
+        return []
+    if isinstance(spec.denoms, DenomProduct) and "N" in spec.denoms.factors:
+        return []
+    made_of = f"d[i] = {spec.denom_formula} has no sample count N" if isinstance(spec.denoms, DenomProduct) else "its d[i] is a function"
+    return [(at, f"weighting={weighting} replaces the sample count N of the mode's d[i], and mode={spec.name}'s {made_of}; use multiply", depends)]
+
+
 def _term_problems(name: str, term: LossTerm, mode: str, model: LossAggregationConfig) -> list[tuple[str, str, tuple[str, ...]]]:
     """The rules of one term, on its validated fields: its name, its divisor, its groups."""
     at = f"terms.{name}"
@@ -310,7 +333,7 @@ def _term_problems(name: str, term: LossTerm, mode: str, model: LossAggregationC
         return [(at, f"the term name {PG_TERM!r} is the PG term (the config's own mode); give this term another name", ("terms",))]
     term_mode = term.mode if term.mode is not None else default_term_mode(mode)
     spec = mode_spec(term_mode)
-    problems = []
+    problems = _weighting_problems(f"{at}.weighting", term.weighting, spec, ("terms",))
     if spec.needs_divisor and term.divisor is None:
         problems.append((f"{at}.divisor", f"the term's mode={term_mode} needs divisor (L, a finite number > 0)", ("terms",)))
     elif not spec.needs_divisor and term.divisor is not None:
