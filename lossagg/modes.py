@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -91,6 +91,18 @@ class ModeSpec:
     def needs_groups(self) -> bool:
         """Whether the mode needs each sample's prompt group (``group_index``)."""
         return needs_groups(self.totals)
+
+    def weighted(self, weighting: str) -> ModeSpec:
+        """The mode as a term with this ``weighting`` of per-sample weights reduces (docs/terms.md):
+        itself for ``none`` and ``multiply`` (the weights scale the numerators), or for ``mean`` and
+        ``abs_mean`` the mode with its product's sample count ``N`` replaced by the weights' sum
+        ``W`` or ``W_abs`` (ValueError for a mode without one; the config refuses it at launch)."""
+        if weighting not in ("mean", "abs_mean"):
+            return self
+        if not isinstance(self.denoms, DenomProduct):
+            raise ValueError(f"weighting={weighting} replaces the sample count N of a DenomProduct, and mode={self.name}'s d[i] is a function")
+        product = self.denoms.weighted(weighting)
+        return replace(self, denoms=product, denom_formula=product.formula, totals=product.totals)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ only, and token counts from the full (unsharded) rollout masks (see
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -47,15 +46,6 @@ def _as_config(config) -> LossAggregationConfig:
     if not isinstance(config, LossAggregationConfig):
         raise TypeError(f"config must be a LossAggregationConfig (or a mapping of its settings), got {type(config).__name__}")
     return config
-
-
-def _weighted(spec, weighting: str):
-    """The mode ``spec`` as a term with this weighting reduces: itself, or (``mean``, ``abs_mean``)
-    its product with the sample count N replaced by the weights' sum (the config has checked it has N)."""
-    if weighting not in ("mean", "abs_mean"):
-        return spec
-    product = spec.denoms.weighted(weighting)
-    return dataclasses.replace(spec, denoms=product, denom_formula=product.formula, totals=product.totals)
 
 
 def _sample_weights(weights, weightings: Mapping[str, str], counts: torch.Tensor) -> torch.Tensor | None:
@@ -127,8 +117,8 @@ class StepPlan:
         weightings = {PG_TERM: config.weighting, **{name: term.weighting for name, term in config.terms.items()}}
         self.sample_weights = _sample_weights(sample_weights, weightings, counts)
         # each term's mode, as a weighted mean where its weighting says so (N replaced by W or W_abs)
-        spec = _weighted(mode_spec(config.mode), config.weighting)
-        terms = {name: _weighted(mode_spec(term.mode), term.weighting) for name, term in config.terms.items()}
+        spec = mode_spec(config.mode).weighted(config.weighting)
+        terms = {name: mode_spec(term.mode).weighted(term.weighting) for name, term in config.terms.items()}
         self._specs = {PG_TERM: spec, **terms}
         # what J reads: the PG mode's totals and every other term's, gathered in the same all-reduces
         needed = tuple(dict.fromkeys((*spec.totals, *(t for term in terms.values() for t in term.totals))))
