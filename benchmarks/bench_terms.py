@@ -4,9 +4,10 @@ the memory floor, side by side in one process (docs/terms.md, docs/benchmarks.md
 Contenders, timed interleaved (one call each per round, in a fresh seeded order every round;
 medians):
 
-  one_call    plan.loss_terms({pg, entropy, kl}, mask, ...): one segment_sum pass over the
-              stacked [3, T] values, then each term's sums added as reduce adds them
-  three_calls lossagg.reduce once per term with that term's d[i] (each call rereads the mask)
+  one_call    plan.loss_terms({pg, entropy, kl}, mask, ...): the whole loss from the plan
+              (today one reduce per term inside, plus the plan's checks and look-ups)
+  three_calls lossagg.reduce once per term with that term's d[i] given (each call rereads the
+              mask): the lower bound of three single-term calls
   floor       the three values' .sum() (one read of each value tensor; forward only)
 
 The bytes of one step are those the terms and the mask must be read in: ``4K·T + T`` for float32

@@ -280,10 +280,10 @@ class StepPlan:
         ``Σ_i S_ki / d_k[i]`` over this micro-batch's samples, with ``d_k`` from this plan
         (:attr:`term_denoms`): summed over every micro-batch and rank it is the step's value of
         every term at once, and so is the gradient of each term's values,
-        ``c_k · m[t] / d_k[i(t)]``. The values are stacked and summed in one native pass
-        (``segment_sum`` over ``[K, tokens]``, one read of the mask); each term's sums are then
-        added as :func:`lossagg.reduce` adds them, so a step with the PG term alone gives the
-        bits of :meth:`loss`.
+        ``c_k · m[t] / d_k[i(t)]``. Each term is one :func:`lossagg.reduce` call with its own
+        ``d_k`` (its values and the mask read once, no copy; a weighted term's sums are
+        multiplied by the weights and then added as reduce adds them), so a step with the PG
+        term alone gives the bits of :meth:`loss`.
         """
         return self.loss_terms_parts(terms, mask, samples, cu_seqlens)[0]
 
@@ -318,19 +318,19 @@ class StepPlan:
                 raise ValueError(f"terms[{n!r}] must be a tensor with the token shape of mask {tuple(mask.shape)}, got {got}")
             if t.dtype != terms[PG_TERM].dtype:
                 raise TypeError(f"every term's values must have one dtype: terms['pg'] is {terms[PG_TERM].dtype}, terms[{n!r}] is {t.dtype}")
-        d = self._micro_batch_denoms(samples, mask, cu_seqlens, mask.device)
+        d = self._micro_batch_denoms(samples, mask, cu_seqlens, terms[PG_TERM].device)
         positions = self._positions(samples)
-        sums = segment_sum(torch.stack([terms[n] for n in names]), mask, cu_seqlens)  # [K, B]: one pass over the K values and the mask
-        rows = torch.ones((sums.shape[-1], 1), dtype=torch.bool, device=sums.device)
+        # one reduce per term, each reading its values and the mask once, with no copy: stacking the K
+        # value tensors into one [K, tokens] tensor for a single pass costs more than the K-1 extra
+        # reads of the mask it saves (benchmarks/bench_terms.py)
         total, parts = None, {}
-        for k, n in enumerate(names):
-            d_k = d if n == PG_TERM else self.term_denoms[n][positions].to(device=sums.device)
+        for n in names:
+            d_k = d if n == PG_TERM else self.term_denoms[n][positions].to(device=d.device)
             weighting = self.config.weighting if n == PG_TERM else self.config.terms[n].weighting
             if weighting == "none":
-                # the term's sums as B one-token rows: reduce adds their quotients as it adds a sample's
-                j_k = reduce(sums[k].unsqueeze(1), rows, sample_denoms=d_k)
-            else:
-                j_k = self._weighted_total(sums[k], d_k, positions)
+                j_k = reduce(terms[n], mask, cu_seqlens=cu_seqlens, sample_denoms=d_k)
+            else:  # the sums times the samples' weights, then added as reduce adds them
+                j_k = self._weighted_total(segment_sum(terms[n], mask, cu_seqlens), d_k, positions)
             parts[n] = j_k.detach()
             part = j_k if n == PG_TERM else j_k * self.config.terms[n].coefficient
             total = part if total is None else total + part
