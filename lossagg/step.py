@@ -275,7 +275,8 @@ class StepPlan:
         """This micro-batch's contribution to the whole loss ``J = Σ_k c_k J_k`` (docs/terms.md).
 
         ``terms`` maps every term's name to its per-token values (each with the token shape of
-        ``mask``, one dtype for all): ``"pg"`` (the config's own mode, coefficient 1) and each
+        ``mask``; each term accumulates as :func:`lossagg.reduce` does for its dtype, and the
+        total is in the widest of them): ``"pg"`` (the config's own mode, coefficient 1) and each
         of ``config.terms`` (its own reducer and coefficient). ``J_k`` is the term's
         ``Σ_i S_ki / d_k[i]`` over this micro-batch's samples, with ``d_k`` from this plan
         (:attr:`term_denoms`): summed over every micro-batch and rank it is the step's value of
@@ -316,8 +317,6 @@ class StepPlan:
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(mask.shape):
                 got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"terms[{n!r}] must be a tensor with the token shape of mask {tuple(mask.shape)}, got {got}")
-            if t.dtype != terms[PG_TERM].dtype:
-                raise TypeError(f"every term's values must have one dtype: terms['pg'] is {terms[PG_TERM].dtype}, terms[{n!r}] is {t.dtype}")
         d = self._micro_batch_denoms(samples, mask, cu_seqlens, terms[PG_TERM].device)
         positions = self._positions(samples)
         # one reduce per term, each reading its values and the mask once, with no copy: stacking the K
