@@ -74,12 +74,14 @@ def aggregate(
         if rollout_mask is None or rollout_mask is mask:
             if not isinstance(config, LossAggregationConfig):
                 config = _as_config(config)
+            config.check_single_term("lossagg.aggregate")
             denoms = mode_spec(config.mode).denoms
             program = denoms.program(config.empty_samples) if type(denoms) is DenomProduct else None
             plan = lambda m: StepPlan(config, m, group_index=group_index).sample_denoms  # noqa: E731
             if program is not None:
                 return reduce_by_program(per_token_loss, mask, cu_seqlens, program, config.divisor, plan)
             return reduce_with_counts(per_token_loss, mask, cu_seqlens, plan)
+        _as_config(config).check_single_term("lossagg.aggregate")
         sample_denoms = StepPlan.from_mask(config, rollout_mask, cu_seqlens, group_index=group_index).sample_denoms
     return reduce(per_token_loss, mask, cu_seqlens=cu_seqlens, sample_denoms=sample_denoms)
 

@@ -48,8 +48,11 @@ def reference_loss(
     empty samples (no rollout token; docs/modes.md, "Empty samples"), 0 when none is left. A
     sample with loss tokens but no rollout token has no such reading and is refused, naming it.
 
-    Raises ValueError for a mode without an entry in :data:`lossagg.modes.MODES`.
+    Raises ValueError for a mode without an entry in :data:`lossagg.modes.MODES`, and for a config
+    with ``terms`` or a ``weighting`` (this is the PG term's reference; tests/test_terms.py composes
+    a whole loss from one reference per term).
     """
+    config.check_single_term("lossagg.testing.reference_loss")
     spec = mode_spec(config.mode)
     rollout_mask = mask if rollout_mask is None else rollout_mask
     cu = cu_seqlens.tolist()
@@ -109,6 +112,7 @@ def check_split_invariance(
     with respect to it). Samples go to DP ranks in contiguous blocks, then to
     micro-batches in contiguous blocks, as trainers usually cut them.
     """
+    config.check_single_term("lossagg.testing.check_split_invariance")
     rollout_mask = mask if rollout_mask is None else rollout_mask
     leaf = values.detach().clone().requires_grad_(True)
     n = cu_seqlens.numel() - 1

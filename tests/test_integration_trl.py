@@ -384,3 +384,17 @@ def test_trl_numbers(num_generations, max_completion_length, loss_type):
     config = call()
     assert config.divisor == (float(m) if loss_type == "dr_grpo" else None)
     assert config.n_samples_per_prompt == (g if loss_type == "prompt_mean" else None)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"mode": "grpo", "terms": {"entropy": {"coefficient": -0.01}}}, r"loss_aggregation with terms \(entropy\)"),
+        ({"mode": "grpo", "weighting": "multiply"}, r"loss_aggregation with weighting=multiply"),
+    ],
+)
+def test_a_config_with_more_than_one_unweighted_term_is_refused(settings, message, tmp_path, tokenizer, dataset):
+    """The trainer reduces TRL's per-token loss as one unweighted term (docs/terms.md): a config asking
+    for other terms or per-sample weights is refused when the trainer is built, never half-applied."""
+    with pytest.raises(ValueError, match="does not support: " + message):
+        run(GRPOTrainer, "grpo", 2, tmp_path, tokenizer, dataset, trainer_kwargs={"loss_aggregation": settings})

@@ -148,6 +148,15 @@ def test_config_file(tmp_path):
     path.write_text("mode: constant\n")
     with pytest.raises(ConfigError, match="divisor"):
         adapter.configure(miles_args(loss_aggregation_config=str(path)))
+    # the reducer serves pg_loss alone, unweighted: a file asking for more is refused, nothing wired
+    path.write_text("mode: sample_mean\nterms:\n  entropy: {coefficient: -0.01}\n")
+    args = miles_args(loss_aggregation_config=str(path))
+    with pytest.raises(ConfigError, match=r"--loss-aggregation-config: the config's terms \(entropy\) are not served by the miles integration"):
+        adapter.configure(args)
+    assert getattr(args, "lossagg_config", None) is None
+    path.write_text("mode: sample_mean\nweighting: multiply\n")
+    with pytest.raises(ConfigError, match="weighting=multiply needs per-sample weights"):
+        adapter.configure(miles_args(loss_aggregation_config=str(path)))
 
 
 def test_flags_added_to_a_parser_without_miles_own():
@@ -156,6 +165,7 @@ def test_flags_added_to_a_parser_without_miles_own():
     assert (ns.loss_aggregation, ns.loss_aggregation_divisor, ns.loss_aggregation_empty_samples) == ("constant", 8.0, "skip")
     for flag in ("--calculate-per-token-loss", "--n-samples-per-prompt", "--global-batch-size"):
         assert flag not in parser._option_string_actions, f"{flag} is miles' own flag"
+    assert "--loss-aggregation-term" not in parser._option_string_actions  # the reducer serves pg_loss only
 
 
 def test_hooks_refuse_a_launch_lossagg_did_not_configure():

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 import lossagg
 from lossagg import ConfigError, LossAggregationConfig, StepPlan
 from lossagg.cli import main as cli_main
-from lossagg.testing import reference_loss
+from lossagg.testing import check_split_invariance, reference_loss
 
 N_PER_PROMPT = 4
 
@@ -482,3 +482,18 @@ def test_the_edges_of_weights_are_defined():
     )
     whole = StepPlan.from_mask(LossAggregationConfig(weighting="abs_mean"), mask, cu, sample_weights=torch.ones(n, dtype=torch.float64))
     assert torch.allclose(given.sample_denoms * 1.0, whole.sample_denoms * 2.0)
+
+
+def test_routes_that_reduce_one_term_refuse_a_config_with_more():
+    """aggregate, the references and the TRL trainer reduce the PG term alone, unweighted: a config
+    with terms or a weighting is refused there, never half-applied."""
+    values, mask, cu, groups = batch()
+    for config in (term_config(), LossAggregationConfig(weighting="multiply")):
+        for route in (
+            lambda c: lossagg.aggregate(c, values["pg"], mask, cu_seqlens=cu, group_index=groups),
+            lambda c: lossagg.aggregate(c, values["pg"], mask, cu_seqlens=cu, group_index=groups, rollout_mask=mask.clone()),
+            lambda c: reference_loss(c, values["pg"], mask, cu, groups),
+            lambda c: check_split_invariance(c, values["pg"], mask, cu, group_index=groups),
+        ):
+            with pytest.raises(ValueError, match="reduces the PG term alone, unweighted, and the config asks for"):
+                route(config)

@@ -223,6 +223,17 @@ class LossAggregationConfig(BaseModel):
         """How the user's input was rewritten (migration names, the legacy flag); empty if not at all."""
         return self._notes
 
+    def check_single_term(self, where: str) -> None:
+        """ValueError, naming ``where``, for a config with ``terms`` or a ``weighting`` in a route
+        that reduces the PG term alone and unweighted: the config is never half-applied."""
+        asks = []
+        if self.terms:
+            asks.append(f"the terms {', '.join(self.terms)} (StepPlan.loss_terms reduces them)")
+        if self.weighting != "none":
+            asks.append(f"weighting={self.weighting} (StepPlan's sample_weights)")
+        if asks:
+            raise ValueError(f"{where} reduces the PG term alone, unweighted, and the config asks for {' and '.join(asks)}; see docs/terms.md")
+
     def summary(self) -> dict[str, Any]:
         out = self.model_dump(mode="json")
         out["resolution_notes"] = list(self._notes)

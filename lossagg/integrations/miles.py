@@ -85,7 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     existing = set(parser._option_string_actions)  # noqa: SLF001 - argparse has no public accessor
     group = parser.add_argument_group("loss aggregation (lossagg)")
     for f in FLAGS:
-        if f.flag.startswith("--loss-aggregation") and f.flag not in existing:
+        # the flags of LOSSAGG_FLAGS only: the reducer serves pg_loss, so a term's flag has nothing to wire here
+        if f.flag in LOSSAGG_FLAGS and f.flag not in existing:
             kwargs = dict(f.kwargs)
             if f.setting == "mode":
                 kwargs["help"] = f"{', '.join(MODES)} (default: miles' own reducer, sample_mean; docs/modes.md); or a migration name, docs/config.md"
@@ -213,13 +214,26 @@ def configure(args) -> LossAggregationConfig | None:
     the divisor, ``--n-samples-per-prompt`` < 1, ``--calculate-per-token-loss`` with a mode other than
     token_mean, which it is the legacy spelling of, a divisor-taking mode on the per-token path,
     prompt groups that cannot be whole in a step: ``global_batch_size % n_samples_per_prompt``),
-    a ``--loss-type`` that has no pg_loss, and a pg_loss reducer already set to another function.
+    a ``--loss-type`` that has no pg_loss, a pg_loss reducer already set to another function, and a
+    config file with ``terms`` or a ``weighting`` (the reducer serves pg_loss alone, unweighted).
     Safe to call again on the same args.
     """
     config = config_of(args)
     if config is None:
         return None
     issues: list[tuple[str, str]] = []
+    # the reducer serves pg_loss alone, with no per-sample weights: a config asking for more is refused, never half-applied
+    if config.terms:
+        issues.append(
+            (
+                CONFIG_FLAG,
+                f"the config's terms ({', '.join(config.terms)}) are not served by the miles integration, whose reducer takes pg_loss only "
+                "(miles' entropy and KL keep its default reducer; docs/terms.md): drop terms",
+            )
+        )
+    if config.weighting != "none":
+        why = "needs per-sample weights, which miles does not hand to its reducer: drop weighting"
+        issues.append((CONFIG_FLAG, f"weighting={config.weighting} {why}"))
     loss_type = getattr(args, "loss_type", "policy_loss")
     inner = getattr(args, "lossagg_inner_loss", None)
     if inner is None:  # first call

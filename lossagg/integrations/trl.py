@@ -192,6 +192,10 @@ class GRPOTrainer(_TRLGRPOTrainer):
                 targs.loss_type, num_generations=self.num_generations, max_completion_length=targs.max_completion_length, empty_samples=empty_samples
             )
         refused = []
+        if config.terms or config.weighting != "none":
+            what = [f"terms ({', '.join(config.terms)})"] if config.terms else []
+            what += [f"weighting={config.weighting}"] if config.weighting != "none" else []
+            refused.append(f"loss_aggregation with {' and '.join(what)} (this trainer reduces TRL's per-token loss as one unweighted term)")
         if targs.loss_type in _OTHER_OBJECTIVES and loss_aggregation is not None:
             refused.append(f"loss_type={targs.loss_type!r} (a different per-token objective; set loss_type to grpo, dapo, dr_grpo or a lossagg mode)")
         if self._entropy_bonus_enabled:
