@@ -22,10 +22,13 @@
 # build/logs/matrix-*.log, printed in full on failure), then one line per torch:
 #   matrix: torch X: N passed, M skipped (T s)        T: that torch's venv, installs and tests
 # Exits non-zero when any torch fails; the others still run. pip's download cache is shared
-# with earlier runs (a fresh machine downloads the same files; on this project's machines the
-# registry's proxy sends no caching headers, so pip downloads every time: about 3.9 GB for
-# torch 2.10.0 with its CUDA 12.8 packages, 2.6 GB for 2.15.0 with CUDA 13.2's, a venv of 7
-# and 5.4 GB). LOSSAGG_MATRIX_WHEEL=path tests that wheel instead of building one.
+# Disk: a torch venv is large (7 GB for torch 2.10.0 with its CUDA 12.8 packages, 5.4 GB for
+# 2.15.0 with CUDA 13.2's; downloads of 3.9 and 2.6 GB), so the matrix holds one at a time: each
+# venv is removed once its tests have run (its logs stay in build/logs/), and pip keeps no copy
+# of what it downloads (PIP_NO_CACHE_DIR: on this project's machines the registry's proxy sends
+# no caching headers, so a cached copy would never be reused anyway). A CI run that kept both
+# venvs and the cache ran out of disk. LOSSAGG_MATRIX_KEEP_VENVS=1 keeps the venvs (to rerun a
+# test by hand). LOSSAGG_MATRIX_WHEEL=path tests that wheel instead of building one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd -P)
@@ -75,6 +78,7 @@ test_one() {
   local ver=$1 start=$SECONDS venv="$ROOT/$matrix/torch-$1" tag="matrix-torch-$1"
   local vpy="$venv/bin/python" before after where report
   export PIP_CONSTRAINT=/dev/null  # this machine caps torch at the release it keeps on disk
+  export PIP_NO_CACHE_DIR=1        # a multi-GB download kept twice, never reused (see the top)
 
   make_venv() { rm -rf "$venv" && "$PY" -m venv "$venv"; }
   run_step "matrix: torch $ver: made a fresh venv $matrix/torch-$ver" "$tag-venv" make_venv || return 1
@@ -159,6 +163,10 @@ for ver in $versions; do
   if ! test_one "$ver"; then
     failed+=("$ver")
     [ "$summarized" -eq 1 ] || echo "matrix: torch $ver: FAILED ($((SECONDS - start)) s)"
+  fi
+  # one torch venv on disk at a time (see the top); the logs stay
+  if [ "${LOSSAGG_MATRIX_KEEP_VENVS:-0}" != 1 ]; then
+    rm -rf "$ROOT/$matrix/torch-$ver"
   fi
 done
 if [ "${#failed[@]}" -gt 0 ]; then
