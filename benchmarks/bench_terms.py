@@ -4,8 +4,10 @@ the memory floor, side by side in one process (docs/terms.md, docs/benchmarks.md
 Contenders, timed interleaved (one call each per round, in a fresh seeded order every round;
 medians):
 
-  one_call    plan.loss_terms({pg, entropy, kl}, mask, ...): the whole loss from the plan
-              (today one reduce per term inside, plus the plan's checks and look-ups)
+  one_call    plan.loss_terms({pg, entropy, kl}, mask, ...): the whole loss from the plan (one
+              lossagg.reduce_terms call inside, plus the plan's checks and look-ups)
+  one_op      lossagg.reduce_terms with the [K, B] d given: the one call itself, the
+              counterpart of three_calls
   three_calls lossagg.reduce once per term with that term's d[i] given (each call rereads the
               mask): the lower bound of three single-term calls
   floor       the three values' .sum() (one read of each value tensor; forward only)
@@ -53,11 +55,17 @@ def make_case(num_samples: int, mean_len: int, seed: int = 0):
     )
     plan = lossagg.StepPlan.from_mask(config, mask, cu, group_index=groups)
     d = {name: plan.term_denoms[name].float() for name in values}
-    return dict(values=values, mask=mask, cu=cu, plan=plan, d=d, total=total)
+    table = torch.stack([d[name] for name in values])
+    return dict(values=values, mask=mask, cu=cu, plan=plan, d=d, table=table, total=total)
 
 
 def one_call(c, values):
     return c["plan"].loss_terms(values, c["mask"], slice(None), c["cu"])
+
+
+def one_op(c, values):
+    coefficients = [1.0, *COEFFICIENTS.values()]
+    return lossagg.reduce_terms(list(values.values()), c["mask"], cu_seqlens=c["cu"], sample_denoms=c["table"], coefficients=coefficients)[0]
 
 
 def three_calls(c, values):
@@ -114,7 +122,7 @@ def main(argv=None):
         c = make_case(b, mean_len)
         nbytes = 4 * K * c["total"] + c["total"]
         for pass_name, backward in (("fwd", False), ("fwd+bwd", True)):
-            contenders = {"one_call": one_call, "three_calls": three_calls, **({} if backward else {"floor": floor})}
+            contenders = {"one_call": one_call, "one_op": one_op, "three_calls": three_calls, **({} if backward else {"floor": floor})}
             got = medians({name: runner(fn, c, backward) for name, fn in contenders.items()}, args.rounds)
             results[(case, pass_name)] = got
             for name, ms in got.items():
@@ -131,8 +139,9 @@ def main(argv=None):
     print(f"| fwd, one_call GB/s / floor GB/s, {big} | {one:.2f} | >= 0.90 | {'yes' if one >= 0.9 else 'no'} |")
     print(f"| fwd, three_calls GB/s / floor GB/s, {big} | {three:.2f} | for comparison (rereads the mask: at most 13/15) | |")
     for pass_name in ("fwd", "fwd+bwd"):
-        ratio = results[(small, pass_name)]["one_call"] / results[(small, pass_name)]["three_calls"]
-        print(f"| {pass_name}, one_call time / three_calls time, {small} | {ratio:.2f} | <= 0.5 | {'yes' if ratio <= 0.5 else 'no'} |")
+        for name in ("one_op", "one_call"):
+            ratio = results[(small, pass_name)][name] / results[(small, pass_name)]["three_calls"]
+            print(f"| {pass_name}, {name} time / three_calls time, {small} | {ratio:.2f} | <= 0.5 | {'yes' if ratio <= 0.5 else 'no'} |")
 
 
 if __name__ == "__main__":

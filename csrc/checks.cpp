@@ -60,11 +60,12 @@ bool built_with_cuda() {
 }
 
 TokenLayout check_token_layout(
-    const char* op, const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, bool allow_metric_dim) {
+    const char* op, const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, bool allow_metric_dim, const char* values_name) {
   LOSSAGG_CHECK_TYPE(
-      is_value_dtype(values.scalar_type()), "lossagg.", op, ": values must have dtype ", value_dtypes_text(), ", got ", values.scalar_type());
+      is_value_dtype(values.scalar_type()), "lossagg.", op, ": ", values_name, " must have dtype ", value_dtypes_text(), ", got ",
+      values.scalar_type());
   LOSSAGG_CHECK_TYPE(is_mask_dtype(mask.scalar_type()), "lossagg.", op, ": mask must have dtype ", kMaskDtypesText, ", got ", mask.scalar_type());
-  check_same_device(op, "mask", mask, values, "values");
+  check_same_device(op, "mask", mask, values, values_name);
 
   TokenLayout layout{};
   layout.packed = cu_seqlens.has_value();
@@ -78,14 +79,15 @@ TokenLayout check_token_layout(
         layout.packed ? " when cu_seqlens is given (packed layout)" : " when cu_seqlens is None (padded layout)", ", got shape ", shape_of(values));
   } else {
     LOSSAGG_CHECK_VALUE(
-        ok_dim, "lossagg.", op, ": values must be ", token_shape,
+        ok_dim, "lossagg.", op, ": ", values_name, " must be ", token_shape,
         layout.packed ? " when cu_seqlens is given (packed layout)" : " when cu_seqlens is None (padded layout)", ", got shape ", shape_of(values));
   }
   layout.has_metric_dim = values.dim() == token_dims + 1;
   layout.num_metrics = layout.has_metric_dim ? values.size(0) : 1;
   auto token_sizes = values.sizes().slice(layout.has_metric_dim ? 1 : 0);
   LOSSAGG_CHECK_VALUE(
-      mask.sizes() == token_sizes, "lossagg.", op, ": mask must have the token shape of values ", Shape{token_sizes}, ", got shape ", shape_of(mask));
+      mask.sizes() == token_sizes, "lossagg.", op, ": mask must have the token shape of ", values_name, " ", Shape{token_sizes}, ", got shape ",
+      shape_of(mask));
 
   if (layout.packed) {
     check_cu_seqlens_meta(op, *cu_seqlens, values);
@@ -198,14 +200,19 @@ void check_sample_denoms_data(const char* op, const Tensor& sample_denoms, Scala
   // The kernels divide in the accumulation dtype: each value is checked as converted to
   // it, read in place (no copy) on the CPU. The value as given words the error.
   const bool in_double = values_dtype == ScalarType::Double;
-  const Tensor d = sample_denoms.is_cpu() ? sample_denoms : torch::stable::to(sample_denoms, Device(DeviceType::CPU));
-  const int64_t n = d.size(0);
-  const int64_t stride = d.stride(0);
+  // [K, B] is read as one contiguous run of K * B entries
+  const Tensor host = sample_denoms.is_cpu() ? sample_denoms : torch::stable::to(sample_denoms, Device(DeviceType::CPU));
+  const bool rows = host.dim() == 2;
+  const Tensor d = rows && !host.is_contiguous() ? torch::stable::contiguous(host) : host;
+  const int64_t n = rows ? d.size(0) * d.size(1) : d.size(0);
+  const int64_t stride = rows ? 1 : d.stride(0);
+  const int64_t row_len = rows ? std::max<int64_t>(d.size(1), 1) : 0;
   auto fail = [&](int64_t i, double given, double converted) {
+    const std::string at = rows ? std::to_string(i / row_len) + ", " + std::to_string(i % row_len) : std::to_string(i);
     LOSSAGG_CHECK_VALUE(
-        std::isfinite(given) && given > 0.0, "lossagg.", op, ": sample_denoms must be finite and > 0, got sample_denoms[", i, "] = ", given);
+        std::isfinite(given) && given > 0.0, "lossagg.", op, ": sample_denoms must be finite and > 0, got sample_denoms[", at, "] = ", given);
     LOSSAGG_CHECK_VALUE(
-        false, "lossagg.", op, ": sample_denoms[", i, "] = ", given, " is ", converted, " in ", in_double ? "Double" : "Float",
+        false, "lossagg.", op, ": sample_denoms[", at, "] = ", given, " is ", converted, " in ", in_double ? "Double" : "Float",
         ", the dtype the division happens in for ", values_dtype,
         " values; it must be finite and > 0 there (rescale the denominators or use float64 values)");
   };
@@ -271,6 +278,130 @@ TokenLayout check_reduce_inputs(const Tensor& values, const Tensor& mask, const 
   check_sample_denoms("reduce", sample_denoms, layout, values);
   layout.max_segment_tokens = check_cu_seqlens_data("reduce", cu_seqlens, layout);
   check_sample_denoms_data("reduce", sample_denoms, values.scalar_type());
+  return layout;
+}
+
+namespace {
+
+// The [K, B] per-term tensors of reduce_terms and its backward: floating, [K, B], on the device
+// of `like`.
+void check_term_table(const char* op, const char* name, const Tensor& t, int64_t num_terms, int64_t num_segments, const Tensor& like) {
+  LOSSAGG_CHECK_TYPE(is_value_dtype(t.scalar_type()), "lossagg.", op, ": ", name, " must have a floating dtype, got ", t.scalar_type());
+  LOSSAGG_CHECK_VALUE(
+      t.dim() == 2 && t.size(0) == num_terms && t.size(1) == num_segments, "lossagg.", op, ": ", name, " must be [K, B] = [", num_terms, ", ",
+      num_segments, "] (one entry per term and sample), got shape ", shape_of(t));
+  check_same_device(op, name, t, like, "the token tensors");
+}
+
+// Every weight finite (any sign; 0 drops the sample from that term), as given and in the
+// accumulation dtype the numerators are scaled in.
+void check_sample_weights_data(const char* op, const Tensor& weights, ScalarType values_dtype) {
+  if (!wants_data_checks(weights)) {
+    return;
+  }
+  const Tensor host = weights.is_cpu() ? weights : torch::stable::to(weights, Device(DeviceType::CPU));
+  const Tensor dense = host.is_contiguous() ? host : torch::stable::contiguous(host);
+  const Tensor w = dense.scalar_type() == ScalarType::Double ? dense : torch::stable::to(dense, ScalarType::Double);
+  const double* p = w.const_data_ptr<double>();
+  const int64_t n = w.size(0) * w.size(1);
+  const int64_t row_len = std::max<int64_t>(w.size(1), 1);
+  const bool in_double = values_dtype == ScalarType::Double;
+  auto finite_in_acc = [&](double x) {
+    return in_double ? std::abs(x) <= std::numeric_limits<double>::max() : std::abs(static_cast<float>(x)) <= std::numeric_limits<float>::max();
+  };
+  bool all_ok = true;
+  for (int64_t i = 0; i < n; ++i) {
+    all_ok &= finite_in_acc(p[i]);
+  }
+  if (all_ok) {
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    LOSSAGG_CHECK_VALUE(
+        std::isfinite(p[i]), "lossagg.", op, ": sample_weights must be finite, got sample_weights[", i / row_len, ", ", i % row_len, "] = ", p[i]);
+    LOSSAGG_CHECK_VALUE(
+        finite_in_acc(p[i]), "lossagg.", op, ": sample_weights[", i / row_len, ", ", i % row_len, "] = ", p[i], " is inf in Float, the dtype the ",
+        values_dtype, " numerators are scaled in; it must be finite there (rescale the weights or use float64 values)");
+  }
+}
+
+void check_coefficients(const char* op, const std::vector<double>& coefficients, int64_t num_terms) {
+  LOSSAGG_CHECK_VALUE(
+      static_cast<int64_t>(coefficients.size()) == num_terms, "lossagg.", op, ": coefficients must hold one number per term (K = ", num_terms,
+      "), got ", coefficients.size());
+  for (size_t k = 0; k < coefficients.size(); ++k) {
+    LOSSAGG_CHECK_VALUE(std::isfinite(coefficients[k]), "lossagg.", op, ": coefficients must be finite, got coefficients[", k, "] = ", coefficients[k]);
+  }
+}
+
+}  // namespace
+
+TokenLayout check_reduce_terms_inputs(
+    const std::vector<Tensor>& values,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens,
+    const Tensor& sample_denoms,
+    const std::optional<Tensor>& sample_weights,
+    const std::vector<double>& coefficients) {
+  const char* op = "reduce_terms";
+  LOSSAGG_CHECK_VALUE(!values.empty(), "lossagg.", op, ": values must hold at least one term's tensor, got an empty list");
+  TokenLayout layout = check_token_layout(op, values[0], mask, cu_seqlens, /*allow_metric_dim=*/false, "values[0]");
+  const Tensor& first = values[0];
+  for (size_t k = 1; k < values.size(); ++k) {
+    const Tensor& v = values[k];
+    LOSSAGG_CHECK_TYPE(
+        v.scalar_type() == first.scalar_type(), "lossagg.", op, ": every term's values must have one dtype, values[0]'s ", first.scalar_type(),
+        ", got values[", k, "] of dtype ", v.scalar_type());
+    LOSSAGG_CHECK_VALUE(
+        v.device() == first.device(), "lossagg.", op, ": values[", k, "] must be on the device of values[0] (", device_name(first), "), got ",
+        device_name(v));
+    LOSSAGG_CHECK_VALUE(
+        v.sizes() == mask.sizes(), "lossagg.", op, ": values[", k, "] must have the token shape of mask ", shape_of(mask), ", got shape ",
+        shape_of(v));
+  }
+  const int64_t num_terms = static_cast<int64_t>(values.size());
+  layout.num_metrics = num_terms;
+  layout.has_metric_dim = true;
+  check_term_table(op, "sample_denoms", sample_denoms, num_terms, layout.num_segments, first);
+  if (sample_weights.has_value()) {
+    check_term_table(op, "sample_weights", *sample_weights, num_terms, layout.num_segments, first);
+  }
+  check_coefficients(op, coefficients, num_terms);
+  layout.max_segment_tokens = check_cu_seqlens_data(op, cu_seqlens, layout);
+  check_sample_denoms_data(op, sample_denoms, first.scalar_type());
+  if (sample_weights.has_value()) {
+    check_sample_weights_data(op, *sample_weights, first.scalar_type());
+  }
+  return layout;
+}
+
+TokenLayout check_reduce_terms_backward_inputs(
+    const Tensor& grad,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens,
+    const Tensor& sample_denoms,
+    const std::optional<Tensor>& sample_weights,
+    const std::vector<double>& coefficients,
+    ScalarType values_dtype) {
+  const char* op = "reduce_terms_backward";
+  LOSSAGG_CHECK_VALUE(grad.dim() == 0, "lossagg.", op, ": grad must be a 0-dim tensor, got shape ", shape_of(grad));
+  LOSSAGG_CHECK_TYPE(is_value_dtype(grad.scalar_type()), "lossagg.", op, ": grad must have a floating dtype, got ", grad.scalar_type());
+  LOSSAGG_CHECK_VALUE(
+      sample_denoms.dim() == 2 && sample_denoms.size(0) >= 1, "lossagg.", op, ": sample_denoms must be [K, B] with K >= 1, got shape ",
+      shape_of(sample_denoms));
+  const int64_t num_terms = sample_denoms.size(0);
+  TokenLayout layout = check_mask_layout(op, mask, cu_seqlens, num_terms, /*has_metric_dim=*/true);
+  check_term_table(op, "sample_denoms", sample_denoms, num_terms, layout.num_segments, mask);
+  if (sample_weights.has_value()) {
+    check_term_table(op, "sample_weights", *sample_weights, num_terms, layout.num_segments, mask);
+  }
+  check_coefficients(op, coefficients, num_terms);
+  check_same_device(op, "grad", grad, mask, "mask");
+  layout.max_segment_tokens = check_cu_seqlens_data(op, cu_seqlens, layout);
+  check_sample_denoms_data(op, sample_denoms, values_dtype);
+  if (sample_weights.has_value()) {
+    check_sample_weights_data(op, *sample_weights, values_dtype);
+  }
   return layout;
 }
 

@@ -136,6 +136,60 @@ inline TokenCall reduce_call(const Tensor& values, const Tensor& mask, const std
   return make_call(check_reduce_inputs(values, mask, cu_seqlens, sample_denoms), values, mask, cu_seqlens, acc_scalar_type(values.scalar_type()));
 }
 
+// reduce_terms: the call (K metrics, the mask in kernel types) and the K value tensors, each
+// contiguous and read where it lies (no [K, T] copy): rows[k] and their data pointers.
+struct TermsCall {
+  TokenCall call;
+  std::vector<Tensor> rows;
+  std::vector<const void*> row_data;
+};
+
+inline TermsCall reduce_terms_call(
+    const std::vector<Tensor>& values,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens,
+    const Tensor& sample_denoms,
+    const std::optional<Tensor>& sample_weights,
+    const std::vector<double>& coefficients) {
+  const TokenLayout layout = check_reduce_terms_inputs(values, mask, cu_seqlens, sample_denoms, sample_weights, coefficients);
+  TermsCall terms{make_call(layout, std::nullopt, mask, cu_seqlens, acc_scalar_type(values[0].scalar_type())), {}, {}};
+  terms.rows.reserve(values.size());
+  for (const Tensor& v : values) {
+    terms.rows.push_back(as_contiguous(v));
+    terms.row_data.push_back(terms.rows.back().const_data_ptr());
+  }
+  return terms;
+}
+
+inline TokenCall reduce_terms_backward_call(
+    const Tensor& grad,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens,
+    const Tensor& sample_denoms,
+    const std::optional<Tensor>& sample_weights,
+    const std::vector<double>& coefficients,
+    ScalarType values_dtype) {
+  return make_call(
+      check_reduce_terms_backward_inputs(grad, mask, cu_seqlens, sample_denoms, sample_weights, coefficients, values_dtype), std::nullopt, mask,
+      cu_seqlens, acc_scalar_type(values_dtype));
+}
+
+// reduce_terms_backward's output: one gradient of the mask's shape per term, each its own tensor.
+inline std::vector<Tensor> new_term_grads(const TokenCall& call, ScalarType values_dtype) {
+  const auto sizes = call.mask.sizes();
+  const std::vector<int64_t> shape(sizes.begin(), sizes.end());
+  std::vector<Tensor> out;
+  for (int64_t k = 0; k < call.layout.num_metrics; ++k) {
+    out.push_back(new_tensor(call.mask, shape, values_dtype));
+  }
+  return out;
+}
+
+// reduce_terms' per-term tables ([K, B] denominators or weights) in the accumulation dtype, contiguous.
+inline Tensor kernel_term_table(const Tensor& table, ScalarType values_dtype) {
+  return as_dtype(as_contiguous(table), acc_scalar_type(values_dtype));
+}
+
 inline TokenCall segment_sum_backward_call(const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, ScalarType values_dtype) {
   return make_call(check_segment_sum_backward_inputs(grad, mask, cu_seqlens), std::nullopt, mask, cu_seqlens, acc_scalar_type(values_dtype));
 }

@@ -27,6 +27,19 @@ STABLE_TORCH_LIBRARY(lossagg, m) {
   m.def(
       "reduce_backward(Tensor grad, Tensor mask, Tensor? cu_seqlens, Tensor sample_denoms, "
       "ScalarType values_dtype) -> Tensor");
+  // The whole loss of K terms from one pass over their values and the mask: values is K
+  // tensors of one dtype, each [T] or [B, T] as for reduce, read where they lie; sample_denoms
+  // [K, B]; sample_weights [K, B] (None: 1); one coefficient per term. Returns
+  // (J = sum_k c_k J_k 0-dim, parts [K] with J_k = sum_i w[k, i] S[k, i] / d[k, i]), the terms
+  // added in order and each J_k as reduce adds its quotients. parts is not differentiable.
+  m.def(
+      "reduce_terms(Tensor[] values, Tensor mask, Tensor? cu_seqlens, Tensor sample_denoms, Tensor? sample_weights, "
+      "float[] coefficients) -> (Tensor, Tensor)");
+  // Gradient of reduce_terms' J in every term's values: out[k][t] = mask[t] * grad * c_k *
+  // w[k, s(t)] / d[k, s(t)] -> K tensors of the token shape of mask, in values_dtype.
+  m.def(
+      "reduce_terms_backward(Tensor grad, Tensor mask, Tensor? cu_seqlens, Tensor sample_denoms, Tensor? sample_weights, "
+      "float[] coefficients, ScalarType values_dtype) -> Tensor[]");
   // Tokens of each segment whose mask is non-zero: [T] packed / [B, T] padded -> int64 [B].
   // Not differentiable. CPU kernel in csrc/cpu/ops_cpu.cpp; other devices in lossagg/ops.py.
   m.def("token_counts(Tensor mask, Tensor? cu_seqlens) -> Tensor");

@@ -49,6 +49,14 @@ class DenomInputs:
     divisor: float | None = None  # L, for a mode with needs_divisor
 
 
+#: When a factor's final value is known, for masks that are final only once a micro-batch's
+#: forward has run (filters inside the loss, lossagg.DeferredPlan, docs/composition.md):
+#: ``setting`` before the step (the divisor); ``sample`` when the sample's own micro-batch has
+#: run; ``group`` when its prompt group's has, if each group lies whole in one micro-batch;
+#: ``step`` after the step's last micro-batch, on every rank (one all-reduce).
+KNOWN = ("setting", "sample", "group", "step")
+
+
 @dataclass(frozen=True)
 class Factor:
     """One factor of a product, as docs/modes.md writes it."""
@@ -57,19 +65,20 @@ class Factor:
     reads: str  # the step total it reads (lossagg.totals.TOTALS), or "divisor" (L) or "token_counts" (M[i])
     clamped: bool  # read as c(x) = max(x, 1)
     per_sample: bool  # one value per sample (M[i], Sg[g(i)]), not one for the step
+    known: str  # when its final value is known (KNOWN)
     zero_as_one: bool = False  # 0 read as 1: a weight sum that is 0 only when every numerator is 0 (J = 0)
 
 
 _FACTOR_ROWS = (
-    Factor("N", "num_samples", clamped=False, per_sample=False),
-    Factor("P", "num_groups", clamped=False, per_sample=False),
-    Factor("c(T)", "total_tokens", clamped=True, per_sample=False),
-    Factor("c(L_max)", "max_tokens", clamped=True, per_sample=False),
-    Factor("L", "divisor", clamped=False, per_sample=False),
-    Factor("c(M[i])", "token_counts", clamped=True, per_sample=True),
-    Factor("c(Sg[g(i)])", "group_token_sums", clamped=True, per_sample=True),
-    Factor("W", "weight_sum", clamped=False, per_sample=False),
-    Factor("W_abs", "abs_weight_sum", clamped=False, per_sample=False, zero_as_one=True),
+    Factor("N", "num_samples", clamped=False, per_sample=False, known="step"),
+    Factor("P", "num_groups", clamped=False, per_sample=False, known="step"),
+    Factor("c(T)", "total_tokens", clamped=True, per_sample=False, known="step"),
+    Factor("c(L_max)", "max_tokens", clamped=True, per_sample=False, known="step"),
+    Factor("L", "divisor", clamped=False, per_sample=False, known="setting"),
+    Factor("c(M[i])", "token_counts", clamped=True, per_sample=True, known="sample"),
+    Factor("c(Sg[g(i)])", "group_token_sums", clamped=True, per_sample=True, known="group"),
+    Factor("W", "weight_sum", clamped=False, per_sample=False, known="step"),
+    Factor("W_abs", "abs_weight_sum", clamped=False, per_sample=False, known="step", zero_as_one=True),
 )
 #: What a weighted mean puts in place of the sample count N (docs/terms.md, "Per-sample weights").
 WEIGHTED_COUNT = MappingProxyType({"mean": "W", "abs_mean": "W_abs"})

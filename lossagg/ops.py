@@ -39,10 +39,12 @@ from lossagg.denom_program import evaluate as evaluate_program
 from lossagg.dtypes import MASK_DTYPES, VALUE_DTYPES, values_dtype_error
 from lossagg.validate import check_cu_seqlens, check_holds_data
 
-__all__ = ["segment_sum", "reduce", "token_counts"]
+__all__ = ["segment_sum", "reduce", "reduce_terms", "token_counts"]
 
 _REDUCE = torch.ops.lossagg.reduce.default
 _REDUCE_BACKWARD = torch.ops.lossagg.reduce_backward.default
+_REDUCE_TERMS = torch.ops.lossagg.reduce_terms.default
+_REDUCE_TERMS_BACKWARD = torch.ops.lossagg.reduce_terms_backward.default
 _SEGMENT_SUM = torch.ops.lossagg.segment_sum.default
 _SEGMENT_SUM_BACKWARD = torch.ops.lossagg.segment_sum_backward.default
 _SEGMENT_SUM_AND_COUNT = torch.ops.lossagg.segment_sum_and_count.default
@@ -86,14 +88,7 @@ def check_readable(op: str, names: tuple[str, ...], tensors: tuple, validate=Non
     Costs a few attribute reads per tensor on the usual (contiguous) path, which every call
     pays. Skipped while torch.compile traces (the fake kernels check what a trace can see).
     """
-    if torch.compiler.is_compiling():
-        return
-    for t in tensors:
-        if t is not None and not (
-            isinstance(t, torch.Tensor) and t.layout is _STRIDED and t.is_contiguous() and not (saved_for_backward and t.is_inference())
-        ):
-            break
-    else:
+    if torch.compiler.is_compiling() or _readable(tensors, saved_for_backward):
         return
     for name, t in zip(names, tensors, strict=True):
         if t is None:
@@ -129,6 +124,17 @@ def check_readable(op: str, names: tuple[str, ...], tensors: tuple, validate=Non
                     f"{name} is an expanded view (stride 0 along dim {dim} of size {size}): the kernels read every element from memory, "
                     f"so it would first be copied in full ({t.numel()} elements, {copy}); pass {name}.contiguous() if that copy is meant",
                 )
+
+
+def _readable(tensors: tuple, saved_for_backward: bool) -> bool:
+    """The fast path of :func:`check_readable`: every tensor (None skipped) dense, contiguous and,
+    when saved for the backward, not made under inference mode."""
+    for t in tensors:
+        if t is not None and not (
+            isinstance(t, torch.Tensor) and t.layout is _STRIDED and t.is_contiguous() and not (saved_for_backward and t.is_inference())
+        ):
+            return False
+    return True
 
 
 _STRIDED = torch.strided
@@ -441,6 +447,216 @@ def _reduce_backward_grad(ctx, upstream):
 
 
 torch.library.register_autograd("lossagg::reduce_backward", _reduce_backward_grad, setup_context=_setup_reduce_backward)
+
+
+# --------------------------------------------------------------------------- reduce_terms
+def reduce_terms(
+    values,
+    mask: torch.Tensor,
+    *positional,
+    cu_seqlens: torch.Tensor | None = None,
+    sample_denoms: torch.Tensor | None = None,
+    sample_weights: torch.Tensor | None = None,
+    coefficients=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole loss of K terms from one pass over their values and the mask (docs/terms.md)::
+
+        J = Σ_k c_k J_k,    J_k = Σ_i w[k, i] · (Σ_{t in i} m[t] · values[k][t]) / d[k, i]
+
+    ``values`` is a list of K tensors of one floating dtype, each with the token shape of
+    ``mask`` (``[T]`` packed with ``cu_seqlens``, ``[B, T]`` padded), read where they lie (no
+    ``[K, T]`` copy); ``sample_denoms`` ``d`` is ``[K, B]``, floating, finite and > 0;
+    ``sample_weights`` ``w`` is ``[K, B]`` and finite (None: 1); ``coefficients`` ``c`` is K
+    finite numbers (None: 1). Returns ``(J, parts)``: ``J`` 0-dim, differentiable in every
+    ``values[k]`` (gradient ``grad · c_k · w[k, i] · m[t] / d[k, i]``), and ``parts`` ``[K]``,
+    each term's ``J_k`` before its coefficient, detached. Float32 (float64 for float64 values).
+    Each ``J_k`` adds its quotients as :func:`reduce` does and the terms are added in order,
+    so one term with coefficient 1 and no weights gives the bits of :func:`reduce`.
+    """
+    if positional:
+        raise TypeError(
+            f"lossagg.reduce_terms(values, mask, *, cu_seqlens=None, sample_denoms, sample_weights=None, coefficients=None) takes 2 positional "
+            f"arguments, got {2 + len(positional)}: pass the others by keyword"
+        )
+    if isinstance(values, torch.Tensor) or not isinstance(values, (list, tuple)):
+        got = f"a tensor of shape {list(values.shape)}" if isinstance(values, torch.Tensor) else type(values).__name__
+        _fail(TypeError, "reduce_terms", f"values must be a list of the K terms' per-token tensors, got {got}")
+    values = list(values)
+    if not values:
+        _fail(ValueError, "reduce_terms", "values must hold at least one term's tensor, got an empty list")
+    if sample_denoms is None:
+        raise TypeError("lossagg.reduce_terms: missing the keyword argument sample_denoms (the [K, B] per-term, per-sample denominators)")
+    return reduce_terms_of(values, mask, cu_seqlens, sample_denoms, sample_weights, _term_coefficients(coefficients, len(values)))
+
+
+def reduce_terms_of(values: list, mask, cu_seqlens, sample_denoms, sample_weights, coefficients: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`reduce_terms` for a caller that passes ``values`` as a list and ``coefficients`` as
+    a list of floats (``StepPlan.loss_terms``): every check of the tensors, none of the parsing."""
+    if torch.compiler.is_compiling():  # the fake kernel checks what a trace can see
+        return torch.ops.lossagg.reduce_terms(values, mask, cu_seqlens, sample_denoms, sample_weights, coefficients)
+    grad_mode = torch.is_grad_enabled()
+    needs_grad = grad_mode and any(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
+    tensors = (*values, mask, cu_seqlens, sample_denoms, sample_weights)
+    if not _readable(tensors, needs_grad):
+        names = (*(f"values[{k}]" for k in range(len(values))), "mask", "cu_seqlens", "sample_denoms", "sample_weights")
+        check_readable(
+            "reduce_terms", names, tensors, (_reduce_terms_fake, (values, mask, cu_seqlens, sample_denoms, sample_weights, coefficients)), needs_grad
+        )
+    try:
+        if grad_mode:
+            _not_differentiable("reduce_terms", mask=mask, sample_denoms=sample_denoms, sample_weights=sample_weights)
+        if needs_grad:
+            return _ReduceTerms.apply(mask, cu_seqlens, sample_denoms, sample_weights, coefficients, *values)
+        with _BELOW_AUTOGRAD():
+            return _REDUCE_TERMS(values, mask, cu_seqlens, sample_denoms, sample_weights, coefficients)
+    except RuntimeError as exc:
+        raise python_error(exc) from None
+
+
+def _term_coefficients(coefficients, k: int) -> list[float]:
+    if coefficients is None:
+        return [1.0] * k
+    if isinstance(coefficients, torch.Tensor) or not isinstance(coefficients, (list, tuple)):
+        _fail(TypeError, "reduce_terms", f"coefficients must be a list of K = {k} numbers, got {type(coefficients).__name__}")
+    out = []
+    for i, c in enumerate(coefficients):
+        if isinstance(c, bool) or not isinstance(c, (int, float)):
+            _fail(TypeError, "reduce_terms", f"coefficients[{i}] must be a number, got {type(c).__name__}")
+        out.append(float(c))
+    return out
+
+
+def _check_term_table(op, name, t, k, b, like):
+    if not t.dtype.is_floating_point:
+        _fail(TypeError, op, f"{name} must have a floating dtype, got {t.dtype}")
+    if t.dim() != 2 or t.shape[0] != k or t.shape[1] != b:
+        _fail(ValueError, op, f"{name} must be [K, B] = [{k}, {b}] (one entry per term and sample), got shape {list(t.shape)}")
+    _check_device(op, name, t, like, "the token tensors")
+
+
+def _check_coefficients(op, coefficients, k):
+    if len(coefficients) != k:
+        _fail(ValueError, op, f"coefficients must hold one number per term (K = {k}), got {len(coefficients)}")
+    for i, c in enumerate(coefficients):
+        if c != c or c in (float("inf"), float("-inf")):
+            _fail(ValueError, op, f"coefficients must be finite, got coefficients[{i}] = {c}")
+
+
+@torch.library.register_fake("lossagg::reduce_terms")
+def _reduce_terms_fake(values, mask, cu_seqlens, sample_denoms, sample_weights, coefficients):
+    op = "reduce_terms"
+    if not values:
+        _fail(ValueError, op, "values must hold at least one term's tensor, got an empty list")
+    first = values[0]
+    for k, v in enumerate(values):
+        if v.dtype not in VALUE_DTYPES:
+            _fail(TypeError, op, values_dtype_error(f"values[{k}]", v.dtype))
+        if k and v.dtype != first.dtype:
+            _fail(TypeError, op, f"every term's values must have one dtype, values[0]'s {first.dtype}, got values[{k}] of dtype {v.dtype}")
+        if k and v.device != first.device:
+            _fail(ValueError, op, f"values[{k}] must be on the device of values[0] ({first.device}), got {v.device}")
+        if k and tuple(v.shape) != tuple(mask.shape):
+            _fail(ValueError, op, f"values[{k}] must have the token shape of mask {list(mask.shape)}, got shape {list(v.shape)}")
+    b, _ = _token_layout(op, first, mask, cu_seqlens, allow_metric_dim=False)
+    _check_term_table(op, "sample_denoms", sample_denoms, len(values), b, first)
+    if sample_weights is not None:
+        _check_term_table(op, "sample_weights", sample_weights, len(values), b, first)
+    _check_coefficients(op, coefficients, len(values))
+    acc = _acc_dtype(first.dtype)
+    return first.new_empty((), dtype=acc), first.new_empty((len(values),), dtype=acc)
+
+
+def _reduce_terms_grads(ctx, grad):
+    """The K gradients of reduce_terms' J from one reduce_terms_backward call (each its own tensor)."""
+    mask, cu_seqlens, sample_denoms, sample_weights = ctx.saved_tensors
+    args = (grad, mask, cu_seqlens, sample_denoms, sample_weights, ctx.coefficients, ctx.values_dtype)
+    if grad.requires_grad:  # create_graph: the backward op's own autograd records it
+        return torch.ops.lossagg.reduce_terms_backward(*args)
+    with _BELOW_AUTOGRAD():
+        return _REDUCE_TERMS_BACKWARD(*args)
+
+
+def _save_reduce_terms(ctx, mask, cu_seqlens, sample_denoms, sample_weights, coefficients, values_dtype):
+    ctx.save_for_backward(mask, cu_seqlens, sample_denoms, sample_weights)
+    ctx.coefficients = list(coefficients)
+    ctx.values_dtype = values_dtype
+
+
+class _ReduceTerms(torch.autograd.Function):
+    """reduce_terms with its backward, as the wrapper :func:`reduce_terms` calls it (see _Reduce);
+    the values come last, one argument each, so that autograd gives each its gradient."""
+
+    @staticmethod
+    def forward(ctx, mask, cu_seqlens, sample_denoms, sample_weights, coefficients, *values):
+        with _BELOW_AUTOGRAD():
+            out, parts = _REDUCE_TERMS(list(values), mask, cu_seqlens, sample_denoms, sample_weights, coefficients)
+        ctx.mark_non_differentiable(parts)
+        _save_reduce_terms(ctx, mask, cu_seqlens, sample_denoms, sample_weights, coefficients, values[0].dtype)
+        return out, parts
+
+    @staticmethod
+    def backward(ctx, grad, grad_parts):
+        if not any(ctx.needs_input_grad[5:]):
+            return (None,) * (5 + len(ctx.needs_input_grad[5:]))
+        grads = _reduce_terms_grads(ctx, grad)
+        return (None, None, None, None, None, *(g if need else None for g, need in zip(grads, ctx.needs_input_grad[5:], strict=True)))
+
+
+def _setup_reduce_terms(ctx, inputs, output):
+    values, mask, cu_seqlens, sample_denoms, sample_weights, coefficients = inputs
+    _not_differentiable("reduce_terms", mask=mask, sample_denoms=sample_denoms, sample_weights=sample_weights)
+    ctx.mark_non_differentiable(output[1])  # each term's J_k, for a tracker
+    _save_reduce_terms(ctx, mask, cu_seqlens, sample_denoms, sample_weights, coefficients, values[0].dtype)
+
+
+def _reduce_terms_grad(ctx, grad, grad_parts):
+    if not ctx.needs_input_grad[0]:
+        return None, None, None, None, None, None
+    return list(_reduce_terms_grads(ctx, grad)), None, None, None, None, None
+
+
+torch.library.register_autograd("lossagg::reduce_terms", _reduce_terms_grad, setup_context=_setup_reduce_terms)
+
+
+# ----------------------------------------------------------------- reduce_terms_backward
+@torch.library.register_fake("lossagg::reduce_terms_backward")
+def _reduce_terms_backward_fake(grad, mask, cu_seqlens, sample_denoms, sample_weights, coefficients, values_dtype):
+    op = "reduce_terms_backward"
+    if grad.dim() != 0:
+        _fail(ValueError, op, f"grad must be a 0-dim tensor, got shape {list(grad.shape)}")
+    if sample_denoms.dim() != 2 or sample_denoms.shape[0] < 1:
+        _fail(ValueError, op, f"sample_denoms must be [K, B] with K >= 1, got shape {list(sample_denoms.shape)}")
+    k = sample_denoms.shape[0]
+    b = _mask_layout(op, mask, cu_seqlens)
+    _check_term_table(op, "sample_denoms", sample_denoms, k, b, mask)
+    if sample_weights is not None:
+        _check_term_table(op, "sample_weights", sample_weights, k, b, mask)
+    _check_coefficients(op, coefficients, k)
+    _check_device(op, "grad", grad, mask, "mask")
+    return [mask.new_empty(mask.shape, dtype=values_dtype) for _ in range(k)]
+
+
+def _setup_reduce_terms_backward(ctx, inputs, output):
+    grad, mask, cu_seqlens, sample_denoms, sample_weights, coefficients, _ = inputs
+    _not_differentiable("reduce_terms_backward", mask=mask, sample_denoms=sample_denoms, sample_weights=sample_weights)
+    ctx.save_for_backward(mask, cu_seqlens, sample_denoms, sample_weights)
+    ctx.coefficients = list(coefficients)
+    ctx.grad_dtype = grad.dtype
+    ctx.values_dtype = output[0].dtype
+
+
+def _reduce_terms_backward_grad(ctx, upstream):
+    # reduce_terms_backward(g)[k][t] = g * c_k * w[k, s] * m[t] / d[k, s]: its derivative in g is
+    # reduce_terms of the upstream gradients (a row no gradient reached is zeros)
+    mask, cu_seqlens, sample_denoms, sample_weights = ctx.saved_tensors
+    if not ctx.needs_input_grad[0]:
+        return None, None, None, None, None, None, None
+    rows = [torch.zeros(mask.shape, dtype=ctx.values_dtype, device=mask.device) if u is None else u.contiguous() for u in upstream]
+    g = torch.ops.lossagg.reduce_terms(rows, mask, cu_seqlens, sample_denoms, sample_weights, ctx.coefficients)[0].to(ctx.grad_dtype)
+    return g, None, None, None, None, None, None
+
+
+torch.library.register_autograd("lossagg::reduce_terms_backward", _reduce_terms_backward_grad, setup_context=_setup_reduce_terms_backward)
 
 
 # ----------------------------------------------------------------- segment_sum_and_count

@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from lossagg.config import LossAggregationConfig
-from lossagg.config.model import PG_TERM
+from lossagg.config.model import PG_TERM, default_term_mode
 from lossagg.denominators import denoms_from_totals
 from lossagg.layout import token_counts as _token_counts
 from lossagg.modes import METRIC_MODE, mode_spec
-from lossagg.ops import reduce, segment_sum
+from lossagg.ops import reduce, reduce_terms_of, segment_sum
 from lossagg.totals import mode_totals, plan_totals, read_totals
 from lossagg.validate import as_int, check_holds_data, check_token_counts
 
@@ -70,6 +70,58 @@ def _sample_weights(weights, weightings: Mapping[str, str], counts: torch.Tensor
     return w
 
 
+def sample_positions(samples: Samples, n: int, device) -> torch.Tensor:
+    """Positions among a rank's ``n`` samples (int64 on ``device``): integers in [0, n), a slice,
+    or a bool selection of length n; each sample named at most once."""
+    check_holds_data("samples", samples)
+    if isinstance(samples, slice):
+        return torch.arange(n, device=device)[samples]
+    if isinstance(samples, (int, bool)) or (isinstance(samples, torch.Tensor) and samples.dim() == 0):
+        raise TypeError("samples must be a 1-D selection of this rank's samples (integer positions, a slice or a bool mask), got a scalar")
+    try:
+        pos = samples if isinstance(samples, torch.Tensor) else torch.as_tensor(samples)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"samples must be integer positions, a slice or a bool selection, got {type(samples).__name__}") from None
+    if pos.dim() != 1:
+        raise ValueError(f"samples must be 1-D, got shape {tuple(pos.shape)}")
+    if pos.numel() == 0 and pos.dtype != torch.bool:  # no samples (an empty list is float32 to torch)
+        return torch.zeros(0, dtype=torch.long, device=device)
+    if pos.dtype == torch.bool:
+        if pos.shape[0] != n:
+            raise ValueError(f"samples as a bool selection must have one entry per sample of this rank ({n}), got {pos.shape[0]}")
+        return torch.nonzero(pos).flatten().to(device)
+    if pos.is_floating_point() or pos.is_complex():
+        raise TypeError(f"samples must hold integer positions, got dtype {pos.dtype}")
+    if pos.numel() and pos.device.type == "cpu":  # positions on an accelerator are not read back (no host sync)
+        lo, hi = int(pos.min()), int(pos.max())
+        if lo < 0 or hi >= n:
+            raise ValueError(f"samples must be positions in [0, {n}) among this rank's samples, got values in [{lo}, {hi}]")
+        distinct, counts = torch.unique(pos, return_counts=True)
+        if distinct.numel() != pos.numel():
+            first = int(torch.nonzero(counts > 1)[0, 0])
+            raise ValueError(
+                f"samples must name each sample of the micro-batch once, got position {int(distinct[first])} {int(counts[first])} times "
+                "(a sample counted twice would weigh twice in J)"
+            )
+    return pos.to(device=device, dtype=torch.long)
+
+
+def _plain_terms(values: list, mask) -> bool:
+    """Every term a dense tensor of the mask's shape, of one dtype and device, the mask dense and
+    holding data: the usual call, for which :meth:`StepPlan.loss_terms` skips its checks by name
+    and makes one :func:`lossagg.reduce_terms` call."""
+    if not isinstance(mask, torch.Tensor) or mask.layout is not torch.strided or mask.is_meta:
+        return False
+    first = values[0]
+    if not isinstance(first, torch.Tensor):
+        return False
+    shape, dtype, device = mask.shape, first.dtype, first.device
+    for t in values:
+        if not (isinstance(t, torch.Tensor) and t.layout is torch.strided and not t.is_meta and t.shape == shape and t.dtype is dtype):
+            return False
+    return all(t.device == device for t in values[1:])
+
+
 class StepPlan:
     """Global per-sample denominators ``sample_denoms`` (``d[i]``) of one optimizer step, for this rank's samples.
 
@@ -94,7 +146,9 @@ class StepPlan:
 
     ``_totals`` is private: :meth:`from_totals` hands a trainer's step totals through it
     (checked by :func:`lossagg.totals.plan_totals` instead of gathered), so that every plan is
-    built by this one constructor.
+    built by this one constructor. So is ``_extra_sums``: float64 values summed over the
+    process group in the plan's own sum all-reduce, in place (a :class:`lossagg.DeferredPlan`'s
+    logged values).
     """
 
     def __init__(
@@ -107,6 +161,7 @@ class StepPlan:
         num_group_labels: int | None = None,
         sample_weights: torch.Tensor | None = None,
         _totals: Mapping[str, Any] | None = None,
+        _extra_sums: torch.Tensor | None = None,
     ):
         config = _as_config(config)
         counts = check_token_counts(token_counts)
@@ -127,7 +182,8 @@ class StepPlan:
             needed,
             counts,
             mode=grouped or spec.name,
-            also=mode_spec(METRIC_MODE).totals,
+            # the default reducer's (plan.metrics), and sample_mean's whatever the mode (trainers read N, N')
+            also=(*mode_spec(METRIC_MODE).totals, *mode_spec(default_term_mode(config.mode)).totals),
             empty_samples=empty,
             given=_totals,
             group_index=group_index,
@@ -136,6 +192,7 @@ class StepPlan:
             process_group=process_group,
             num_group_labels=num_group_labels,
             weights=self.sample_weights,
+            extra_sums=_extra_sums,
         )
         self.sample_denoms = denoms_from_totals(spec, counts, read_totals(spec.totals, self.totals, empty, spec.name), config.divisor, empty)
 
@@ -153,10 +210,37 @@ class StepPlan:
         return out
 
     @functools.cached_property
+    def _term_table(self) -> tuple[tuple[str, ...], torch.Tensor, torch.Tensor | None, list[float]]:
+        """The terms as :func:`lossagg.reduce_terms` takes them, for every sample of this rank:
+        their names in order (``"pg"`` first), ``d_k[i]`` ``[K, n_local]``, the weights ``[K, n_local]``
+        (1 for a term that does not weigh its samples; None when no term does) and the coefficients."""
+        names = (PG_TERM, *self.config.terms)
+        denoms = torch.stack([self.term_denoms[n] for n in names])
+        weightings = [self.config.weighting, *(t.weighting for t in self.config.terms.values())]
+        weights = None
+        if any(w != "none" for w in weightings):
+            ones = torch.ones_like(self.sample_weights)
+            weights = torch.stack([ones if w == "none" else self.sample_weights for w in weightings])
+        return names, denoms, weights, [1.0, *(t.coefficient for t in self.config.terms.values())]
+
+    def _term_table_in(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:attr:`_term_table`'s ``d`` and ``w`` in ``dtype`` (each converted once per plan)."""
+        cache = self.__dict__.setdefault("_term_tables", {})
+        if dtype not in cache:
+            _, denoms, weights, _ = self._term_table
+            rounded = denoms.to(dtype)
+            if not bool((torch.isfinite(rounded) & (rounded > 0)).all()):
+                rounded = denoms  # a d[i] out of dtype's range: the op refuses it, naming the value as given
+            cache[dtype] = (rounded, None if weights is None else weights.to(dtype))
+        return cache[dtype]
+
+    @functools.cached_property
     def metric_denoms(self) -> torch.Tensor:
-        """``d[i]`` of the default reducer (sample_mean), for metrics other than the PG loss, under
-        the config's ``empty_samples`` (under skip, empty samples do not count in its N either)."""
-        spec = mode_spec(METRIC_MODE)
+        """``d[i]`` of the default reducer, for metrics other than the PG loss: sample_mean, or
+        token_mean when the step itself is token-level (as a term that names no reducer,
+        docs/terms.md), under the config's ``empty_samples`` (under skip, empty samples do not
+        count in sample_mean's N either)."""
+        spec = mode_spec(default_term_mode(self.config.mode))
         empty = self.config.empty_samples
         missing = [name for name in mode_totals(spec.totals, empty) if name not in self.totals]
         if missing:
@@ -200,48 +284,22 @@ class StepPlan:
 
     def _positions(self, samples: Samples) -> torch.Tensor:
         """Positions among this rank's samples: integers in [0, n_local), a slice, or a bool selection of length n_local."""
-        n = self.token_counts.shape[0]
-        check_holds_data("samples", samples)
-        if isinstance(samples, slice):
-            return torch.arange(n, device=self.device)[samples]
-        if isinstance(samples, (int, bool)) or (isinstance(samples, torch.Tensor) and samples.dim() == 0):
-            raise TypeError("samples must be a 1-D selection of this rank's samples (integer positions, a slice or a bool mask), got a scalar")
-        try:
-            pos = samples if isinstance(samples, torch.Tensor) else torch.as_tensor(samples)
-        except (TypeError, ValueError, RuntimeError):
-            raise TypeError(f"samples must be integer positions, a slice or a bool selection, got {type(samples).__name__}") from None
-        if pos.dim() != 1:
-            raise ValueError(f"samples must be 1-D, got shape {tuple(pos.shape)}")
-        if pos.numel() == 0 and pos.dtype != torch.bool:  # no samples (an empty list is float32 to torch)
-            return torch.zeros(0, dtype=torch.long, device=self.device)
-        if pos.dtype == torch.bool:
-            if pos.shape[0] != n:
-                raise ValueError(f"samples as a bool selection must have one entry per sample of this rank ({n}), got {pos.shape[0]}")
-            return torch.nonzero(pos).flatten().to(self.device)
-        if pos.is_floating_point() or pos.is_complex():
-            raise TypeError(f"samples must hold integer positions, got dtype {pos.dtype}")
-        if pos.numel() and pos.device.type == "cpu":  # positions on an accelerator are not read back (no host sync)
-            lo, hi = int(pos.min()), int(pos.max())
-            if lo < 0 or hi >= n:
-                raise ValueError(f"samples must be positions in [0, {n}) among this rank's samples, got values in [{lo}, {hi}]")
-            distinct, counts = torch.unique(pos, return_counts=True)
-            if distinct.numel() != pos.numel():
-                first = int(torch.nonzero(counts > 1)[0, 0])
-                raise ValueError(
-                    f"samples must name each sample of the micro-batch once, got position {int(distinct[first])} {int(counts[first])} times "
-                    "(a sample counted twice would weigh twice in J)"
-                )
-        return pos.to(device=self.device, dtype=torch.long)
+        return sample_positions(samples, self.token_counts.shape[0], self.device)
 
     def _micro_batch_denoms(self, samples: Samples, mask: torch.Tensor, cu_seqlens, device) -> torch.Tensor:
         check_holds_data("mask", mask)
         check_holds_data("cu_seqlens", cu_seqlens)
         d = self.sample_denoms_for(samples, dtype=torch.float64, device=device)
-        b = (cu_seqlens.shape[0] - 1 if cu_seqlens.dim() == 1 else -1) if isinstance(cu_seqlens, torch.Tensor) else mask.shape[0]
-        if b >= 0 and d.shape[0] != b:
-            layout = "cu_seqlens has" if cu_seqlens is not None else "the padded mask has"
-            raise ValueError(f"samples selects {d.shape[0]} sample(s) but {layout} {b}: one position per sample of the micro-batch")
+        self._check_micro_batch(d.shape[0], mask, cu_seqlens)
         return d
+
+    @staticmethod
+    def _check_micro_batch(selected: int, mask: torch.Tensor, cu_seqlens) -> None:
+        """The samples selected are the micro-batch's (one per segment of its layout)."""
+        b = (cu_seqlens.shape[0] - 1 if cu_seqlens.dim() == 1 else -1) if isinstance(cu_seqlens, torch.Tensor) else mask.shape[0]
+        if b >= 0 and selected != b:
+            layout = "cu_seqlens has" if cu_seqlens is not None else "the padded mask has"
+            raise ValueError(f"samples selects {selected} sample(s) but {layout} {b}: one position per sample of the micro-batch")
 
     def loss(
         self,
@@ -281,12 +339,13 @@ class StepPlan:
         ``Σ_i S_ki / d_k[i]`` over this micro-batch's samples, with ``d_k`` from this plan
         (:attr:`term_denoms`): summed over every micro-batch and rank it is the step's value of
         every term at once, and so is the gradient of each term's values,
-        ``c_k · m[t] / d_k[i(t)]``. Each term is one :func:`lossagg.reduce` call with its own
-        ``d_k`` (its values and the mask read once, no copy; a weighted term's sums are
-        multiplied by the weights and then added as reduce adds them), so a step with the PG
-        term alone gives the bits of :meth:`loss`.
+        ``c_k · m[t] / d_k[i(t)]``. Terms of one dtype are reduced by one
+        :func:`lossagg.reduce_terms` call: one native pass over the K values where they lie, with
+        one read of the mask, each ``J_k`` added as :func:`lossagg.reduce` adds it (a weighted
+        term's sums multiplied by the weights first), so a step with the PG term alone gives the
+        bits of :meth:`loss`. Terms of several dtypes take one :func:`lossagg.reduce` per term.
         """
-        return self.loss_terms_parts(terms, mask, samples, cu_seqlens)[0]
+        return self._loss_terms(terms, mask, samples, cu_seqlens)[0]
 
     def loss_terms_parts(
         self,
@@ -298,39 +357,61 @@ class StepPlan:
         """(:meth:`loss_terms`, each term's own contribution ``J_k`` before its coefficient, by
         name): the total is differentiable, the parts are detached (for a tracker: summed over
         micro-batches and ranks they are each term's step value)."""
-        names = [PG_TERM, *self.config.terms]
+        total, parts = self._loss_terms(terms, mask, samples, cu_seqlens)
+        names = self._term_table[0]
+        return total, dict(zip(names, parts.unbind(0) if isinstance(parts, torch.Tensor) else parts, strict=True))
+
+    def _loss_terms(self, terms, mask, samples, cu_seqlens):
+        """(J, the terms' J_k: a [K] tensor, or a list for terms of several dtypes)."""
+        names, _, _, coefficients = self._term_table
         if not isinstance(terms, Mapping):
             raise TypeError(f"terms must be a mapping of term name -> per-token values ({', '.join(names)}), got {type(terms).__name__}")
-        missing = [n for n in names if n not in terms]
-        unknown = [n for n in terms if n not in names]
-        if missing or unknown:
+        if len(terms) != len(names) or not all(n in terms for n in names):
+            missing = [n for n in names if n not in terms]
+            unknown = [n for n in terms if n not in names]
             got = ", ".join(map(repr, terms)) or "none"
             raise ValueError(
                 f"terms must hold exactly the loss's terms, {', '.join(names)} ('pg' and the config's terms), got {got}"
                 + (f": missing {', '.join(missing)}" if missing else "")
                 + (f"; not terms of the config: {', '.join(map(repr, unknown))}" if unknown else "")
             )
-        check_holds_data("mask", mask)
-        for n in names:
-            t = terms[n]
-            check_holds_data(f"terms[{n!r}]", t)
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(mask.shape):
-                got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"terms[{n!r}] must be a tensor with the token shape of mask {tuple(mask.shape)}, got {got}")
-        d = self._micro_batch_denoms(samples, mask, cu_seqlens, terms[PG_TERM].device)
+        values = [terms[n] for n in names]
+        first = values[0]
+        one_call = _plain_terms(values, mask)
+        if not one_call:  # the usual call skips these checks (each names what is wrong)
+            check_holds_data("mask", mask)
+            for n, t in zip(names, values, strict=True):
+                check_holds_data(f"terms[{n!r}]", t)
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(mask.shape):
+                    got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise ValueError(f"terms[{n!r}] must be a tensor with the token shape of mask {tuple(mask.shape)}, got {got}")
+            one_call = all(v.dtype == first.dtype and v.device == first.device for v in values)
+        if one_call:
+            # one native pass over the K values where they lie, with one read of the mask; d and w in
+            # the accumulation dtype, rounded once here as the kernel would round them
+            check_holds_data("cu_seqlens", cu_seqlens)
+            denoms, weights = self._term_table_in(torch.float64 if first.dtype is torch.float64 else torch.float32)
+            if not (isinstance(samples, slice) and samples == slice(None)):
+                positions = self._positions(samples)
+                denoms = denoms[:, positions]
+                weights = None if weights is None else weights[:, positions]
+            self._check_micro_batch(denoms.shape[1], mask, cu_seqlens)
+            if denoms.device != first.device:
+                denoms = denoms.to(first.device)
+                weights = None if weights is None else weights.to(first.device)
+            return reduce_terms_of(values, mask, cu_seqlens, denoms, weights, coefficients)
+        # terms of several dtypes: one reduce per term, each accumulating as reduce does for its own
+        d = self._micro_batch_denoms(samples, mask, cu_seqlens, first.device)
         positions = self._positions(samples)
-        # one reduce per term, each reading its values and the mask once, with no copy: stacking the K
-        # value tensors into one [K, tokens] tensor for a single pass costs more than the K-1 extra
-        # reads of the mask it saves (benchmarks/bench_terms.py)
-        total, parts = None, {}
-        for n in names:
+        total, parts = None, []
+        for n, v in zip(names, values, strict=True):
             d_k = d if n == PG_TERM else self.term_denoms[n][positions].to(device=d.device)
             weighting = self.config.weighting if n == PG_TERM else self.config.terms[n].weighting
             if weighting == "none":
-                j_k = reduce(terms[n], mask, cu_seqlens=cu_seqlens, sample_denoms=d_k)
+                j_k = reduce(v, mask, cu_seqlens=cu_seqlens, sample_denoms=d_k)
             else:  # the sums times the samples' weights, then added as reduce adds them
-                j_k = self._weighted_total(segment_sum(terms[n], mask, cu_seqlens), d_k, positions)
-            parts[n] = j_k.detach()
+                j_k = self._weighted_total(segment_sum(v, mask, cu_seqlens), d_k, positions)
+            parts.append(j_k.detach())
             part = j_k if n == PG_TERM else j_k * self.config.terms[n].coefficient
             total = part if total is None else total + part
         return total, parts
@@ -342,11 +423,12 @@ class StepPlan:
         samples: Samples,
         cu_seqlens: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Contributions of several per-token metrics under the default (sample_mean) reducer.
+        """Contributions of several per-token metrics under the default reducer (:attr:`metric_denoms`:
+        sample_mean, or token_mean when the step is token-level).
 
-        One native segment_sum launch over the stacked ``[K, tokens]`` metrics, whatever
-        the PG mode. Sum the returned values over micro-batches (and all-reduce over ranks)
-        for the step-level value of each metric.
+        One native segment_sum launch over the stacked ``[K, tokens]`` metrics. Sum the returned
+        values over micro-batches (and all-reduce over ranks) for the step-level value of each
+        metric.
         """
         names = list(metrics)
         if not names:

@@ -414,6 +414,7 @@ def plan_totals(
     also: tuple[str, ...] = (),
     empty_samples: str = DEFAULT_EMPTY_SAMPLES,
     given: Mapping[str, Any] | None = None,
+    extra_sums=None,
     **share,
 ) -> StepTotals:
     """The step totals of a plan whose mode declares ``totals``, for this rank's float64 ``counts``.
@@ -424,6 +425,8 @@ def plan_totals(
     keywords of :func:`rank_share`) over its ``process_group``: the mode's own, their stand-ins,
     those of ``also`` (the metric reducer's) and :data:`BASE_TOTALS`, every ``sum`` total in one
     float64 all-reduce and the ``max`` totals in a second one only when there are any.
+    ``extra_sums`` (a float64 1-D tensor, gathered plans only) travels in the same sum all-reduce
+    and is replaced in place by its sum over the ranks (lossagg.DeferredPlan's logged values).
     """
     if given is not None:
         rank = RankShare(counts, n_samples_per_prompt=share.get("n_samples_per_prompt"), weights=share.get("weights"))
@@ -432,7 +435,7 @@ def plan_totals(
     rank = rank_share(totals, counts, share.pop("group_index", None), mode=mode, **share)
     # the totals they stand in for are gathered too: P checks the group sizes against n_samples_per_prompt
     names = (*totals, *mode_totals(totals, empty_samples), *also, *mode_totals(also, empty_samples), *BASE_TOTALS)
-    return _gather(names, rank, share.get("process_group"), mode)
+    return _gather(names, rank, share.get("process_group"), mode, extra_sums)
 
 
 def read_totals(totals: tuple[str, ...], plan: Mapping[str, Any], empty_samples: str, mode: str) -> StepTotals:
@@ -498,11 +501,12 @@ def rank_share(
     return RankShare(counts, torch.arange(g, device=counts.device), group_index.long(), n_samples_per_prompt, weights)
 
 
-def _gather(names: Iterable[str], share: RankShare, process_group=None, mode: str | None = None) -> StepTotals:
+def _gather(names: Iterable[str], share: RankShare, process_group=None, mode: str | None = None, extra_sums=None) -> StepTotals:
     """The totals ``names`` of the step: the rank's shares combined over ``process_group``.
 
     All ``sum`` totals travel in one float64 all-reduce, the ``max`` totals in a second one
     (only when there are any); without a process group the rank's shares are the step's.
+    ``extra_sums`` rides at the end of the sum all-reduce and is summed in place.
     """
     torch = _torch()
     wanted = [TOTALS[name] for name in dict.fromkeys(names)]
@@ -516,11 +520,15 @@ def _gather(names: Iterable[str], share: RankShare, process_group=None, mode: st
             for t, piece in zip(group, shares, strict=True):
                 values[t.name] = t.value(piece, share)
             continue
-        buf = torch.cat(shares)
+        extra = extra_sums is not None and combine == "sum"
+        buf = torch.cat(shares + ([extra_sums.to(device=shares[0].device, dtype=torch.float64)] if extra else []))
         dist = torch.distributed
         dist.all_reduce(buf, op=dist.ReduceOp.SUM if combine == "sum" else dist.ReduceOp.MAX, group=process_group)
-        for t, piece in zip(group, buf.split([s.numel() for s in shares]), strict=True):
+        pieces = buf.split([s.numel() for s in shares] + ([extra_sums.numel()] if extra else []))
+        for t, piece in zip(group, pieces, strict=False):
             values[t.name] = t.value(piece, share)
+        if extra:
+            extra_sums.copy_(pieces[-1])
     return StepTotals({t.name: values[t.name] for t in wanted}, mode)
 
 

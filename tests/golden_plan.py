@@ -72,6 +72,13 @@ CHANGED: dict[str, str] = {
 }
 CHANGED.update(
     {
+        f"n{n}/token_mean/plan.metric_denoms": "issue 39: metrics reduce by the default reducer of a term, token_mean when the step "
+        "is token-level (c(T)), where they used to reduce by sample_mean"
+        for n in SIZES
+    }
+)
+CHANGED.update(
+    {
         f"resolve/{i}/{json.dumps(data, sort_keys=True)}": "the config gained the setting empty_samples (issue 30): summary() lists it, "
         "'count' (the default) here; every other entry of the resolved config is unchanged"
         for i, data in enumerate(RESOLVE)

@@ -34,6 +34,14 @@ EMPTY = ("count", "skip")
 CHANGED: dict[str, str] = {
     "programs": "issue 38: a program is the list of its factor codes (aggregate's int[] denom_program), no longer a nibble-packed int",
     "overflow/composite": "issue 38: the composite's message names the program as that list",
+} | {
+    # (unchanged: n1, one sample, where N c(M[0]) = c(T); empty8 under skip, where c(N') c(M[i]) = 1 = c(T))
+    f"{case}/{layout}/f32/token_mean/{empty}/plan.metric_denoms": "issue 39: metrics reduce by the default reducer of a term, "
+    "token_mean when the step is token-level (c(T)), where they used to reduce by sample_mean"
+    for case in (*(f"n{n}" for n in SIZES if n > 1), "empty8")
+    for layout in ("packed", "padded")
+    for empty in ("count", "skip")
+    if not (case == "empty8" and empty == "skip")
 }
 BUILT_IN = ("sample_mean", "prompt_mean", "token_mean", "constant", "max_length")
 

@@ -4,7 +4,17 @@ tests/test_ops.py checks them against the schemas the library registers (csrc/op
 from __future__ import annotations
 
 #: Every op of torch.ops.lossagg.
-OPS = ("segment_sum", "segment_sum_and_count", "aggregate", "reduce", "token_counts", "segment_sum_backward", "reduce_backward")
+OPS = (
+    "segment_sum",
+    "segment_sum_and_count",
+    "aggregate",
+    "reduce",
+    "reduce_terms",
+    "token_counts",
+    "segment_sum_backward",
+    "reduce_backward",
+    "reduce_terms_backward",
+)
 #: The ops a gradient is not asked of through opcheck: the backward ops (their own backward is
 #: the forward op, checked by gradgradcheck) and the ones that are not differentiable.
-NOT_GRADCHECKED = ("segment_sum_backward", "reduce_backward", "segment_sum_and_count", "token_counts")
+NOT_GRADCHECKED = ("segment_sum_backward", "reduce_backward", "reduce_terms_backward", "segment_sum_and_count", "token_counts")

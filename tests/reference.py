@@ -51,3 +51,29 @@ def ref_reduce_grad(mask, sample_denoms, cu_seqlens=None) -> torch.Tensor:
     for i, (a, b) in enumerate(segments(cu_seqlens, mask.shape)):
         grad[a:b] = w[a:b] / float(sample_denoms[i])
     return grad.reshape(mask.shape)
+
+
+def ref_reduce_terms(values, mask, sample_denoms, sample_weights=None, coefficients=None, cu_seqlens=None):
+    """(J, parts) of reduce_terms: J_k = Σ_i w[k, i] S_k[i] / d[k, i], J = Σ_k c_k J_k (float64)."""
+    parts = []
+    for k, v in enumerate(values):
+        sums = ref_segment_sum(v, mask, cu_seqlens)
+        w = torch.ones_like(sums) if sample_weights is None else sample_weights[k].to(torch.float64)
+        parts.append((w * sums / sample_denoms[k].to(torch.float64)).sum())
+    c = [1.0] * len(values) if coefficients is None else coefficients
+    total = sum(ck * part for ck, part in zip(c, parts))
+    return total, torch.stack(parts)
+
+
+def ref_reduce_terms_grads(mask, sample_denoms, sample_weights=None, coefficients=None, cu_seqlens=None) -> list[torch.Tensor]:
+    """d J / d values[k][t] = c_k w[k, i(t)] m[t] / d[k, i(t)] (float64, each of the mask's shape)."""
+    m = mask.to(torch.float64).reshape(-1)
+    grads = []
+    for k in range(sample_denoms.shape[0]):
+        c = 1.0 if coefficients is None else coefficients[k]
+        g = torch.zeros_like(m)
+        for i, (a, b) in enumerate(segments(cu_seqlens, mask.shape)):
+            w = 1.0 if sample_weights is None else float(sample_weights[k, i])
+            g[a:b] = m[a:b] * c * w / float(sample_denoms[k, i])
+        grads.append(g.reshape(mask.shape))
+    return grads

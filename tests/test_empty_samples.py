@@ -279,7 +279,8 @@ def test_token_mean_reads_no_n_and_keeps_its_number():
 
 @pytest.mark.parametrize("mode", list(lossagg.MODES))
 def test_the_metrics_reducer_follows_the_setting(mode):
-    """plan.metrics is the mean over samples of each sample's token mean: over the non-empty samples under skip."""
+    """plan.metrics is the mean over samples of each sample's token mean: over the non-empty samples under skip
+    (the default reducer, sample_mean; under token_mean the step's token mean, which holds no empty sample)."""
     values, mask, cu, groups = packed_step(10)
     entropy = torch.rand(values.shape, generator=torch.Generator().manual_seed(3), dtype=F64)
     counts = lossagg.token_counts(mask, cu)
@@ -287,7 +288,8 @@ def test_the_metrics_reducer_follows_the_setting(mode):
     for empty, n in (("count", counts.numel()), ("skip", len(means))):
         config = LossAggregationConfig(mode=mode, empty_samples=empty, **lossagg.MODES[mode].example_settings)
         got = StepPlan(config, counts, group_index=groups).metrics({"entropy": entropy}, mask, slice(None), cu)["entropy"]
-        torch.testing.assert_close(got, sum(means) / n, rtol=1e-12, atol=0)
+        want = entropy[mask].mean() if mode == "token_mean" else sum(means) / n
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
 
 
 def test_a_registered_mode_that_reads_n_follows_the_setting():
@@ -397,7 +399,9 @@ def dp_worker(rank, world, init_file, results_dir):
                     failures.append(f"rank {rank} mode {mode} {empty}: J {float(j)!r} vs {float(ref)!r}")
                 kept = [i for i in range(n) if counts[i] > 0] if empty == "skip" else list(range(n))
                 means = [values[cu[i] : cu[i + 1]][mask[cu[i] : cu[i + 1]]].sum() / max(int(counts[i]), 1) for i in kept]
-                if not torch.allclose(metric, sum(means) / len(kept), rtol=1e-10, atol=1e-14):
+                # the default reducer: the step's token mean under a token-level step, else the mean of the samples' means
+                want_metric = values[mask].sum() / max(int(counts.sum()), 1) if mode == "token_mean" else sum(means) / len(kept)
+                if not torch.allclose(metric, want_metric, rtol=1e-10, atol=1e-14):
                     failures.append(f"rank {rank} mode {mode} {empty}: metric {float(metric)!r}")
                 if empty == "skip":
                     if plan.totals["num_nonempty_samples"] != int((counts > 0).sum()) or plan.totals["num_samples"] != n:

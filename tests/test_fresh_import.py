@@ -5,7 +5,7 @@ kernels must be registered by ``import lossagg`` itself, not by a later touch of
 ``lossagg.reduce``. Every other test module imports more of lossagg first, so this one runs
 its checks in a subprocess that does nothing else before them: ``opcheck`` of every op
 (fake tensors, schema, autograd registration) and ``torch.compile(fullgraph=True)`` of the
-forward ops with their backward.
+forward ops (reduce, segment_sum, reduce_terms) with their backward.
 """
 
 from __future__ import annotations
@@ -42,6 +42,11 @@ FRESH = textwrap.dedent(
         "reduce_backward": [(torch.tensor(1.5, dtype=torch.float64), m, cu, d, torch.float64)],
         "segment_sum_backward": [(torch.randn(3, dtype=torch.float64), m, cu, torch.float32)],
         "token_counts": [(m, cu), (padded_mask, None)],
+        "reduce_terms": [
+            ([v, k2[0].detach().clone().requires_grad_(True)], m, cu, torch.stack([d, 2 * d]), None, [1.0, -0.5]),
+            ([padded, padded.detach() * 2], padded_mask, None, torch.ones(2, 3), torch.tensor([[1.0, -1.0, 0.0]] * 2), [0.5, 2.0]),
+        ],
+        "reduce_terms_backward": [(torch.tensor(1.5, dtype=torch.float64), m, cu, torch.stack([d, d]), None, [1.0, 3.0], torch.float64)],
     }
     for name, arg_sets in calls.items():
         for args in arg_sets:
@@ -49,7 +54,8 @@ FRESH = textwrap.dedent(
         print("opcheck", name)
 
     def step(values):
-        return ops.reduce(values, m, cu, d) + ops.segment_sum(values, m, cu).sum()
+        terms = ops.reduce_terms([values, values * 2], m, cu, torch.stack([d, d]), None, [1.0, 0.25])[0]
+        return ops.reduce(values, m, cu, d) + ops.segment_sum(values, m, cu).sum() + terms
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     got = compiled(v)

@@ -125,6 +125,14 @@ def sample_inputs(device, requires_grad):
             seg_grad = torch.randn(2, b.num_segments, device=device)
             cases.append((torch.ops.lossagg.segment_sum_backward.default, (seg_grad, b.mask, b.cu_seqlens, dtype)))
             cases.append((torch.ops.lossagg.token_counts.default, (b.mask, b.cu_seqlens)))
+            terms = [bk.values[k].detach().clone().requires_grad_(requires_grad) for k in range(2)]
+            term_denoms = torch.stack([b.sample_denoms, b.sample_denoms * 2])
+            term_weights = torch.tensor([[0.5, -1.0, 0.0, 2.0, 1.0, 3.0]] * 2, device=device)
+            for weights in (None, term_weights):
+                cases.append((torch.ops.lossagg.reduce_terms.default, (terms, b.mask, b.cu_seqlens, term_denoms, weights, [1.0, -0.5])))
+                cases.append(
+                    (torch.ops.lossagg.reduce_terms_backward.default, (grad, b.mask, b.cu_seqlens, term_denoms, weights, [1.0, -0.5], dtype))
+                )
     return cases
 
 

@@ -134,22 +134,22 @@ def test_prompt_mask_sums_vectorised():
     assert sums.tolist() == [4.0, 6.0, 4.0, 6.0]
 
 
-def test_metrics_use_default_reducer_whatever_the_mode():
+def test_metrics_use_default_reducer():
+    # the default reducer of docs/terms.md: sample_mean, or token_mean when the step itself is token-level
     values, mask, cu, groups = random_step(seed=2)
     entropy = torch.rand(values.shape)
     kl = torch.rand(values.shape)
-    results = []
     for mode in MODES:
         plan = StepPlan(
             LossAggregationConfig(mode=mode, n_samples_per_prompt=4, **MODES[mode]),
             lossagg.token_counts(mask, cu),
             group_index=groups,
         )
-        results.append(plan.metrics({"entropy": entropy, "kl": kl}, mask, slice(None), cu))
-    for r in results[1:]:
-        torch.testing.assert_close(r["entropy"], results[0]["entropy"])
-    expected = reference_loss(LossAggregationConfig(), entropy, mask, cu)
-    torch.testing.assert_close(results[0]["entropy"], expected, rtol=1e-6, atol=1e-7)
+        got = plan.metrics({"entropy": entropy, "kl": kl}, mask, slice(None), cu)
+        reducer = "token_mean" if mode == "token_mean" else "sample_mean"
+        for name, metric in (("entropy", entropy), ("kl", kl)):
+            expected = reference_loss(LossAggregationConfig(mode=reducer), metric, mask, cu)
+            torch.testing.assert_close(got[name], expected, rtol=1e-6, atol=1e-7, msg=f"{name} under {mode}: reduced by {reducer}")
 
 
 def test_gradient_scale():

@@ -22,7 +22,9 @@
 namespace lossagg::cpu {
 
 // One op's inputs in kernel types (op_setup.h): values of `values_dtype` (undefined for
-// the backward ops), a mask of `mask_kind`, and the segments.
+// the backward ops), a mask of `mask_kind`, and the segments. Metric k's values are at
+// value_rows[k] when it is given (K tensors read where they lie: reduce_terms), else at
+// values + k * num_tokens (the rows of one [K, T] tensor).
 struct KernelArgs {
   const void* values;
   torch::headeronly::ScalarType values_dtype;
@@ -30,16 +32,18 @@ struct KernelArgs {
   MaskKind mask_kind;
   TokenLayout layout;
   Segments seg;
+  const void* const* value_rows = nullptr;
 };
 
 struct Engine {
-  // out[k * B + s] = sum over tokens t of segment s of mask_weight(m[t]) * v[k * T + t],
+  // out[k * B + s] = sum over tokens t of segment s of mask_weight(m[t]) * v_k[t] (metric k's values),
   // in the accumulation dtype; masked-out tokens selected away. With counts not null, also
   // counts[s] = the tokens of segment s whose mask is non-zero (exact), from the same read.
   void (*segment_sums)(const KernelArgs& args, void* out, int64_t* counts);
-  // out[k * T + t] = mask_weight(m[t]) * coef[k * B + s] for t in segment s (0 where the
-  // mask is 0), written in values_dtype; coef is in the accumulation dtype.
-  void (*expand_to_tokens)(const KernelArgs& args, const void* coef, void* out);
+  // o_k[t] = mask_weight(m[t]) * coef[k * B + s] for t in segment s (0 where the mask is 0),
+  // written in values_dtype; coef is in the accumulation dtype. o_k is out_rows[k] when it is
+  // given (K tensors of their own: reduce_terms_backward), else out + k * T.
+  void (*expand_to_tokens)(const KernelArgs& args, const void* coef, void* out, void* const* out_rows);
   // out[s] = tokens of segment s whose mask is non-zero (exact).
   void (*count_kept)(const KernelArgs& args, int64_t* out);
 };

@@ -176,10 +176,12 @@ void masked_scale(scalar_t* __restrict o, const mask_t* __restrict m, const acc_
   }
 }
 
-// out[k * B + s]: the masked sums; with counts not null (and K >= 1), also counts[s]: the
-// kept tokens of segment s, counted as its mask is read (for metric 0).
+// out[k * B + s]: the masked sums of metric k's values rows[k]; with counts not null (and
+// K >= 1), also counts[s]: the kept tokens of segment s, counted as its mask is read (for
+// metric 0). The metrics of a piece (or of a batch of short segments) are summed one after
+// the other while its mask is in the cache: the mask is read from memory once for all K.
 template <typename acc_t, typename scalar_t, typename mask_t>
-void segment_sums(const scalar_t* v, const mask_t* m, const TokenLayout& layout, const Segments& seg, acc_t* out, int64_t* counts) {
+void segment_sums(const scalar_t* const* rows, const mask_t* m, const TokenLayout& layout, const Segments& seg, acc_t* out, int64_t* counts) {
   const int64_t num_metrics = layout.num_metrics;
   const int64_t num_tokens = layout.num_tokens;
   const int64_t num_segments = layout.num_segments;
@@ -198,7 +200,7 @@ void segment_sums(const scalar_t* v, const mask_t* m, const TokenLayout& layout,
             std::is_same_v<acc_t, float> && std::is_same_v<scalar_t, float> && (is_binary_mask_v<mask_t> || std::is_same_v<mask_t, float>)) {
           // segments of kBlock tokens or more: kGroup consecutive ones have their blocks
           // alternate; every one's tail goes to the batch
-          if (const int64_t run = long_segments_f32_avx512(v, m, layout, seg, s, last, out, counts, tails)) {
+          if (const int64_t run = long_segments_f32_avx512(rows, m, layout, seg, s, last, out, counts, tails)) {
             s += run;
             continue;
           }
@@ -206,14 +208,14 @@ void segment_sums(const scalar_t* v, const mask_t* m, const TokenLayout& layout,
 #endif
         if (e == s) {  // a longer segment
           for (int64_t k = 0; k < num_metrics; ++k) {
-            out[k * num_segments + s] = masked_sum<acc_t>(v + k * num_tokens, m, seg.begin(s), seg.end(s), k == 0 && counts ? counts + s : nullptr);
+            out[k * num_segments + s] = masked_sum<acc_t>(rows[k], m, seg.begin(s), seg.end(s), k == 0 && counts ? counts + s : nullptr);
           }
           ++s;
           continue;
         }
         const int64_t lo = seg.begin(s), hi = seg.end(e - 1);
         for (int64_t k = 0; k < num_metrics; ++k) {
-          masked_terms<acc_t>(buf, v + k * num_tokens, m, lo, hi);
+          masked_terms<acc_t>(buf, rows[k], m, lo, hi);
           for (int j = 0; j < kWindow; ++j) {  // window_sum may read up to kWindow past the batch (and ignores it)
             buf[hi - lo + j] = acc_t(0);
           }
@@ -239,7 +241,7 @@ void segment_sums(const scalar_t* v, const mask_t* m, const TokenLayout& layout,
   std::vector<int64_t> partial_counts(counts ? static_cast<size_t>(num_pieces) : 0);
   for_each_piece(plan, num_tokens, num_metrics, [&](int64_t, int64_t p, int64_t lo, int64_t hi) {
     for (int64_t k = 0; k < num_metrics; ++k) {
-      partial[k * num_pieces + p] = masked_sum<acc_t>(v + k * num_tokens, m, lo, hi, k == 0 && counts ? &partial_counts[p] : nullptr);
+      partial[k * num_pieces + p] = masked_sum<acc_t>(rows[k], m, lo, hi, k == 0 && counts ? &partial_counts[p] : nullptr);
     }
   });
   auto combine = [&](int64_t first, int64_t last) {
@@ -269,8 +271,9 @@ void segment_sums(const scalar_t* v, const mask_t* m, const TokenLayout& layout,
   }
 }
 
+// rows[k]: metric k's output.
 template <typename scalar_t, typename acc_t, typename mask_t>
-void expand_to_tokens(scalar_t* out, const mask_t* m, const TokenLayout& layout, const Segments& seg, const acc_t* coef) {
+void expand_to_tokens(scalar_t* const* rows, const mask_t* m, const TokenLayout& layout, const Segments& seg, const acc_t* coef) {
   const int64_t num_segments = layout.num_segments;
   const int64_t num_tokens = layout.num_tokens;
   const PiecePlan plan(seg, num_segments, layout.max_segment_tokens);
@@ -282,7 +285,7 @@ void expand_to_tokens(scalar_t* out, const mask_t* m, const TokenLayout& layout,
         const int64_t e = short_batch_end(seg, s, last);
         if (e == s) {
           for (int64_t k = 0; k < layout.num_metrics; ++k) {
-            masked_fill<scalar_t, acc_t>(out + k * num_tokens, m, coef[k * num_segments + s], seg.begin(s), seg.end(s));
+            masked_fill<scalar_t, acc_t>(rows[k], m, coef[k * num_segments + s], seg.begin(s), seg.end(s));
           }
           ++s;
           continue;
@@ -298,7 +301,7 @@ void expand_to_tokens(scalar_t* out, const mask_t* m, const TokenLayout& layout,
               w[j] = c;
             }
           }
-          masked_scale<scalar_t, acc_t>(out + k * num_tokens, m, buf, lo, hi);
+          masked_scale<scalar_t, acc_t>(rows[k], m, buf, lo, hi);
         }
         s = e;
       }
@@ -307,7 +310,7 @@ void expand_to_tokens(scalar_t* out, const mask_t* m, const TokenLayout& layout,
   }
   for_each_piece(plan, num_tokens, layout.num_metrics, [&](int64_t s, int64_t, int64_t lo, int64_t hi) {
     for (int64_t k = 0; k < layout.num_metrics; ++k) {
-      masked_fill<scalar_t, acc_t>(out + k * num_tokens, m, coef[k * num_segments + s], lo, hi);
+      masked_fill<scalar_t, acc_t>(rows[k], m, coef[k * num_segments + s], lo, hi);
     }
   });
 }
@@ -330,14 +333,22 @@ void count_kept(const mask_t* m, const TokenLayout& layout, const Segments& seg,
 void segment_sums_entry(const KernelArgs& a, void* out, int64_t* counts) {
   dispatch_kernel_types(a.values_dtype, a.mask_kind, [&]<typename S, typename M>(type_tag<S>, type_tag<M>) {
     using acc_t = acc_t_of<S>;
-    segment_sums<acc_t>(static_cast<const S*>(a.values), static_cast<const M*>(a.mask), a.layout, a.seg, static_cast<acc_t*>(out), counts);
+    std::vector<const S*> rows(static_cast<size_t>(a.layout.num_metrics));
+    for (int64_t k = 0; k < a.layout.num_metrics; ++k) {
+      rows[k] = a.value_rows ? static_cast<const S*>(a.value_rows[k]) : static_cast<const S*>(a.values) + k * a.layout.num_tokens;
+    }
+    segment_sums<acc_t>(rows.data(), static_cast<const M*>(a.mask), a.layout, a.seg, static_cast<acc_t*>(out), counts);
   });
 }
 
-void expand_to_tokens_entry(const KernelArgs& a, const void* coef, void* out) {
+void expand_to_tokens_entry(const KernelArgs& a, const void* coef, void* out, void* const* out_rows) {
   dispatch_kernel_types(a.values_dtype, a.mask_kind, [&]<typename S, typename M>(type_tag<S>, type_tag<M>) {
     using acc_t = acc_t_of<S>;
-    expand_to_tokens<S, acc_t>(static_cast<S*>(out), static_cast<const M*>(a.mask), a.layout, a.seg, static_cast<const acc_t*>(coef));
+    std::vector<S*> rows(static_cast<size_t>(a.layout.num_metrics));
+    for (int64_t k = 0; k < a.layout.num_metrics; ++k) {
+      rows[k] = out_rows ? static_cast<S*>(out_rows[k]) : static_cast<S*>(out) + k * a.layout.num_tokens;
+    }
+    expand_to_tokens<S, acc_t>(rows.data(), static_cast<const M*>(a.mask), a.layout, a.seg, static_cast<const acc_t*>(coef));
   });
 }
 

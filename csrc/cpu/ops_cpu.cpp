@@ -116,7 +116,7 @@ Tensor segment_sum_backward(const Tensor& grad, const Tensor& mask, const std::o
   const TokenCall call = segment_sum_backward_call(grad, mask, cu_seqlens, values_dtype);
   Tensor out = call.new_token_grad(values_dtype);
   const Tensor g = as_contiguous(as_dtype(grad, acc_scalar_type(values_dtype)));
-  engine().expand_to_tokens(kernel_args(call, values_dtype), g.const_data_ptr(), out.mutable_data_ptr());
+  engine().expand_to_tokens(kernel_args(call, values_dtype), g.const_data_ptr(), out.mutable_data_ptr(), nullptr);
   return out;
 }
 
@@ -138,7 +138,95 @@ Tensor reduce_backward(
       c[s] = g / d[s];
     }
   });
-  engine().expand_to_tokens(kernel_args(call, values_dtype), coef.const_data_ptr(), out.mutable_data_ptr());
+  engine().expand_to_tokens(kernel_args(call, values_dtype), coef.const_data_ptr(), out.mutable_data_ptr(), nullptr);
+  return out;
+}
+
+// The whole loss of K terms: the engine's sums of the K values read where they lie, from one
+// read of the mask (each piece's mask stays in the cache while its K sums are made); then each
+// term's numerators times its weights (one rounding, as a weighted term's sums were scaled
+// before), J_k as reduce adds its quotients (weighted_total), and J = c_0 J_0 + c_1 J_1 + ...
+// in term order, each product in the accumulation dtype. With one term, coefficient 1 and no
+// weights, J has the bits of reduce.
+std::tuple<Tensor, Tensor> reduce_terms(
+    std::vector<Tensor> values,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens,
+    const Tensor& sample_denoms,
+    const std::optional<Tensor>& sample_weights,
+    std::vector<double> coefficients) {
+  const TermsCall terms = reduce_terms_call(values, mask, cu_seqlens, sample_denoms, sample_weights, coefficients);
+  const ScalarType values_dtype = values[0].scalar_type();
+  const ScalarType acc_dtype = acc_scalar_type(values_dtype);
+  const int64_t k_terms = terms.call.layout.num_metrics;
+  const int64_t b = terms.call.layout.num_segments;
+  const Tensor denoms = kernel_term_table(sample_denoms, values_dtype);
+  const std::optional<Tensor> weights = sample_weights.has_value() ? std::optional<Tensor>(kernel_term_table(*sample_weights, values_dtype)) : std::nullopt;
+  KernelArgs args = kernel_args(terms.call, values_dtype);
+  args.value_rows = terms.row_data.data();
+  Tensor out = new_tensor(values[0], {}, acc_dtype);
+  Tensor parts = new_tensor(values[0], {k_terms}, acc_dtype);
+  dispatch_values(acc_dtype, "values", [&]<typename A>(type_tag<A>) {
+    std::vector<A> sums(static_cast<size_t>(k_terms * b));  // host scratch: no tensor to allocate
+    A* s = sums.data();
+    engine().segment_sums(args, s, nullptr);
+    if (weights.has_value()) {
+      const A* w = weights->const_data_ptr<A>();
+      for (int64_t i = 0; i < k_terms * b; ++i) {
+        s[i] = s[i] * w[i];
+      }
+    }
+    const A* d = denoms.const_data_ptr<A>();
+    A* part = parts.mutable_data_ptr<A>();
+    A total = A(0);
+    for (int64_t k = 0; k < k_terms; ++k) {
+      part[k] = weighted_total(s + k * b, d + k * b, b);
+      const A scaled = part[k] * static_cast<A>(coefficients[k]);
+      total = k == 0 ? scaled : total + scaled;
+    }
+    *out.mutable_data_ptr<A>() = total;
+  });
+  return {out, parts};
+}
+
+// d J / d values_k[t] = mask[t] * ((grad * c_k) / d[k, s]) * w[k, s], the coefficient of each
+// (term, sample) rounded as autograd rounds it through J's products and quotients, then
+// broadcast to the tokens: K tensors of the mask's shape, each its own allocation (a term's
+// gradient is freed when that term's backward is done with it).
+std::vector<Tensor> reduce_terms_backward(
+    const Tensor& grad,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens,
+    const Tensor& sample_denoms,
+    const std::optional<Tensor>& sample_weights,
+    std::vector<double> coefficients,
+    ScalarType values_dtype) {
+  const TokenCall call = reduce_terms_backward_call(grad, mask, cu_seqlens, sample_denoms, sample_weights, coefficients, values_dtype);
+  std::vector<Tensor> out = new_term_grads(call, values_dtype);
+  const ScalarType acc_dtype = acc_scalar_type(values_dtype);
+  const Tensor denoms = kernel_term_table(sample_denoms, values_dtype);
+  const std::optional<Tensor> weights = sample_weights.has_value() ? std::optional<Tensor>(kernel_term_table(*sample_weights, values_dtype)) : std::nullopt;
+  const int64_t k_terms = call.layout.num_metrics;
+  const int64_t b = call.layout.num_segments;
+  Tensor coef = new_tensor(denoms, {k_terms, b}, acc_dtype);
+  const Tensor grad_acc = as_dtype(grad, acc_dtype);
+  dispatch_values(acc_dtype, "values", [&]<typename A>(type_tag<A>) {
+    const A g = *grad_acc.const_data_ptr<A>();
+    const A* d = denoms.const_data_ptr<A>();
+    const A* w = weights.has_value() ? weights->const_data_ptr<A>() : nullptr;
+    A* c = coef.mutable_data_ptr<A>();
+    for (int64_t k = 0; k < k_terms; ++k) {
+      const A gk = g * static_cast<A>(coefficients[k]);
+      for (int64_t s = 0; s < b; ++s) {
+        c[k * b + s] = w ? (gk / d[k * b + s]) * w[k * b + s] : gk / d[k * b + s];
+      }
+    }
+  });
+  std::vector<void*> rows;
+  for (Tensor& t : out) {
+    rows.push_back(t.mutable_data_ptr());
+  }
+  engine().expand_to_tokens(kernel_args(call, values_dtype), coef.const_data_ptr(), nullptr, rows.data());
   return out;
 }
 
@@ -159,6 +247,8 @@ STABLE_TORCH_LIBRARY_IMPL(lossagg, CPU, m) {
   m.impl("segment_sum_backward", TORCH_BOX(&segment_sum_backward));
   m.impl("reduce", TORCH_BOX(&reduce));
   m.impl("reduce_backward", TORCH_BOX(&reduce_backward));
+  m.impl("reduce_terms", TORCH_BOX(&reduce_terms));
+  m.impl("reduce_terms_backward", TORCH_BOX(&reduce_terms_backward));
 }
 
 }  // namespace lossagg::cpu

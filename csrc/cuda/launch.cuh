@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace lossagg::cuda {
 
@@ -26,16 +27,18 @@ inline dim3 fixup_grid(int64_t num_segments, int64_t num_metrics) {
   return dim3(static_cast<unsigned>(std::max<int64_t>(1, (num_segments + kSegmentsPerBlock - 1) / kSegmentsPerBlock)), metric_grid(num_metrics));
 }
 
-// Segment sums of values ([K, ntok] flattened) into out ([K, B], acc_t). With
-// denoms != nullptr (K == 1), also writes sum_s out[s] / denoms[s] into *result; with
-// counts != nullptr, the kept tokens of each segment into counts ([B], int64).
-// Two launches: the tile pass and the fix-up.
-template <typename acc_t, typename Device, typename scalar_t, typename mask_t>
-void segment_sum_passes(
+// Segment sums of values (Rows: the rows of one [K, ntok] array, or the terms' own arrays)
+// into out ([K, B], acc_t). With denoms != nullptr (K == 1), also writes sum_s out[s] /
+// denoms[s] into *result; with counts != nullptr, the kept tokens of each segment into counts
+// ([B], int64). Two launches: the tile pass and the fix-up. TermRows run every metric in
+// each warp (one block row). Returns the flag (device memory) the tiles set when cu_seqlens is
+// inconsistent.
+template <typename acc_t, typename Device, typename Rows, typename mask_t>
+unsigned int* segment_sum_passes(
     Device& dev,
     const TokenLayout& layout,
     const Segments& seg,
-    const scalar_t* values,
+    Rows values,
     const mask_t* mask,
     acc_t* out,
     const acc_t* denoms,
@@ -64,9 +67,11 @@ void segment_sum_passes(
   unsigned int* counter = bad_table + 1;
   dev.zero(bad_table, 2 * sizeof(unsigned int));
   if (tiles > 0) {
+    using scalar_t = std::remove_cv_t<std::remove_pointer_t<decltype(values(0))>>;
+    constexpr bool kTermRows = std::is_same_v<Rows, TermRows<const scalar_t>>;
     dev.launch(
-        segment_sum_tiles_kernel<acc_t, scalar_t, mask_t>, tile_grid(tiles, K), dim3(kThreads), values, mask, seg, B, layout.num_tokens, K, tiles,
-        out, first_partial, last_partial, bad_table, counts, first_count, last_count);
+        segment_sum_tiles_kernel<acc_t, scalar_t, mask_t, Rows>, tile_grid(tiles, kTermRows ? 1 : K), dim3(kThreads), values, mask, seg, B,
+        layout.num_tokens, K, tiles, out, first_partial, last_partial, bad_table, counts, first_count, last_count);
   }
   if (reduce) {
     dev.launch(
@@ -79,12 +84,14 @@ void segment_sum_passes(
         bad_table, static_cast<const acc_t*>(nullptr), static_cast<acc_t*>(nullptr), static_cast<unsigned int*>(nullptr),
         static_cast<acc_t*>(nullptr), counts, static_cast<const int64_t*>(first_count), static_cast<const int64_t*>(last_count));
   }
+  return bad_table;
 }
 
 // segment_sum: out [K, B].
 template <typename acc_t, typename Device, typename scalar_t, typename mask_t>
 void launch_segment_sum(Device& dev, const TokenLayout& layout, const Segments& seg, const scalar_t* values, const mask_t* mask, acc_t* out) {
-  segment_sum_passes<acc_t>(dev, layout, seg, values, mask, out, static_cast<const acc_t*>(nullptr), static_cast<acc_t*>(nullptr));
+  segment_sum_passes<acc_t>(
+      dev, layout, seg, StridedRows<const scalar_t>{values, layout.num_tokens}, mask, out, static_cast<const acc_t*>(nullptr), static_cast<acc_t*>(nullptr));
 }
 
 // segment_sum_and_count: out [K, B] and counts [B] (kept tokens of each segment) from the
@@ -92,7 +99,9 @@ void launch_segment_sum(Device& dev, const TokenLayout& layout, const Segments& 
 template <typename acc_t, typename Device, typename scalar_t, typename mask_t>
 void launch_segment_sum_and_count(
     Device& dev, const TokenLayout& layout, const Segments& seg, const scalar_t* values, const mask_t* mask, acc_t* out, int64_t* counts) {
-  segment_sum_passes<acc_t>(dev, layout, seg, values, mask, out, static_cast<const acc_t*>(nullptr), static_cast<acc_t*>(nullptr), counts);
+  segment_sum_passes<acc_t>(
+      dev, layout, seg, StridedRows<const scalar_t>{values, layout.num_tokens}, mask, out, static_cast<const acc_t*>(nullptr), static_cast<acc_t*>(nullptr),
+      counts);
 }
 
 // reduce: *result = sum_s segment_sum[s] / denoms[s]; the per-sample sums live in the workspace.
@@ -100,19 +109,92 @@ template <typename acc_t, typename Device, typename scalar_t, typename mask_t>
 void launch_reduce(
     Device& dev, const TokenLayout& layout, const Segments& seg, const scalar_t* values, const mask_t* mask, const acc_t* denoms, acc_t* result) {
   acc_t* sums = static_cast<acc_t*>(dev.workspace(std::max<int64_t>(layout.num_segments, 1) * static_cast<int64_t>(sizeof(acc_t))));
-  segment_sum_passes<acc_t>(dev, layout, seg, values, mask, sums, denoms, result);
+  segment_sum_passes<acc_t>(dev, layout, seg, StridedRows<const scalar_t>{values, layout.num_tokens}, mask, sums, denoms, result);
 }
 
-// out[k, t] = mask_weight(mask[t]) * coef(k, s(t)). One launch.
-template <typename scalar_t, typename acc_t, typename Device, typename mask_t, typename Coef>
-void launch_expand(Device& dev, const TokenLayout& layout, const Segments& seg, scalar_t* out, const mask_t* mask, Coef coef) {
+// out(k)[t] = mask_weight(mask[t]) * coef(k, s(t)), out the rows of one [K, ntok] array (or
+// Rows of the terms' own tensors). One launch.
+template <typename scalar_t, typename acc_t, typename Device, typename mask_t, typename Coef, typename Rows = StridedRows<scalar_t>>
+void launch_expand_rows(Device& dev, const TokenLayout& layout, const Segments& seg, Rows out, const mask_t* mask, Coef coef) {
   const int64_t tiles = num_tiles(layout.num_tokens);
   if (tiles == 0 || layout.num_metrics == 0) {
     return;
   }
   dev.launch(
-      expand_tiles_kernel<scalar_t, acc_t, mask_t, Coef>, tile_grid(tiles, layout.num_metrics), dim3(kThreads), out, mask, seg, layout.num_segments,
-      layout.num_tokens, layout.num_metrics, tiles, coef);
+      expand_tiles_kernel<scalar_t, acc_t, mask_t, Coef, Rows>, tile_grid(tiles, layout.num_metrics), dim3(kThreads), out, mask, seg,
+      layout.num_segments, layout.num_tokens, layout.num_metrics, tiles, coef);
+}
+
+// out[k, t] = mask_weight(mask[t]) * coef(k, s(t)), out [K, ntok]. One launch.
+template <typename scalar_t, typename acc_t, typename Device, typename mask_t, typename Coef>
+void launch_expand(Device& dev, const TokenLayout& layout, const Segments& seg, scalar_t* out, const mask_t* mask, Coef coef) {
+  launch_expand_rows<scalar_t, acc_t>(dev, layout, seg, StridedRows<scalar_t>{out, layout.num_tokens}, mask, coef);
+}
+
+// reduce_terms over the K terms of `layout` (num_metrics = K), term k's values at rows[k] (a
+// host array of K device pointers): parts[k] = J_k = sum_s w[k, s] S[k, s] / denoms[k, s]
+// (weights may be null) and *result = sum_k c_k J_k in term order (terms_total_kernel).
+// Per chunk of at most kMaxTermRows terms, three launches: the tile pass over the chunk's
+// values (one read of the mask), the fix-up, the chunk's totals.
+template <typename acc_t, typename Device, typename scalar_t, typename mask_t>
+void launch_reduce_terms(
+    Device& dev,
+    const TokenLayout& layout,
+    const Segments& seg,
+    const scalar_t* const* rows,
+    const mask_t* mask,
+    const acc_t* denoms,
+    const acc_t* weights,
+    const double* coefficients,
+    acc_t* parts,
+    acc_t* result) {
+  const int64_t K = layout.num_metrics;
+  const int64_t B = layout.num_segments;
+  acc_t* sums = static_cast<acc_t*>(dev.workspace(std::max<int64_t>(K * B, 1) * static_cast<int64_t>(sizeof(acc_t))));
+  for (int64_t k0 = 0; k0 < K; k0 += kMaxTermRows) {
+    const int64_t n = std::min<int64_t>(kMaxTermRows, K - k0);
+    TermRows<const scalar_t> chunk{};
+    TermCoefficients<acc_t> c{};
+    for (int64_t j = 0; j < n; ++j) {
+      chunk.row[j] = rows[k0 + j];
+      c.c[j] = static_cast<acc_t>(coefficients[k0 + j]);
+    }
+    TokenLayout part = layout;
+    part.num_metrics = n;
+    const unsigned int* bad_table =
+        segment_sum_passes<acc_t>(dev, part, seg, chunk, mask, sums + k0 * B, static_cast<const acc_t*>(nullptr), static_cast<acc_t*>(nullptr));
+    dev.launch(
+        terms_total_kernel<acc_t>, dim3(1), dim3(kThreads), static_cast<const acc_t*>(sums), denoms, weights, c, k0, n, B, bad_table, parts, result);
+  }
+}
+
+// reduce_terms_backward: out[k] (K arrays of ntok, values dtype, a host array of device
+// pointers), out[k][t] = mask_weight(mask[t]) * ((grad * c_k) / denoms[k, s(t)]) * weights[k,
+// s(t)]. One launch per chunk of kMaxTermRows terms.
+template <typename scalar_t, typename acc_t, typename Device, typename mask_t>
+void launch_reduce_terms_backward(
+    Device& dev,
+    const TokenLayout& layout,
+    const Segments& seg,
+    scalar_t* const* out,
+    const mask_t* mask,
+    const acc_t* grad,
+    const acc_t* denoms,
+    const acc_t* weights,
+    const double* coefficients) {
+  const int64_t K = layout.num_metrics;
+  for (int64_t k0 = 0; k0 < K; k0 += kMaxTermRows) {
+    const int64_t n = std::min<int64_t>(kMaxTermRows, K - k0);
+    TermCoefficients<acc_t> c{};
+    TermRows<scalar_t> rows{};
+    for (int64_t j = 0; j < n; ++j) {
+      c.c[j] = static_cast<acc_t>(coefficients[k0 + j]);
+      rows.row[j] = out[k0 + j];
+    }
+    TokenLayout part = layout;
+    part.num_metrics = n;
+    launch_expand_rows<scalar_t, acc_t>(dev, part, seg, rows, mask, TermGrad<acc_t>{grad, denoms, weights, c, k0, layout.num_segments});
+  }
 }
 
 }  // namespace lossagg::cuda

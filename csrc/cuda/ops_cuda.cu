@@ -7,6 +7,7 @@
 #include "launch.cuh"
 
 #include <tuple>
+#include <vector>
 
 namespace lossagg::cuda {
 namespace {
@@ -99,6 +100,66 @@ Tensor reduce_backward(
   return out;
 }
 
+// The whole loss of K terms: per chunk of kMaxTermRows terms, the tile pass over the chunk's
+// values read where they lie (one read of the mask), the fix-up and the chunk's totals
+// (launch_reduce_terms). The coefficients travel as kernel parameters: no host sync.
+std::tuple<Tensor, Tensor> reduce_terms(
+    std::vector<Tensor> values,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens,
+    const Tensor& sample_denoms,
+    const std::optional<Tensor>& sample_weights,
+    std::vector<double> coefficients) {
+  const TermsCall terms = reduce_terms_call(values, mask, cu_seqlens, sample_denoms, sample_weights, coefficients);
+  const ScalarType values_dtype = values[0].scalar_type();
+  const ScalarType acc_dtype = acc_scalar_type(values_dtype);
+  const Tensor d = kernel_term_table(sample_denoms, values_dtype);
+  const std::optional<Tensor> w = sample_weights.has_value() ? std::optional<Tensor>(kernel_term_table(*sample_weights, values_dtype)) : std::nullopt;
+  Tensor out = new_tensor(values[0], {}, acc_dtype);
+  Tensor parts = new_tensor(values[0], {terms.call.layout.num_metrics}, acc_dtype);
+  CudaDevice dev(values[0]);
+  terms.call.dispatch(values_dtype, [&]<typename S, typename M>(type_tag<S>, type_tag<M>) {
+    using acc_t = acc_t_of<S>;
+    std::vector<const S*> rows;
+    for (const void* p : terms.row_data) {
+      rows.push_back(static_cast<const S*>(p));
+    }
+    launch_reduce_terms<acc_t>(
+        dev, terms.call.layout, terms.call.segments(), rows.data(), terms.call.mask_data<M>(), d.const_data_ptr<acc_t>(),
+        w.has_value() ? w->const_data_ptr<acc_t>() : static_cast<const acc_t*>(nullptr), coefficients.data(), parts.mutable_data_ptr<acc_t>(),
+        out.mutable_data_ptr<acc_t>());
+  });
+  return {out, parts};
+}
+
+// One launch per chunk of kMaxTermRows terms; the incoming gradient is read on the device.
+std::vector<Tensor> reduce_terms_backward(
+    const Tensor& grad,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens,
+    const Tensor& sample_denoms,
+    const std::optional<Tensor>& sample_weights,
+    std::vector<double> coefficients,
+    ScalarType values_dtype) {
+  const TokenCall call = reduce_terms_backward_call(grad, mask, cu_seqlens, sample_denoms, sample_weights, coefficients, values_dtype);
+  const Tensor d = kernel_term_table(sample_denoms, values_dtype);
+  const std::optional<Tensor> w = sample_weights.has_value() ? std::optional<Tensor>(kernel_term_table(*sample_weights, values_dtype)) : std::nullopt;
+  std::vector<Tensor> out = new_term_grads(call, values_dtype);
+  const Tensor g = as_contiguous(as_dtype(grad, acc_scalar_type(values_dtype)));
+  CudaDevice dev(mask);
+  call.dispatch(values_dtype, [&]<typename S, typename M>(type_tag<S>, type_tag<M>) {
+    using acc_t = acc_t_of<S>;
+    std::vector<S*> rows;
+    for (Tensor& t : out) {
+      rows.push_back(t.mutable_data_ptr<S>());
+    }
+    launch_reduce_terms_backward<S, acc_t>(
+        dev, call.layout, call.segments(), rows.data(), call.mask_data<M>(), g.const_data_ptr<acc_t>(), d.const_data_ptr<acc_t>(),
+        w.has_value() ? w->const_data_ptr<acc_t>() : static_cast<const acc_t*>(nullptr), coefficients.data());
+  });
+  return out;
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY_IMPL(lossagg, CUDA, m) {
@@ -107,6 +168,8 @@ STABLE_TORCH_LIBRARY_IMPL(lossagg, CUDA, m) {
   m.impl("segment_sum_backward", TORCH_BOX(&segment_sum_backward));
   m.impl("reduce", TORCH_BOX(&reduce));
   m.impl("reduce_backward", TORCH_BOX(&reduce_backward));
+  m.impl("reduce_terms", TORCH_BOX(&reduce_terms));
+  m.impl("reduce_terms_backward", TORCH_BOX(&reduce_terms_backward));
 }
 
 }  // namespace lossagg::cuda

@@ -245,16 +245,36 @@ lane_masked_sum(const scalar_t* __restrict__ v, const mask_t* __restrict__ m, in
   return acc;
 }
 
-// Pass 1 of segment sums. grid: (ceil(tiles / kWarpsPerBlock), min(K, kMaxGridY)).
-// out[k, s] for segments inside one tile; first_partial / last_partial [K, tiles] for the
+// Where metric k's values lie. StridedRows: the rows of one [K, T] array (segment_sum, with
+// grid.y over the metrics). TermRows: up to kMaxTermRows arrays of their own, the terms of
+// reduce_terms read where they lie, launched with one block row so that each warp sums every
+// term over its tile while the tile's mask is in its L1 (the mask is read from memory once).
+// The same two for the outputs of the backward kernels (T non-const).
+template <typename T>
+struct StridedRows {
+  T* base;
+  int64_t stride;
+  __device__ __forceinline__ T* operator()(int64_t k) const { return base + k * stride; }
+};
+
+constexpr int kMaxTermRows = 8;
+
+template <typename T>
+struct TermRows {
+  T* row[kMaxTermRows];
+  __device__ __forceinline__ T* operator()(int64_t k) const { return row[k]; }
+};
+
+// Pass 1 of segment sums. grid: (ceil(tiles / kWarpsPerBlock), min(K, kMaxGridY)), or
+// (…, 1) for TermRows. out[k, s] for segments inside one tile; first_partial / last_partial [K, tiles] for the
 // tile's first segment (if it starts before the tile or ends after it) and for its last
 // segment (if it ends after the tile). With counts (segment_sum_and_count), the kept
 // tokens go the same way, for metric 0: counts[s], or first_count / last_count [tiles].
 // A tile over which cu_seqlens is inconsistent sets *bad_table (a plain integer store; the
 // fix-up then writes NaN).
-template <typename acc_t, typename scalar_t, typename mask_t>
+template <typename acc_t, typename scalar_t, typename mask_t, typename Rows>
 __global__ void segment_sum_tiles_kernel(
-    const scalar_t* __restrict__ values,
+    Rows values,
     const mask_t* __restrict__ mask,
     Segments seg,
     int64_t num_segments,
@@ -279,7 +299,7 @@ __global__ void segment_sum_tiles_kernel(
     *bad_table = 1u;
   }
   for (int64_t k = blockIdx.y; k < num_metrics; k += gridDim.y) {
-    const scalar_t* v = values + k * num_tokens;
+    const scalar_t* v = values(k);
     const int phase = common_phase<VEC>(v, mask);
     const bool count = counts != nullptr && k == 0;
     const bool ok = for_each_segment_in_tile(seg, num_segments, num_tokens, lo, hi, [&](int64_t s, int64_t a, int64_t b, int64_t sb, int64_t se) {
@@ -434,14 +454,15 @@ __global__ void segment_sum_fixup_kernel(
   }
 }
 
-// Backward: out[k, t] = mask_weight(m[t]) * coef(k, s(t)), 0 where the mask is 0.
+// Backward: out(k)[t] = mask_weight(m[t]) * coef(k, s(t)), 0 where the mask is 0 (Rows: the
+// rows of one [K, T] array, or up to kMaxTermRows tensors of their own).
 // grid: (ceil(tiles / kWarpsPerBlock), min(K, kMaxGridY)). Every token of the tile is
 // written: with an invalid cu_seqlens (device checks off) the tiles that see it are all
 // NaN (every lane's stores of the walk ordered before the fill), so the gradient holds NaN
 // and never unwritten memory.
-template <typename scalar_t, typename acc_t, typename mask_t, typename Coef>
+template <typename scalar_t, typename acc_t, typename mask_t, typename Coef, typename Rows>
 __global__ void expand_tiles_kernel(
-    scalar_t* __restrict__ out,
+    Rows out,
     const mask_t* __restrict__ mask,
     Segments seg,
     int64_t num_segments,
@@ -458,7 +479,7 @@ __global__ void expand_tiles_kernel(
   const int64_t tile = t.index, lo = t.lo, hi = t.hi;
   const bool table_bad = table_chunk_bad(seg, num_segments, num_tokens, tile, tiles, lane);
   for (int64_t k = blockIdx.y; k < num_metrics; k += gridDim.y) {
-    scalar_t* o = out + k * num_tokens;
+    scalar_t* o = out(k);
     const int phase = common_phase<VEC>(o, mask);
     const bool ok =
         !table_bad && for_each_segment_in_tile(seg, num_segments, num_tokens, lo, hi, [&](int64_t s, int64_t a, int64_t b, int64_t, int64_t) {
@@ -494,6 +515,60 @@ __global__ void expand_tiles_kernel(
   }
 }
 
+// reduce_terms' last step, one block of kThreads threads, for the terms [k0, k0 + num_terms)
+// of a call (a chunk of at most kMaxTermRows). For each term k: x[s] = sums[k, s] (times
+// weights[k, s] when given), J_k = sum_s x[s] / denoms[k, s] in a fixed order (thread j takes
+// s = j, j + kThreads, ... in order, then the threads' partials are added as a fixed tree in
+// shared memory), parts[k] = J_k; then *result = c_k0 J_k0 (the first chunk) or *result + c_k
+// J_k, term after term. Deterministic; with an inconsistent cu_seqlens (bad_table, set by the
+// tiles; or a segment's own offsets, whose sum the fix-up made NaN) J_k and J are NaN.
+template <typename acc_t>
+struct TermCoefficients {
+  acc_t c[kMaxTermRows];
+};
+
+template <typename acc_t>
+__global__ void terms_total_kernel(
+    const acc_t* __restrict__ sums,
+    const acc_t* __restrict__ denoms,
+    const acc_t* __restrict__ weights,
+    TermCoefficients<acc_t> coefficients,
+    int64_t k0,
+    int64_t num_terms,
+    int64_t num_segments,
+    const unsigned int* __restrict__ bad_table,
+    acc_t* __restrict__ parts,
+    acc_t* __restrict__ result) {
+  __shared__ acc_t partial[kThreads];
+  const bool table_bad = *bad_table != 0u;
+  for (int64_t j = 0; j < num_terms; ++j) {
+    const int64_t k = k0 + j;
+    const acc_t* x = sums + k * num_segments;
+    const acc_t* d = denoms + k * num_segments;
+    const acc_t* w = weights != nullptr ? weights + k * num_segments : nullptr;
+    acc_t acc = acc_t(0);
+    for (int64_t s = threadIdx.x; s < num_segments; s += kThreads) {
+      const acc_t numerator = w != nullptr ? x[s] * w[s] : x[s];
+      acc += numerator / d[s];
+    }
+    partial[threadIdx.x] = acc;
+    __syncthreads();
+    for (int width = kThreads / 2; width > 0; width /= 2) {
+      if (static_cast<int>(threadIdx.x) < width) {
+        partial[threadIdx.x] += partial[threadIdx.x + width];
+      }
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+      const acc_t part = table_bad ? quiet_nan<acc_t>() : partial[0];
+      parts[k] = part;
+      const acc_t scaled = part * coefficients.c[j];
+      *result = k == 0 ? scaled : *result + scaled;
+    }
+    __syncthreads();  // partial is reused by the next term
+  }
+}
+
 // Coefficients of the backward kernels.
 // segment_sum_backward: each segment's incoming gradient, grad [K, B].
 template <typename acc_t>
@@ -510,6 +585,23 @@ struct GradOverDenom {
   const acc_t* grad;
   const acc_t* denoms;
   __device__ acc_t operator()(int64_t, int64_t s) const { return *grad / denoms[s]; }
+};
+
+// reduce_terms_backward, for the terms [k0, k0 + kMaxTermRows) of a call: ((grad * c_k) /
+// d[k, s]) * w[k, s] (no w: the quotient), the incoming gradient read on the device.
+template <typename acc_t>
+struct TermGrad {
+  const acc_t* grad;
+  const acc_t* denoms;   // [K, B]
+  const acc_t* weights;  // [K, B] or null
+  TermCoefficients<acc_t> coefficients;
+  int64_t k0;
+  int64_t num_segments;
+  __device__ acc_t operator()(int64_t j, int64_t s) const {
+    const int64_t i = (k0 + j) * num_segments + s;
+    const acc_t quotient = (*grad * coefficients.c[j]) / denoms[i];
+    return weights != nullptr ? quotient * weights[i] : quotient;
+  }
 };
 
 }  // namespace lossagg::cuda

@@ -226,6 +226,103 @@ bool close(double got, double want, double scale, double rtol) {
   return std::isfinite(got) && std::fabs(got - want) <= rtol * (scale + std::fabs(want)) + 1e-30;
 }
 
+// reduce_terms over the case's K metrics, each read where it lies (rows into the values
+// buffer, in reversed order so that row k is not at values + k * T), with or without weights:
+// parts and J against the float64 reference, the same bits in every block order and rerun;
+// the backward writes ((g * c_k) / d[k, s]) * w[k, s] * m[t] to every token of every term.
+template <typename S, typename In, typename acc_t = lossagg::acc_t_of<S>>
+void run_terms_case(
+    const Case& c, const In& in, const Segments& seg, TokenLayout layout, const std::vector<double>& ref, const std::vector<double>& ref_abs,
+    uint64_t case_seed) {
+  const int64_t K = c.K;
+  layout.num_metrics = K;
+  layout.has_metric_dim = true;
+  std::vector<const S*> rows(static_cast<size_t>(K));
+  std::vector<int64_t> source(static_cast<size_t>(K));  // the metric row k reads
+  for (int64_t k = 0; k < K; ++k) {
+    source[k] = K - 1 - k;
+    rows[k] = in.values.data + source[k] * c.T;
+  }
+  const bool weighted = uniform(0, 1) != 0;
+  std::vector<acc_t> d(static_cast<size_t>(K * c.B)), w(static_cast<size_t>(K * c.B));
+  std::vector<double> coefficients(static_cast<size_t>(K));
+  for (auto& x : d) {
+    x = static_cast<acc_t>(static_cast<float>(1.0 + 10.0 * std::uniform_real_distribution<double>(0.0, 1.0)(rng)));
+  }
+  for (auto& x : w) {
+    x = static_cast<acc_t>(static_cast<float>(std::normal_distribution<double>()(rng)));
+  }
+  for (auto& x : coefficients) {
+    x = std::normal_distribution<double>()(rng);
+  }
+  double want = 0.0, scale = 0.0;
+  std::vector<double> want_parts(static_cast<size_t>(K)), part_scale(static_cast<size_t>(K));
+  for (int64_t k = 0; k < K; ++k) {
+    for (int64_t s = 0; s < c.B; ++s) {
+      const double wk = weighted ? static_cast<double>(w[k * c.B + s]) : 1.0;
+      want_parts[k] += wk * ref[source[k] * c.B + s] / static_cast<double>(d[k * c.B + s]);
+      part_scale[k] += std::fabs(wk) * ref_abs[source[k] * c.B + s] / static_cast<double>(d[k * c.B + s]);
+    }
+    const double ck = static_cast<double>(static_cast<acc_t>(coefficients[k]));
+    want += ck * want_parts[k];
+    scale += std::fabs(ck) * part_scale[k];
+  }
+  const double rtol = std::is_same_v<acc_t, double> ? 1e-12 : 2e-6;
+  std::vector<std::vector<acc_t>> all_parts;
+  std::vector<acc_t> results;
+  for (BlockOrder order : {BlockOrder::InOrder, BlockOrder::Reversed, BlockOrder::Shuffled, BlockOrder::InOrder}) {
+    std::vector<acc_t> parts(static_cast<size_t>(K), acc_t(12345));
+    acc_t result = acc_t(12345);
+    HostDevice dev(order, case_seed + 3);
+    lossagg::cuda::launch_reduce_terms<acc_t>(
+        dev, layout, seg, rows.data(), in.mask.data, d.data(), weighted ? w.data() : static_cast<const acc_t*>(nullptr), coefficients.data(),
+        parts.data(), &result);
+    all_parts.push_back(std::move(parts));
+    results.push_back(result);
+  }
+  bool parts_ok = true;
+  for (int64_t k = 0; k < K; ++k) {
+    parts_ok = parts_ok && close(all_parts[0][k], want_parts[k], part_scale[k], rtol);
+  }
+  expect(parts_ok, "reduce_terms: each term's J_k matches the float64 reference");
+  expect(close(results[0], want, scale, rtol), "reduce_terms: J matches the float64 reference");
+  bool same = true;
+  for (size_t r = 1; r < results.size(); ++r) {
+    same = same && std::memcmp(&results[r], &results[0], sizeof(acc_t)) == 0 &&
+           std::memcmp(all_parts[r].data(), all_parts[0].data(), all_parts[0].size() * sizeof(acc_t)) == 0;
+  }
+  expect(same, "reduce_terms: bitwise identical across block orders and reruns");
+
+  // the backward, into K buffers of their own
+  const acc_t upstream = static_cast<acc_t>(0.75);
+  std::vector<Phased<S>> grads;
+  std::vector<S*> out(static_cast<size_t>(K));
+  grads.reserve(static_cast<size_t>(K));
+  for (int64_t k = 0; k < K; ++k) {
+    grads.emplace_back(c.T, c.values_phase);
+    std::fill(grads[k].data, grads[k].data + c.T, static_cast<S>(12345.0));
+    out[k] = grads[k].data;
+  }
+  {
+    HostDevice dev;
+    lossagg::cuda::launch_reduce_terms_backward<S, acc_t>(
+        dev, layout, seg, out.data(), in.mask.data, &upstream, d.data(), weighted ? w.data() : static_cast<const acc_t*>(nullptr),
+        coefficients.data());
+  }
+  bool grad_ok = true;
+  for (int64_t k = 0; k < K; ++k) {
+    for (int64_t s = 0; s < c.B; ++s) {
+      const acc_t q = (upstream * static_cast<acc_t>(coefficients[k])) / d[k * c.B + s];
+      const acc_t coef = weighted ? q * w[k * c.B + s] : q;
+      for (int64_t t = seg_begin(c, s); t < seg_end(c, s); ++t) {
+        const double want_g = in.m64[t] == 0.0 ? 0.0 : to_double(static_cast<S>(static_cast<acc_t>(in.m64[t]) * coef));
+        grad_ok = grad_ok && to_double(grads[k].data[t]) == want_g;
+      }
+    }
+  }
+  expect(grad_ok, "reduce_terms_backward writes m[t] * ((g * c_k) / d[k, s]) * w[k, s] to every token of every term");
+}
+
 template <typename S, typename M>
 void run_case(const Case& c, uint64_t case_seed) {
   using acc_t = lossagg::acc_t_of<S>;
@@ -345,6 +442,8 @@ void run_case(const Case& c, uint64_t case_seed) {
     }
   }
   expect(rgrad_ok, "reduce_backward writes grad * m[t] / d[s] to every token");
+
+  run_terms_case<S>(c, in, seg, layout, ref, ref_abs, case_seed);
 }
 
 // The gradient under a defective cu_seqlens, run with the lanes of each block in three
@@ -591,6 +690,21 @@ int main(int argc, char** argv) {
       }
     }
     expect(gok, "segment_sum_backward with K beyond gridDim.y writes every metric");
+  }
+
+  // More terms than one chunk of the terms' launches (kMaxTermRows): the chunks add in term order.
+  if (shard == 0) {
+    Case c;
+    c.K = lossagg::cuda::kMaxTermRows * 2 + 3;
+    c.B = 5;
+    c.cu = {0, 3, 1030, 1030, 2100, 2301};
+    c.T = 2301;
+    case_name = "reduce_terms with K beyond one chunk";
+    seed_case(3, 0);
+    Inputs<float, BoolMask> in(c);
+    std::vector<double> ref, abs;
+    reference_sums(c, in.v64, in.m64, ref, abs);
+    run_terms_case<float>(c, in, in.segments(c), in.layout(c), ref, abs, 99);
   }
 
   std::printf("cuda_host shard %d/%d: %d passed, %d failed\n", shard, shards, passed, failed);

@@ -272,12 +272,12 @@ void masked_sums_f32_avx512_group(const float* v, const mask_t* m, const Segment
 }
 
 // Up to kGroup consecutive segments from s (before last) of kBlock tokens or more, summed
-// side by side (masked_sums_f32_avx512_group) for every metric, their tails to the batch;
+// side by side (masked_sums_f32_avx512_group) for every metric (values rows[k]), their tails to the batch;
 // with counts, the kept tokens of metric 0. Returns how many segments it took: 0 when
 // segment s is shorter than kBlock.
 template <typename mask_t>
 int64_t long_segments_f32_avx512(
-    const float* v,
+    const float* const* rows,
     const mask_t* m,
     const TokenLayout& layout,
     const Segments& seg,
@@ -293,13 +293,13 @@ int64_t long_segments_f32_avx512(
   if (run == 0) {
     return 0;
   }
-  const int64_t num_tokens = layout.num_tokens, num_segments = layout.num_segments;
+  const int64_t num_segments = layout.num_segments;
   const auto group = [&]<int kSegments>(std::integral_constant<int, kSegments>) {
     for (int64_t k = 0; k < layout.num_metrics; ++k) {
       if (k == 0 && counts) {
-        masked_sums_f32_avx512_group<kSegments, true>(v, m, seg, s, out + s, counts + s, tails);
+        masked_sums_f32_avx512_group<kSegments, true>(rows[0], m, seg, s, out + s, counts + s, tails);
       } else {
-        masked_sums_f32_avx512_group<kSegments, false>(v + k * num_tokens, m, seg, s, out + k * num_segments + s, nullptr, tails);
+        masked_sums_f32_avx512_group<kSegments, false>(rows[k], m, seg, s, out + k * num_segments + s, nullptr, tails);
       }
     }
   };
