@@ -16,6 +16,11 @@ the final gradient the gradient of the step scalar J of the plan's mode, on any 
                                calculate_per_token_loss=args.calculate_per_token_loss)
     return output_tensor, functools.partial(loss_func)   # in forward_step
 
+With a filter inside the loss (denominators known only after the forward: docs/composition.md,
+"Filters inside the loss"), ``plan`` is a :class:`lossagg.DeferredPlan` and ``keep(output_tensor,
+loss_mask)`` returns the micro-batch's final mask; after the schedule, ``plan.close().apply_(model)``
+rescales Megatron's gradient buffers (``calculate_per_token_loss`` off).
+
 Everything about the mode, ``empty_samples`` included, comes from the plan's config
 (``plan.config``; a NeMo-RL-style ``global_valid_seqs`` goes to
 ``StepPlan.from_totals(..., num_nonempty_samples=...)`` with ``empty_samples: skip``).
@@ -35,6 +40,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from lossagg.deferred import DeferredPlan
 from lossagg.step import StepPlan, gradient_scale
 from lossagg.validate import as_int, as_tensor, zero_one_violation
 
@@ -59,7 +65,7 @@ def _check_zero_one(name: str, mask) -> None:
 
 
 def make_loss_func(
-    plan: StepPlan,
+    plan: StepPlan | DeferredPlan,
     samples,
     cu_seqlens: torch.Tensor | None,
     loss_mask: torch.Tensor,
@@ -70,6 +76,7 @@ def make_loss_func(
     calculate_per_token_loss: bool = False,
     rollout_mask: torch.Tensor | None = None,
     metrics: dict[str, torch.Tensor] | None = None,
+    keep: Callable[[object, torch.Tensor], torch.Tensor] | None = None,
 ) -> Callable[[torch.Tensor], tuple]:
     """``loss_func(output_tensor)`` in Megatron's convention (see the module docstring).
 
@@ -79,10 +86,25 @@ def make_loss_func(
 
     ``loss_mask`` and ``rollout_mask`` must be 0/1 (bool, integer or floating): the plan
     counts tokens, so a fractional weight is refused, naming the mask and the entry.
+
+    ``keep(output_tensor, loss_mask)``, a filter inside the loss, returns the final mask of the
+    micro-batch (a 0/1 tensor of ``loss_mask``'s shape); it needs a :class:`lossagg.DeferredPlan`,
+    which takes its counts from that final mask.
     """
     num_micro_batches = as_int("num_micro_batches", num_micro_batches, minimum=1)
     dp_size = as_int("dp_size", dp_size, minimum=1)
     cp_size = as_int("cp_size", cp_size, minimum=1)
+    deferred = isinstance(plan, DeferredPlan)
+    if keep is not None and not deferred:
+        raise TypeError(
+            "keep= filters the mask inside the loss, after the forward: the counts are then known only as the step runs, which "
+            f"needs a lossagg.DeferredPlan, got a {type(plan).__name__} (whose denominators come from the rollout masks)"
+        )
+    if deferred and calculate_per_token_loss:
+        raise ValueError(
+            "calculate_per_token_loss=True divides the gradients by the step's tokens as the micro-batches report them, before the "
+            "final counts are known: with a DeferredPlan turn it off (the plan's rescale after the step gives every mode's J)"
+        )
     _check_zero_one("loss_mask", loss_mask)
     if rollout_mask is not None:
         _check_zero_one("rollout_mask", rollout_mask)
@@ -90,7 +112,7 @@ def make_loss_func(
             raise ValueError(f"rollout_mask must have the shape of loss_mask {tuple(loss_mask.shape)}, got {tuple(rollout_mask.shape)}")
     if calculate_per_token_loss:
         local_tokens = ((loss_mask if rollout_mask is None else rollout_mask) != 0).sum()  # no host sync
-        if "total_tokens" not in plan.totals:
+        if "total_tokens" not in plan.totals:  # (a DeferredPlan was refused above)
             raise ValueError(
                 "calculate_per_token_loss=True scales by the step's rollout tokens T: pass total_tokens= to StepPlan.from_totals "
                 f"(this plan of mode={plan.config.mode} holds {', '.join(plan.totals)})"
@@ -100,6 +122,23 @@ def make_loss_func(
         scale = gradient_scale("megatron", dp_size=dp_size, cp_size=cp_size, num_micro_batches=num_micro_batches)
 
     def loss_func(output_tensor):
+        final_mask = loss_mask
+        if keep is not None:
+            final_mask = keep(output_tensor, loss_mask)
+            _check_zero_one("the mask keep() returned", final_mask)
+            if tuple(final_mask.shape) != tuple(loss_mask.shape):
+                raise ValueError(f"keep() must return a mask of loss_mask's shape {tuple(loss_mask.shape)}, got {tuple(final_mask.shape)}")
+        if deferred:
+            if plan.config.terms or isinstance(output_tensor, Mapping):
+                if not isinstance(output_tensor, Mapping):
+                    raise TypeError(f"the plan's config has the terms {', '.join(plan.config.terms)}: output_tensor must be a mapping of every term's values")
+                contribution = plan.loss_terms(output_tensor, final_mask, samples, cu_seqlens)
+            else:
+                contribution = plan.loss(output_tensor, final_mask, samples, cu_seqlens)
+            report = {"pg_loss": contribution.detach()}  # this micro-batch's, before the step's rescale (DeferredStep.loss: the final)
+            if metrics:
+                report.update(plan.metrics(metrics, final_mask, samples, cu_seqlens))
+            return contribution * scale, report
         if plan.config.terms or isinstance(output_tensor, Mapping):
             if not isinstance(output_tensor, Mapping):
                 raise TypeError(

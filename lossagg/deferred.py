@@ -1,0 +1,432 @@
+"""Denominators known only after the forward: a filter inside the loss, still exact under any split
+(docs/composition.md, "Filters inside the loss").
+
+When the loss itself decides which tokens count (a sample dropped because its log-prob error passes
+a threshold, a token dropped by a per-token rule, overlong masking under packing), the counts a mode
+divides by are known only once every micro-batch has run its forward, while gradient accumulation
+needs each micro-batch's backward before the next forward. The factors of ``d[i]`` (a
+:class:`lossagg.DenomProduct`) each say when their final value is known (``Factor.known``,
+lossagg/denom_program.py): the divisor before the step; ``c(M[i])`` of the kept tokens when the
+sample's micro-batch runs (summed over the CP group); ``c(Sg[g(i)])`` when its prompt group's
+micro-batch runs, if each group lies whole in one micro-batch; the step-level factors (``N``,
+``P``, ``c(T)``, ``c(L_max)``, ``W``, ...) after the last micro-batch. With ``s[i]`` the product of
+the factors known when sample i's micro-batch runs and ``G`` that of the step-level ones::
+
+    d_used[i] = G_used · s[i]     (each micro-batch's loss: G_used from an estimate every rank agrees on, or 1)
+    d[i]      = G · s[i]          (the step's, after the last micro-batch: G from one all-reduce)
+
+so ``J = (G_used / G) · Σ J_used`` and its gradient is the accumulated one times that one scalar,
+applied once after the last micro-batch (:meth:`DeferredStep.apply_`). Which modes a plan serves
+is read from these declarations, never from a list of names.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lossagg.config.model import PG_TERM, default_term_mode
+from lossagg.denom_program import FACTORS, DenomInputs, DenomProduct
+from lossagg.denominators import check_denoms
+from lossagg.layout import token_counts as _token_counts
+from lossagg.modes import ModeSpec, mode_spec
+from lossagg.ops import reduce_terms_of, segment_sum
+from lossagg.step import StepPlan, _as_config, _sample_weights, sample_positions
+from lossagg.totals import mode_totals, read_totals
+from lossagg.validate import as_int, check_group_index, check_holds_data
+
+__all__ = ["DeferredPlan", "DeferredStep", "deferred_factors"]
+
+
+def deferred_factors(spec: ModeSpec, what: str | None = None) -> tuple[tuple[str, ...], bool]:
+    """(the step-level factors of ``spec``'s ``d[i]``, whether it needs whole prompt groups in each
+    micro-batch), from its :class:`lossagg.DenomProduct`; ValueError naming the mode (as ``what``)
+    and the factor when ``d[i]`` cannot be served by a :class:`DeferredPlan`."""
+    what = what or f"mode={spec.name}"
+    product = spec.denoms
+    if not isinstance(product, DenomProduct):
+        raise ValueError(
+            f"DeferredPlan cannot serve {what}: its d[i] is a function, which does not declare when each of its factors is known "
+            "(declare it as a lossagg.DenomProduct of the factors in docs/modes.md)"
+        )
+    late = [f for f in product.factors if FACTORS[f].known not in ("setting", "sample", "group", "step")]
+    if late:
+        raise ValueError(f"DeferredPlan cannot serve {what}: its factor {late[0]} is not known by the end of the step")
+    step = tuple(f for f in product.factors if FACTORS[f].known == "step")
+    return step, any(FACTORS[f].known == "group" for f in product.factors)
+
+
+def _value(symbols: tuple[str, ...], read: Mapping[str, Any]) -> float:
+    """The product of step-level factors ``symbols`` from the totals a mode reads (``read``), as
+    :class:`lossagg.DenomProduct` evaluates it; 1.0 for none."""
+    if not symbols:
+        return 1.0
+    ones = torch.ones(1, dtype=torch.float64)
+    return float(DenomProduct(*symbols)(DenomInputs(ones, read, None))[0])
+
+
+@dataclass(frozen=True)
+class DeferredStep:
+    """What :meth:`DeferredPlan.close` found: the step's final totals, the rescale, the logged values.
+
+    * ``scale``: ``G_used / G``. The accumulated gradients, and the loss contributions the
+      micro-batches returned, times ``scale`` are those of the step's J (:meth:`apply_`).
+    * ``plan``: the :class:`lossagg.StepPlan` of the step with its final masks (``plan.sample_denoms``
+      the final ``d[i]`` of this rank's samples, ``plan.totals`` the final step totals).
+    * ``loss``, ``terms``, ``metrics``: the step's J, each term's ``J_k`` before its coefficient, and
+      each metric under the default reducer, over every micro-batch and rank (DP and CP), final:
+      the same numbers on every rank, for a tracker.
+    * ``metric_scale``: the default reducer's own rescale (its contributions from
+      :meth:`DeferredPlan.metrics` times ``metric_scale`` are final).
+    """
+
+    scale: float
+    metric_scale: float
+    plan: StepPlan
+    loss: float | None
+    terms: Mapping[str, float] = field(default_factory=dict)
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def totals(self):
+        return self.plan.totals
+
+    def apply_(self, target) -> int:
+        """Multiply the accumulated gradients by :attr:`scale`, in place; returns how many tensors
+        were scaled. Call it after the last micro-batch's backward (and the engine's gradient
+        reduction) and before clipping and ``optimizer.step()``.
+
+        ``target`` is a module (torch DDP and FSDP2 included: an FSDP2 gradient is a sharded
+        DTensor, scaled shard by shard), an optimizer (its parameters' gradients), an iterable of
+        parameters or gradient tensors, or a Megatron-Core ``DistributedDataParallel`` (its
+        ``scale_gradients``, which scales the gradient buffers). A parameter's ``main_grad``
+        (Megatron's buffer view) is scaled instead of its ``grad`` when it has one; a tensor shared
+        by several parameters is scaled once."""
+        if callable(getattr(target, "scale_gradients", None)):  # Megatron-Core's DDP: its gradient buffers
+            target.scale_gradients(self.scale)
+            return 1
+        if isinstance(target, torch.optim.Optimizer):
+            params: Iterable = (p for group in target.param_groups for p in group["params"])
+        elif isinstance(target, torch.nn.Module):
+            params = target.parameters()
+        elif isinstance(target, Iterable) and not isinstance(target, (str, bytes, torch.Tensor)):
+            params = target
+        else:
+            raise TypeError(
+                "DeferredStep.apply_: target must be a module, an optimizer, an iterable of parameters or gradient tensors, "
+                f"or an object with scale_gradients (Megatron-Core's DistributedDataParallel), got {type(target).__name__}"
+            )
+        seen, scaled = set(), 0
+        for p in params:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"DeferredStep.apply_: target must yield tensors, got {type(p).__name__}")
+            if getattr(p, "main_grad", None) is not None:  # Megatron's view into its gradient buffer
+                g = p.main_grad
+            elif isinstance(p, torch.nn.Parameter) or p.requires_grad:
+                g = p.grad
+            else:  # a gradient tensor itself
+                g = p
+            if g is None or id(g) in seen:
+                continue
+            seen.add(id(g))
+            with torch.no_grad():
+                g.mul_(self.scale)
+            scaled += 1
+        return scaled
+
+
+class DeferredPlan:
+    """The plan of one optimizer step whose final masks are known only as the loss runs (module docstring).
+
+    Args:
+        config: the aggregation config (its mode and its terms' reducers must be servable:
+            :func:`deferred_factors`; terms must share their step-level factors, since one
+            rescale serves the whole gradient).
+        num_local_samples: this rank's samples in the step (``samples`` of the micro-batches
+            are positions among them).
+        process_group: the DP group: :meth:`close` gathers the step totals over it (one sum
+            all-reduce, plus one max all-reduce for a mode with a maximum).
+        cp_group: the CP group, when each rank holds a shard of every sample's tokens: each
+            micro-batch's kept tokens are summed over it as it runs (one all-reduce of ``B``
+            numbers), and the logged values at :meth:`close`.
+        group_index, num_group_labels: prompt groups, as for :class:`lossagg.StepPlan`
+            (needed by a grouped mode).
+        sample_weights: ``[num_local_samples]`` weights, as for :class:`lossagg.StepPlan`.
+        estimate: the step totals to use in the micro-batches' denominators until the final
+            ones are known (``G_used``): a :class:`lossagg.StepPlan` of the step (its rollout
+            masks, say), or a mapping of totals by name (``StepPlan.from_totals``'s keywords),
+            the same on every rank. None: 1 for every step-level factor. With an estimate close
+            to the final totals, :attr:`DeferredStep.scale` is close to 1 (docs/composition.md
+            on why that matters for bf16 and fp16 gradients).
+    """
+
+    def __init__(
+        self,
+        config,
+        num_local_samples: int,
+        *,
+        process_group=None,
+        cp_group=None,
+        group_index: torch.Tensor | None = None,
+        num_group_labels: int | None = None,
+        sample_weights: torch.Tensor | None = None,
+        estimate: StepPlan | Mapping[str, Any] | None = None,
+    ):
+        config = _as_config(config)
+        n = as_int("num_local_samples", num_local_samples, minimum=0)
+        self.config = config
+        self.num_local_samples = n
+        self.process_group = process_group
+        self.cp_group = cp_group
+        self.num_group_labels = num_group_labels
+        self._names = (PG_TERM, *config.terms)
+        self._coefficients = [1.0, *(t.coefficient for t in config.terms.values())]
+        specs = {PG_TERM: mode_spec(config.mode).weighted(config.weighting)}
+        specs.update({name: mode_spec(t.mode).weighted(t.weighting) for name, t in config.terms.items()})
+        self._specs = specs
+        self._metric_spec = mode_spec(default_term_mode(config.mode))
+        step_factors, whole_groups = {}, False
+        for name, spec in specs.items():
+            what = f"mode={spec.name}" if name == PG_TERM else f"term {name!r} (mode={spec.name})"
+            step_factors[name], groups = deferred_factors(spec, what)
+            whole_groups = whole_groups or groups
+        pg_step = step_factors[PG_TERM]
+        for name, factors in step_factors.items():
+            if sorted(factors) != sorted(pg_step):
+                raise ValueError(
+                    f"DeferredPlan cannot serve term {name!r} (mode={specs[name].name}) beside the PG term (mode={specs[PG_TERM].name}): "
+                    f"one rescale after the last micro-batch serves the whole gradient, so every term must divide by the same step-level "
+                    f"factors, and {name!r} has {' · '.join(factors) or 'none'} where the PG term has {' · '.join(pg_step) or 'none'}"
+                )
+        self._step_factors = pg_step
+        self._metric_step_factors, _ = deferred_factors(self._metric_spec)
+        self._whole_groups = whole_groups
+        counts_template = torch.zeros(n, dtype=torch.float64)
+        self.sample_weights = _sample_weights(
+            sample_weights, {PG_TERM: config.weighting, **{k: t.weighting for k, t in config.terms.items()}}, counts_template
+        )
+        self.group_index = None
+        if group_index is not None or whole_groups:
+            self.group_index = check_group_index(group_index, n, torch.device("cpu"), specs[PG_TERM].name).long().cpu()
+        if whole_groups and config.n_samples_per_prompt is None:
+            raise ValueError(
+                f"DeferredPlan: mode={specs[PG_TERM].name} reads c(Sg[g(i)]), known when a micro-batch runs only if each prompt group lies "
+                "whole in it: set n_samples_per_prompt in the config so that the plan can check it"
+            )
+        self._estimate_read = self._estimate(estimate)
+        self._used = _value(self._step_factors, self._estimate_read)
+        self._metric_used = _value(self._metric_step_factors, self._estimate_read)
+        # what the micro-batches have told: each sample's final kept tokens, on the first mask's device
+        self._counts: torch.Tensor | None = None
+        self._seen = torch.zeros(n, dtype=torch.bool)
+        self._seen_groups: set[int] = set()
+        self._logged: dict[str, torch.Tensor] = {}
+        self._closed: DeferredStep | None = None
+
+    # ---------------------------------------------------------------- set-up
+    def _estimate(self, estimate) -> dict[str, Any]:
+        """The totals the step-level factors read until the final ones are known (1 without an estimate)."""
+        needed = {FACTORS[f].reads for f in (*self._step_factors, *self._metric_step_factors)}
+        empty = self.config.empty_samples
+        if estimate is None:
+            return {name: 1.0 for name in needed}
+        totals = estimate.totals if isinstance(estimate, StepPlan) else estimate
+        if not isinstance(totals, Mapping):
+            raise TypeError(f"estimate must be a StepPlan or a mapping of step totals by name, got {type(estimate).__name__}")
+        missing = [name for name in mode_totals(tuple(needed), empty) if name not in totals]
+        if missing:
+            raise ValueError(
+                f"estimate must hold the step total(s) {', '.join(missing)} that mode={self.config.mode} reads until the final ones are "
+                f"known, got {', '.join(map(str, totals)) or 'none'}"
+            )
+        read = read_totals(tuple(needed), totals, empty, self.config.mode)
+        out = {}
+        for name in needed:
+            value = read[name]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)) or float(value) < 0:
+                raise ValueError(f"estimate: the step total {name} must be a finite number >= 0, got {value!r}")
+            out[name] = float(value)
+        return out
+
+    # ---------------------------------------------------------- one micro-batch
+    def _register(self, samples, mask: torch.Tensor, cu_seqlens) -> tuple[torch.Tensor, list[int]]:
+        """Record the micro-batch's samples and their final kept tokens (summed over the CP group);
+        returns their positions and the prompt groups it recorded (for :meth:`_unregister`)."""
+        if self._closed is not None:
+            raise RuntimeError("DeferredPlan: the step is closed (close() ran); build a new plan for the next step")
+        check_holds_data("mask", mask)
+        check_holds_data("cu_seqlens", cu_seqlens)
+        pos = sample_positions(samples, self.num_local_samples, torch.device("cpu"))
+        again = pos[self._seen[pos]]
+        if again.numel():
+            raise ValueError(
+                f"samples: sample {int(again[0])} already ran in an earlier micro-batch of this step (each sample's final mask is "
+                "given once, by loss() or loss_terms(); metrics() reads what they recorded)"
+            )
+        kept = _token_counts(mask, cu_seqlens).to(torch.float64)
+        if kept.shape[0] != pos.shape[0]:
+            layout = "cu_seqlens has" if cu_seqlens is not None else "the padded mask has"
+            raise ValueError(f"samples selects {pos.shape[0]} sample(s) but {layout} {kept.shape[0]}: one position per sample of the micro-batch")
+        if self.cp_group is not None:  # each CP rank holds a shard of every sample's tokens
+            torch.distributed.all_reduce(kept, group=self.cp_group)
+        groups = self._check_whole_groups(pos) if self._whole_groups else []
+        if self._counts is None:
+            self._counts = torch.full((self.num_local_samples,), -1.0, dtype=torch.float64, device=kept.device)
+        self._counts[pos.to(kept.device)] = kept
+        self._seen[pos] = True
+        self._seen_groups.update(groups)
+        return pos, groups
+
+    def _unregister(self, pos: torch.Tensor, groups: list[int]) -> None:
+        """Forget a micro-batch whose loss failed, so that nothing is half-applied."""
+        self._seen[pos] = False
+        self._counts[pos.to(self._counts.device)] = -1.0
+        self._seen_groups.difference_update(groups)
+
+    def _check_whole_groups(self, pos: torch.Tensor) -> list[int]:
+        n = self.config.n_samples_per_prompt
+        labels, sizes = torch.unique(self.group_index[pos], return_counts=True)
+        for label, size in zip(labels.tolist(), sizes.tolist(), strict=True):
+            if size != n or label in self._seen_groups:
+                raise ValueError(
+                    f"DeferredPlan: prompt group {label} has {size} of its {n} samples in this micro-batch"
+                    + (" and more in an earlier one" if label in self._seen_groups else "")
+                    + f": mode={self._specs[PG_TERM].name}'s c(Sg[g(i)]) is known when a micro-batch runs only if each group lies whole "
+                    "in one micro-batch (put a group's samples in one micro-batch, or use a mode without Sg)"
+                )
+        return labels.tolist()
+
+    def _used_denoms(self, spec: ModeSpec, divisor, pos: torch.Tensor, what: str) -> torch.Tensor:
+        """``d_used[i]`` of the micro-batch's samples under ``spec`` (float64 ``[B]``): the step-level
+        factors from the estimate, the others final."""
+        kept = self._counts[pos.to(self._counts.device)]
+        read = dict(self._estimate_read)
+        if "group_token_sums" in spec.totals:
+            dense = torch.unique(self.group_index[pos], return_inverse=True)[1].to(kept.device)
+            sums = torch.zeros(int(dense.max()) + 1 if dense.numel() else 0, dtype=torch.float64, device=kept.device).index_add_(0, dense, kept)
+            read["group_token_sums"] = sums[dense]
+        d = spec.denoms(DenomInputs(kept, read, None if divisor is None else float(divisor)))
+        return check_denoms(d, what, tuple(kept.shape), {k: v for k, v in read.items() if isinstance(v, float)}, kept.device)
+
+    def _log(self, name: str, value: torch.Tensor) -> None:
+        value = value.detach().to(torch.float64)
+        self._logged[name] = value if name not in self._logged else self._logged[name] + value.to(self._logged[name].device)
+
+    def loss(self, per_token_loss: torch.Tensor, mask: torch.Tensor, samples, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """This micro-batch's contribution to J of the PG term, with its final (post-filter) ``mask``
+        and the denominators known so far: times :attr:`DeferredStep.scale` it is the step's."""
+        return self.loss_terms({PG_TERM: per_token_loss}, mask, samples, cu_seqlens, _pg_only=True)
+
+    def loss_terms(
+        self, terms: Mapping[str, torch.Tensor], mask: torch.Tensor, samples, cu_seqlens: torch.Tensor | None = None, *, _pg_only: bool = False
+    ) -> torch.Tensor:
+        """This micro-batch's contribution to the whole loss ``J = Σ_k c_k J_k`` (docs/terms.md), with
+        its final ``mask``: :meth:`lossagg.StepPlan.loss_terms` with the denominators known so far."""
+        names = (PG_TERM,) if _pg_only else self._names
+        if not isinstance(terms, Mapping) or set(terms) != set(names):
+            got = ", ".join(map(repr, terms)) if isinstance(terms, Mapping) else type(terms).__name__
+            raise ValueError(f"terms must hold exactly the loss's terms, {', '.join(names)} ('pg' and the config's terms), got {got}")
+        values = [terms[n] for n in names]
+        for n, v in zip(names, values, strict=True):
+            check_holds_data(f"terms[{n!r}]", v)
+            if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(mask.shape):
+                got = f"shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+                raise ValueError(f"terms[{n!r}] must be a tensor with the token shape of mask {tuple(mask.shape)}, got {got}")
+        dtype = values[0].dtype
+        if any(v.dtype != dtype for v in values):  # one pass for the terms (lossagg.reduce_terms)
+            shown = ", ".join(f"{n}: {v.dtype}" for n, v in zip(names, values, strict=True))
+            raise TypeError(f"DeferredPlan.loss_terms: every term must have one dtype, got {shown}")
+        pos, groups = self._register(samples, mask, cu_seqlens)
+        try:
+            device = values[0].device
+            rows, weights = [], []
+            for n in names:
+                spec = self._specs[n]
+                divisor = self.config.divisor if n == PG_TERM else self.config.terms[n].divisor
+                rows.append(self._used_denoms(spec, divisor, pos, f"mode={spec.name}"))
+                weighting = self.config.weighting if n == PG_TERM else self.config.terms[n].weighting
+                weights.append(None if weighting == "none" else self.sample_weights[pos])
+            denoms = torch.stack(rows).to(device)
+            table = None
+            if any(w is not None for w in weights):
+                table = torch.stack([torch.ones(pos.shape[0], dtype=torch.float64) if w is None else w for w in weights]).to(device)
+            coefficients = [self._coefficients[self._names.index(n)] for n in names]
+            total, parts = reduce_terms_of(values, mask, cu_seqlens, denoms, table, coefficients)
+        except BaseException:
+            self._unregister(pos, groups)
+            raise
+        for n, part in zip(names, parts.unbind(0), strict=True):
+            self._log(f"term:{n}", part)
+        return total
+
+    def metrics(self, metrics: Mapping[str, torch.Tensor], mask: torch.Tensor, samples, cu_seqlens: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Contributions of per-token metrics under the default reducer (as
+        :meth:`lossagg.StepPlan.metrics`), with the final counts recorded by this micro-batch's
+        :meth:`loss` (call it first): times :attr:`DeferredStep.metric_scale` they are final, and
+        :attr:`DeferredStep.metrics` holds the step's values."""
+        pos = sample_positions(samples, self.num_local_samples, torch.device("cpu"))
+        missing = pos[~self._seen[pos]]
+        if missing.numel():
+            raise ValueError(
+                f"DeferredPlan.metrics: sample {int(missing[0])} has no final mask yet: call loss() or loss_terms() of its micro-batch first"
+            )
+        names = list(metrics)
+        if not names:
+            return {}
+        for k in names:
+            if not isinstance(metrics[k], torch.Tensor) or tuple(metrics[k].shape) != tuple(mask.shape):
+                got = tuple(metrics[k].shape) if isinstance(metrics[k], torch.Tensor) else type(metrics[k]).__name__
+                raise ValueError(f"metric {k!r} must have the token shape of mask {tuple(mask.shape)}, got {got}")
+        sums = segment_sum(torch.stack([metrics[k].detach() for k in names]), mask, cu_seqlens)
+        d = self._used_denoms(self._metric_spec, None, pos, f"mode={self._metric_spec.name} (the metrics reducer)").to(sums.device)
+        contrib = (sums.to(torch.float64) / d).sum(-1)
+        out = {k: contrib[i] for i, k in enumerate(names)}
+        for k, v in out.items():
+            self._log(f"metric:{k}", v)
+        return out
+
+    # --------------------------------------------------------------- the end
+    def close(self) -> DeferredStep:
+        """After the last micro-batch: the step totals of the final masks (one sum all-reduce over the
+        process group, plus one max all-reduce for a mode with a maximum; the logged values ride in
+        the sum, after one all-reduce over the CP group when there is one) and the rescale."""
+        if self._closed is not None:
+            return self._closed
+        missing = torch.nonzero(~self._seen).flatten()
+        if missing.numel():
+            shown = ", ".join(map(str, missing[:8].tolist())) + (", ..." if missing.numel() > 8 else "")
+            raise ValueError(
+                f"DeferredPlan.close: {missing.numel()} of this rank's {self.num_local_samples} samples never ran a micro-batch ({shown}): "
+                "every sample's final mask must be given by loss() or loss_terms() before the step closes"
+            )
+        counts = self._counts if self._counts is not None else torch.zeros(0, dtype=torch.float64)
+        keys = sorted(self._logged)
+        logged = torch.stack([self._logged[k].to(counts.device) for k in keys]) if keys else None
+        if logged is not None and self.cp_group is not None:
+            torch.distributed.all_reduce(logged, group=self.cp_group)
+        plan = StepPlan(
+            self.config,
+            counts,
+            group_index=None if self.group_index is None else self.group_index.to(counts.device),
+            process_group=self.process_group,
+            num_group_labels=self.num_group_labels,
+            sample_weights=self.sample_weights,
+            _extra_sums=logged,
+        )
+        empty = self.config.empty_samples
+        final = read_totals(tuple(FACTORS[f].reads for f in self._step_factors), plan.totals, empty, self._specs[PG_TERM].name)
+        scale = self._used / _value(self._step_factors, final)
+        metric_final = read_totals(tuple(FACTORS[f].reads for f in self._metric_step_factors), plan.totals, empty, self._metric_spec.name)
+        metric_scale = self._metric_used / _value(self._metric_step_factors, metric_final)
+        values = dict(zip(keys, logged.tolist() if logged is not None else [], strict=True))
+        terms = {n: values[f"term:{n}"] * scale for n in self._names if f"term:{n}" in values}
+        loss = None
+        if terms:
+            loss = sum(self._coefficients[self._names.index(n)] * v for n, v in terms.items())
+        metrics = {k.split(":", 1)[1]: v * metric_scale for k, v in values.items() if k.startswith("metric:")}
+        self._closed = DeferredStep(scale=scale, metric_scale=metric_scale, plan=plan, loss=loss, terms=terms, metrics=metrics)
+        return self._closed

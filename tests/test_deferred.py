@@ -1,0 +1,295 @@
+"""lossagg.DeferredPlan in one process: a filter inside the loss, micro-batches, the rescale after
+the last one (docs/composition.md, "Filters inside the loss"). Every mode the registry serves,
+both empty-samples conventions, both layouts, with and without an estimate, against the float64
+gradient of the filtered unsplit step; the whole loss with terms and weights; metrics; what is
+refused, by name; the rescale applied to modules, optimizers and tensors; NeMo-RL's token-level
+scheme transcribed in float64. The DP x CP worlds and the engines are tests/test_deferred_distributed.py."""
+
+from __future__ import annotations
+
+import filtered_step
+import pytest
+import torch
+import torch_engines
+
+import lossagg
+from lossagg.deferred import deferred_factors
+from lossagg.testing import reference_loss
+
+F64 = torch.float64
+
+
+def _step(seed=1):
+    return torch_engines.make_step(n_per_prompt=4, seed=seed)
+
+
+def _micro_batches(step, layout, size=4):
+    """(samples, features, targets, mask, cu_seqlens) of micro-batches of ``size`` consecutive samples,
+    packed or padded (rows of the micro-batch's longest sample)."""
+    features, targets, mask, cu, _ = step
+    lengths = cu[1:] - cu[:-1]
+    out = []
+    for samples in torch.arange(lengths.numel()).split(size):
+        lo, hi = int(cu[samples[0]]), int(cu[samples[-1] + 1])
+        if layout == "packed":
+            out.append((samples, features[lo:hi], targets[lo:hi], mask[lo:hi], lossagg.cu_seqlens_from_lengths(lengths[samples]).long()))
+            continue
+        width = max(int(lengths[samples].max()), 1)
+        x = torch.zeros(samples.numel(), width, features.shape[1], dtype=F64)
+        y = torch.zeros(samples.numel(), width, dtype=F64)
+        m = torch.zeros(samples.numel(), width, dtype=torch.bool)
+        for r, i in enumerate(samples.tolist()):
+            n = int(lengths[i])
+            x[r, :n], y[r, :n], m[r, :n] = features[cu[i] : cu[i + 1]], targets[cu[i] : cu[i + 1]], mask[cu[i] : cu[i + 1]]
+        out.append((samples, x, y, m, None))
+    return out
+
+
+def _run(config, step, layout, estimate=None, size=4):
+    """(the step's J and gradient from a deferred plan, the closed step)."""
+    groups = step[4]
+    model = torch_engines.make_model()
+    plan = lossagg.DeferredPlan(config, groups.numel(), group_index=groups, estimate=estimate)
+    total = 0.0
+    for samples, x, y, m, cu in _micro_batches(step, layout, size):
+        loss = torch_engines.per_token_loss(model, x, y)
+        contribution = plan.loss(loss, filtered_step.keep(loss, m, cu), samples, cu)
+        contribution.backward()
+        total += float(contribution)
+    closed = plan.close()
+    closed.apply_(model)
+    return total * closed.scale, [p.grad for p in model.parameters()], closed
+
+
+def _configs():
+    for mode, spec in lossagg.MODES.items():
+        for empty in ("count", "skip"):
+            yield lossagg.LossAggregationConfig(mode=mode, n_samples_per_prompt=4, empty_samples=empty, **spec.example_settings)
+
+
+def test_the_filter_drops_samples_and_tokens():
+    step = _step()
+    _, _, final = filtered_step.reference(lossagg.LossAggregationConfig(), step)
+    mask, cu = step[2], step[3]
+    rollout, kept = lossagg.token_counts(mask, cu), lossagg.token_counts(final, cu)
+    dropped_samples = int(((rollout > 0) & (kept == 0)).sum())
+    assert dropped_samples >= 2 and int(kept.sum()) < int(rollout.sum()) - dropped_samples, (rollout, kept)
+
+
+@pytest.mark.parametrize("estimate", ["none", "rollout plan", "mapping"])
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+@pytest.mark.parametrize("config", list(_configs()), ids=lambda c: f"{c.mode}-{c.empty_samples}")
+def test_every_mode_gives_the_filtered_steps_value_and_gradient(config, layout, estimate):
+    step = _step()
+    features, targets, mask, cu, groups = step
+    want, want_j, final = filtered_step.reference(config, step)
+    rollout = lossagg.StepPlan.from_mask(config, mask, cu, group_index=groups)
+    given = {"none": None, "rollout plan": rollout, "mapping": dict(rollout.totals)}[estimate]
+    j, grads, closed = _run(config, step, layout, given)
+    assert abs(j - want_j) <= 1e-12 * max(abs(want_j), 1.0)
+    for g, e in zip(grads, want, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-11, atol=1e-14)
+    assert closed.loss == pytest.approx(want_j, rel=1e-12, abs=1e-15)
+    assert torch.equal(closed.plan.token_counts, lossagg.token_counts(final, cu).double())
+    final_plan = lossagg.StepPlan.from_mask(config, final, cu, group_index=groups)
+    torch.testing.assert_close(closed.plan.sample_denoms, final_plan.sample_denoms, rtol=0, atol=0)
+    if estimate == "none":  # every step-level factor read as 1 until the end: the rescale is 1 / G
+        assert closed.scale == pytest.approx(float(final_plan.sample_denoms[0] / closed.plan.sample_denoms[0]) * closed.scale, rel=1e-15)
+
+
+def test_the_whole_loss_with_terms_and_weights():
+    # terms whose step-level factors agree (N for each): one rescale serves them all
+    step = _step()
+    features, targets, mask, cu, groups = step
+    weights = torch.linspace(0.5, 2.0, groups.numel(), dtype=F64)
+    config = lossagg.LossAggregationConfig.from_dict(
+        {
+            "mode": "sample_mean",
+            "weighting": "multiply",
+            "terms": {"entropy": {"coefficient": -0.1}, "kl": {"mode": "constant", "divisor": 24.0, "coefficient": 0.5}},
+        }
+    )
+    model = torch_engines.make_model()
+    plan = lossagg.DeferredPlan(config, groups.numel(), sample_weights=weights)
+    for samples, x, y, m, mcu in _micro_batches(step, "packed"):
+        loss = torch_engines.per_token_loss(model, x, y)
+        terms = {"pg": loss, "entropy": loss.sin(), "kl": loss.sqrt()}
+        plan.loss_terms(terms, filtered_step.keep(loss, m, mcu), samples, mcu).backward()
+    closed = plan.close()
+    closed.apply_(model)
+    ref = torch_engines.make_model()
+    loss = torch_engines.per_token_loss(ref, features, targets)
+    final = filtered_step.keep(loss, mask, cu)
+    counts = lossagg.token_counts(final, cu).double()
+    sums = [torch.stack([(v[a:b] * final[a:b]).sum() for a, b in zip(cu[:-1], cu[1:], strict=True)]) for v in (loss, loss.sin(), loss.sqrt())]
+    n = groups.numel()
+    want = (weights * sums[0] / (n * counts.clamp(min=1))).sum() - 0.1 * (sums[1] / (n * counts.clamp(min=1))).sum() + 0.5 * sums[2].sum() / (n * 24.0)
+    want.backward()
+    assert closed.loss == pytest.approx(float(want), rel=1e-12)
+    for g, e in zip((p.grad for p in model.parameters()), (p.grad for p in ref.parameters()), strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-11, atol=1e-14)
+
+
+def test_metrics_reported_after_the_step_use_the_final_totals():
+    step = _step()
+    features, targets, mask, cu, groups = step
+    for mode in ("sample_mean", "token_mean"):
+        config = lossagg.LossAggregationConfig(mode=mode)
+        model = torch_engines.make_model()
+        plan = lossagg.DeferredPlan(config, groups.numel())
+        provisional = 0.0
+        for samples, x, y, m, mcu in _micro_batches(step, "packed"):
+            loss = torch_engines.per_token_loss(model, x, y)
+            final = filtered_step.keep(loss, m, mcu)
+            plan.loss(loss, final, samples, mcu)
+            provisional += float(plan.metrics({"entropy": x[:, 0]}, final, samples, mcu)["entropy"])
+        closed = plan.close()
+        loss = torch_engines.per_token_loss(torch_engines.make_model(), features, targets)
+        final = filtered_step.keep(loss, mask, cu)
+        want = lossagg.StepPlan.from_mask(config, final, cu).metrics({"entropy": features[:, 0]}, final, slice(None), cu)["entropy"]
+        assert closed.metrics["entropy"] == pytest.approx(float(want), rel=1e-12)
+        assert provisional * closed.metric_scale == pytest.approx(float(want), rel=1e-12)
+
+
+def test_nemo_rls_token_level_scheme_gives_the_same_number():
+    """NeMo-RL's in-loss filter (PR #4171, open when read; NVIDIA-NeMo/RL), transcribed in float64:
+    each micro-batch's token-level loss divides by the step's rollout count G plus 1e-8
+    (``masked_mean(..., global_normalization_factor=global_valid_toks)``, nemo_rl/algorithms/utils.py
+    lines 212-224 and nemo_rl/algorithms/loss/loss_functions.py lines 678-683 at 7ea279ab, G from
+    ``process_global_batch``, nemo_rl/models/megatron/data.py lines 806-817), the filtered tokens out
+    of the numerator; after the last micro-batch the worker multiplies the gradients by G / K, K the
+    surviving tokens summed over DP in float64 (``_normalize_in_loss_seq_filter``,
+    nemo_rl/models/policy/workers/megatron_policy_worker.py at the PR's commit 94d53ee5, lines
+    1036-1042 as issue #4242 cites them; read from the PR's file, its line numbers not computed
+    here). It covers token-level losses: lossagg's token_mean with the rollout plan as estimate."""
+    step = _step()
+    features, targets, mask, cu, groups = step
+    # NeMo-RL, two DP ranks of two micro-batches each
+    model = torch_engines.make_model()
+    g_rollout = float(mask.sum())  # global_valid_toks: the DP sum of token_mask * sample_mask
+    survivors = 0.0
+    for samples, x, y, m, mcu in _micro_batches(step, "packed"):
+        loss = torch_engines.per_token_loss(model, x, y)
+        kept = filtered_step.keep(loss, m, mcu).to(F64)
+        (torch.sum(loss * kept) / (g_rollout + 1e-8)).backward()  # masked_mean with the global factor
+        survivors += float(kept.sum())  # seq_logprob_error_valid_tokens, summed over micro-batches and DP
+    token_factor = g_rollout / survivors
+    nemo = [p.grad * token_factor for p in model.parameters()]  # model.scale_gradients(token_factor)
+    # lossagg: token_mean, the rollout plan as the estimate
+    config = lossagg.LossAggregationConfig(mode="token_mean")
+    rollout = lossagg.StepPlan.from_mask(config, mask, cu)
+    _, grads, closed = _run(config, step, "packed", rollout)
+    assert closed.scale == pytest.approx(token_factor, rel=1e-15)
+    for g, e in zip(grads, nemo, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-8, atol=0)  # NeMo-RL's + 1e-8 on G: 1e-8 / G relative
+
+
+# ------------------------------------------------------------------------- refusals
+def test_a_mode_whose_denoms_are_a_function_is_refused_by_name():
+    spec = lossagg.ModeSpec(
+        name="sample_sqrt_deferred",
+        summary="each sample's sum over the root of its length",
+        formula="(1/N) Σ_i Σ_t m·l / sqrt(c(M[i]))",
+        denom_formula="N · sqrt(c(M[i]))",
+        totals=("num_samples",),
+        denoms=lambda x: x.totals.num_samples * x.token_counts.clamp(min=1.0).sqrt(),
+        reference=lambda r: sum(s / max(m, 1.0) ** 0.5 for s, m in zip(r.numerators, r.token_counts, strict=True)) / len(r.numerators),
+    )
+    lossagg.register_mode(spec)
+    try:
+        with pytest.raises(ValueError, match=r"DeferredPlan cannot serve mode=sample_sqrt_deferred: its d\[i\] is a function"):
+            lossagg.DeferredPlan(lossagg.LossAggregationConfig(mode="sample_sqrt_deferred"), 4)
+        # the same maths declared as a product is served
+        product = lossagg.ModeSpec(
+            name="sample_mean_declared",
+            summary="sample_mean, declared",
+            formula="(1/N) Σ_i Σ_t m·l / c(M[i])",
+            denoms=lossagg.DenomProduct("N", "c(M[i])"),
+            reference=lossagg.MODES["sample_mean"].reference,
+        )
+        lossagg.register_mode(product)
+        assert deferred_factors(product) == (("N",), False)
+        lossagg.DeferredPlan(lossagg.LossAggregationConfig(mode="sample_mean_declared"), 4)
+    finally:
+        lossagg.unregister_mode("sample_sqrt_deferred")
+        if "sample_mean_declared" in lossagg.MODES:
+            lossagg.unregister_mode("sample_mean_declared")
+
+
+def test_prompt_mean_needs_whole_groups_in_each_micro_batch():
+    step = _step()
+    config = lossagg.LossAggregationConfig(mode="prompt_mean", n_samples_per_prompt=4)
+    with pytest.raises(ValueError, match=r"prompt group 0 has 3 of its 4 samples in this micro-batch: mode=prompt_mean's c\(Sg\[g\(i\)\]\)"):
+        _run(config, step, "packed", size=3)
+    with pytest.raises(ValueError, match="set n_samples_per_prompt"):
+        lossagg.DeferredPlan(lossagg.LossAggregationConfig(mode="prompt_mean"), 16, group_index=step[4])
+
+
+def test_terms_with_other_step_level_factors_are_refused_by_name():
+    config = lossagg.LossAggregationConfig.from_dict({"mode": "prompt_mean", "n_samples_per_prompt": 4, "terms": {"kl": {"mode": "token_mean", "coefficient": 0.1}}})
+    with pytest.raises(ValueError, match=r"term 'kl' \(mode=token_mean\).*'kl' has c\(T\) where the PG term has P"):
+        lossagg.DeferredPlan(config, 16, group_index=torch.arange(16) // 4)
+
+
+def test_misuse_is_named_and_leaves_nothing_half_applied():
+    step = _step()
+    config = lossagg.LossAggregationConfig()
+    model = torch_engines.make_model()
+    plan = lossagg.DeferredPlan(config, 16)
+    batches = _micro_batches(step, "packed")
+    samples, x, y, m, cu = batches[0]
+    loss = torch_engines.per_token_loss(model, x, y)
+    with pytest.raises(ValueError, match="call loss\\(\\) or loss_terms\\(\\) of its micro-batch first"):
+        plan.metrics({"x": loss}, m, samples, cu)
+    with pytest.raises(ValueError, match="samples selects 3 sample"):
+        plan.loss(loss, m, samples[:3], cu)
+    with pytest.raises(TypeError, match="values\\[0\\] must have dtype"):  # fails inside the op: the micro-batch is forgotten
+        plan.loss(torch.zeros_like(loss, dtype=torch.int32), m, samples, cu)
+    plan.loss(loss, m, samples, cu)  # the same micro-batch again, after the failure
+    with pytest.raises(ValueError, match="sample 0 already ran in an earlier micro-batch"):
+        plan.loss(loss, m, samples, cu)
+    with pytest.raises(ValueError, match=r"12 of this rank's 16 samples never ran a micro-batch \(4, 5, 6, 7, 8, 9, 10, 11, \.\.\.\)"):
+        plan.close()
+    with pytest.raises(ValueError, match="estimate must hold the step total.s. total_tokens that mode=token_mean reads"):
+        lossagg.DeferredPlan(lossagg.LossAggregationConfig(mode="token_mean"), 4, estimate={"num_samples": 4})
+    with pytest.raises(TypeError, match="estimate must be a StepPlan or a mapping"):
+        lossagg.DeferredPlan(config, 4, estimate=3.0)
+
+
+def test_megatron_loss_func_refuses_what_it_cannot_serve():
+    from lossagg.integrations.megatron import make_loss_func
+
+    mask = torch.ones(4, dtype=torch.bool)
+    cu = torch.tensor([0, 2, 4])
+    plan = lossagg.StepPlan(lossagg.LossAggregationConfig(), torch.tensor([2, 2]))
+    with pytest.raises(TypeError, match="needs a lossagg.DeferredPlan, got a StepPlan"):
+        make_loss_func(plan, [0, 1], cu, mask, num_micro_batches=1, keep=lambda out, m: m)
+    deferred = lossagg.DeferredPlan(lossagg.LossAggregationConfig(mode="token_mean"), 2)
+    with pytest.raises(ValueError, match="calculate_per_token_loss=True divides the gradients"):
+        make_loss_func(deferred, [0, 1], cu, mask, num_micro_batches=1, calculate_per_token_loss=True)
+
+
+# --------------------------------------------------------------------- the rescale
+def test_apply_scales_modules_optimizers_tensors_and_buffers_once():
+    closed = lossagg.DeferredStep(scale=0.5, metric_scale=1.0, plan=lossagg.StepPlan(lossagg.LossAggregationConfig(), torch.tensor([1.0])), loss=None)
+    model = torch.nn.Linear(3, 2)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    assert closed.apply_(model) == 2 and all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in model.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert closed.apply_(optimizer) == 2 and torch.equal(model.weight.grad, torch.full_like(model.weight, 0.25))
+    assert closed.apply_([model.bias, model.bias]) == 1 and torch.equal(model.bias.grad, torch.full_like(model.bias, 0.0625))  # once
+    main = torch.nn.Parameter(torch.zeros(2))
+    main.main_grad = torch.ones(2)  # Megatron's buffer view is scaled, not .grad
+    grad = torch.ones(3)
+    assert closed.apply_([main, grad]) == 2 and torch.equal(main.main_grad, torch.full((2,), 0.5)) and torch.equal(grad, torch.full((3,), 0.5))
+
+    class Buffers:
+        def scale_gradients(self, factor):
+            self.factor = factor
+
+    buffers = Buffers()
+    closed.apply_(buffers)
+    assert buffers.factor == 0.5
+    with pytest.raises(TypeError, match="target must be a module, an optimizer"):
+        closed.apply_(3)
