@@ -278,7 +278,7 @@ def test_apply_scales_modules_optimizers_tensors_and_buffers_once():
     assert closed.apply_(model) == 2 and all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in model.parameters())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     assert closed.apply_(optimizer) == 2 and torch.equal(model.weight.grad, torch.full_like(model.weight, 0.25))
-    assert closed.apply_([model.bias, model.bias]) == 1 and torch.equal(model.bias.grad, torch.full_like(model.bias, 0.0625))  # once
+    assert closed.apply_([model.bias, model.bias]) == 1 and torch.equal(model.bias.grad, torch.full_like(model.bias, 0.125))  # once
     main = torch.nn.Parameter(torch.zeros(2))
     main.main_grad = torch.ones(2)  # Megatron's buffer view is scaled, not .grad
     grad = torch.ones(3)
