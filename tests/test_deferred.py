@@ -55,7 +55,7 @@ def _run(config, step, layout, estimate=None, size=4):
         loss = torch_engines.per_token_loss(model, x, y)
         contribution = plan.loss(loss, filtered_step.keep(loss, m, cu), samples, cu)
         contribution.backward()
-        total += float(contribution)
+        total += float(contribution.detach())
     closed = plan.close()
     closed.apply_(model)
     return total * closed.scale, [p.grad for p in model.parameters()], closed
@@ -142,7 +142,7 @@ def test_metrics_reported_after_the_step_use_the_final_totals():
             loss = torch_engines.per_token_loss(model, x, y)
             final = filtered_step.keep(loss, m, mcu)
             plan.loss(loss, final, samples, mcu)
-            provisional += float(plan.metrics({"entropy": x[:, 0]}, final, samples, mcu)["entropy"])
+            provisional += float(plan.metrics({"entropy": x[:, 0]}, final, samples, mcu)["entropy"].detach())
         closed = plan.close()
         loss = torch_engines.per_token_loss(torch_engines.make_model(), features, targets)
         final = filtered_step.keep(loss, mask, cu)
