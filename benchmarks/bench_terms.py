@@ -10,10 +10,12 @@ medians):
               counterpart of three_calls
   three_calls lossagg.reduce once per term with that term's d[i] given (each call rereads the
               mask): the lower bound of three single-term calls
-  floor       the three values' .sum() (one read of each value tensor; forward only)
+  floor       the three values' .sum() (one read of each value tensor); forward and backward,
+              the autograd engine's own cost of a three-leaf backward that writes three gradients
 
 The bytes of one step are those the terms and the mask must be read in: ``4K·T + T`` for float32
-values and a bool mask (K = 3). Ratios are of bandwidths (or times) measured in this run.
+values and a bool mask (K = 3; forward and backward, ``8K·T + T``: the gradients written too).
+Ratios are of bandwidths (or times) measured in this run.
 
     python benchmarks/bench_terms.py
 """
@@ -122,11 +124,13 @@ def main(argv=None):
         c = make_case(b, mean_len)
         nbytes = 4 * K * c["total"] + c["total"]
         for pass_name, backward in (("fwd", False), ("fwd+bwd", True)):
-            contenders = {"one_call": one_call, "one_op": one_op, "three_calls": three_calls, **({} if backward else {"floor": floor})}
+            contenders = {"one_call": one_call, "one_op": one_op, "three_calls": three_calls, "floor": floor}
             got = medians({name: runner(fn, c, backward) for name, fn in contenders.items()}, args.rounds)
             results[(case, pass_name)] = got
             for name, ms in got.items():
                 gbps = nbytes / (ms * 1e-3) / 1e9 if name != "floor" else 4 * K * c["total"] / (ms * 1e-3) / 1e9
+                if backward:  # forward and backward: the values read and their gradients written, 8K·T + T bytes
+                    gbps = (8 * K * c["total"] + (c["total"] if name != "floor" else 0)) / (ms * 1e-3) / 1e9
                 print(f"| {case} | {pass_name} | {name} | {ms:.3f} | {ms / got['one_call']:.2f} | {gbps:.1f} |")
     print("\n## Goals (ratios from this run)\n")
     print("| goal | measured | wanted | met |")
@@ -142,6 +146,9 @@ def main(argv=None):
         for name in ("one_op", "one_call"):
             ratio = results[(small, pass_name)][name] / results[(small, pass_name)]["three_calls"]
             print(f"| {pass_name}, {name} time / three_calls time, {small} | {ratio:.2f} | <= 0.5 | {'yes' if ratio <= 0.5 else 'no'} |")
+    r = results[(small, "fwd+bwd")]
+    beyond = (r["one_op"] - r["floor"]) / (r["three_calls"] - r["floor"])
+    print(f"| fwd+bwd, one_op / three_calls beyond the floor's own cost, {small} | {beyond:.2f} | for comparison | |")
 
 
 if __name__ == "__main__":

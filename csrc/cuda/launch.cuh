@@ -67,7 +67,7 @@ unsigned int* segment_sum_passes(
   unsigned int* counter = bad_table + 1;
   dev.zero(bad_table, 2 * sizeof(unsigned int));
   if (tiles > 0) {
-    using scalar_t = std::remove_cv_t<std::remove_pointer_t<decltype(values(0))>>;
+    using scalar_t = std::remove_cv_t<std::remove_pointer_t<decltype(values(0, 0))>>;
     constexpr bool kTermRows = std::is_same_v<Rows, TermRows<const scalar_t>>;
     dev.launch(
         segment_sum_tiles_kernel<acc_t, scalar_t, mask_t, Rows>, tile_grid(tiles, kTermRows ? 1 : K), dim3(kThreads), values, mask, seg, B,
@@ -91,7 +91,7 @@ unsigned int* segment_sum_passes(
 template <typename acc_t, typename Device, typename scalar_t, typename mask_t>
 void launch_segment_sum(Device& dev, const TokenLayout& layout, const Segments& seg, const scalar_t* values, const mask_t* mask, acc_t* out) {
   segment_sum_passes<acc_t>(
-      dev, layout, seg, StridedRows<const scalar_t>{values, layout.num_tokens}, mask, out, static_cast<const acc_t*>(nullptr), static_cast<acc_t*>(nullptr));
+      dev, layout, seg, StridedRows<const scalar_t>{values}, mask, out, static_cast<const acc_t*>(nullptr), static_cast<acc_t*>(nullptr));
 }
 
 // segment_sum_and_count: out [K, B] and counts [B] (kept tokens of each segment) from the
@@ -100,7 +100,7 @@ template <typename acc_t, typename Device, typename scalar_t, typename mask_t>
 void launch_segment_sum_and_count(
     Device& dev, const TokenLayout& layout, const Segments& seg, const scalar_t* values, const mask_t* mask, acc_t* out, int64_t* counts) {
   segment_sum_passes<acc_t>(
-      dev, layout, seg, StridedRows<const scalar_t>{values, layout.num_tokens}, mask, out, static_cast<const acc_t*>(nullptr), static_cast<acc_t*>(nullptr),
+      dev, layout, seg, StridedRows<const scalar_t>{values}, mask, out, static_cast<const acc_t*>(nullptr), static_cast<acc_t*>(nullptr),
       counts);
 }
 
@@ -109,7 +109,7 @@ template <typename acc_t, typename Device, typename scalar_t, typename mask_t>
 void launch_reduce(
     Device& dev, const TokenLayout& layout, const Segments& seg, const scalar_t* values, const mask_t* mask, const acc_t* denoms, acc_t* result) {
   acc_t* sums = static_cast<acc_t*>(dev.workspace(std::max<int64_t>(layout.num_segments, 1) * static_cast<int64_t>(sizeof(acc_t))));
-  segment_sum_passes<acc_t>(dev, layout, seg, StridedRows<const scalar_t>{values, layout.num_tokens}, mask, sums, denoms, result);
+  segment_sum_passes<acc_t>(dev, layout, seg, StridedRows<const scalar_t>{values}, mask, sums, denoms, result);
 }
 
 // out(k)[t] = mask_weight(mask[t]) * coef(k, s(t)), out the rows of one [K, ntok] array (or
@@ -128,7 +128,7 @@ void launch_expand_rows(Device& dev, const TokenLayout& layout, const Segments& 
 // out[k, t] = mask_weight(mask[t]) * coef(k, s(t)), out [K, ntok]. One launch.
 template <typename scalar_t, typename acc_t, typename Device, typename mask_t, typename Coef>
 void launch_expand(Device& dev, const TokenLayout& layout, const Segments& seg, scalar_t* out, const mask_t* mask, Coef coef) {
-  launch_expand_rows<scalar_t, acc_t>(dev, layout, seg, StridedRows<scalar_t>{out, layout.num_tokens}, mask, coef);
+  launch_expand_rows<scalar_t, acc_t>(dev, layout, seg, StridedRows<scalar_t>{out}, mask, coef);
 }
 
 // reduce_terms over the K terms of `layout` (num_metrics = K), term k's values at rows[k] (a

@@ -249,12 +249,13 @@ lane_masked_sum(const scalar_t* __restrict__ v, const mask_t* __restrict__ m, in
 // grid.y over the metrics). TermRows: up to kMaxTermRows arrays of their own, the terms of
 // reduce_terms read where they lie, launched with one block row so that each warp sums every
 // term over its tile while the tile's mask is in its L1 (the mask is read from memory once).
-// The same two for the outputs of the backward kernels (T non-const).
+// The same two for the outputs of the backward kernels (T non-const). Row k of a [K, T] array
+// is base + k * num_tokens: the kernel's own num_tokens, so that StridedRows is one pointer and
+// the kernels keep the code (and registers) they had with a plain pointer.
 template <typename T>
 struct StridedRows {
   T* base;
-  int64_t stride;
-  __device__ __forceinline__ T* operator()(int64_t k) const { return base + k * stride; }
+  __device__ __forceinline__ T* operator()(int64_t k, int64_t num_tokens) const { return base + k * num_tokens; }
 };
 
 constexpr int kMaxTermRows = 8;
@@ -262,7 +263,7 @@ constexpr int kMaxTermRows = 8;
 template <typename T>
 struct TermRows {
   T* row[kMaxTermRows];
-  __device__ __forceinline__ T* operator()(int64_t k) const { return row[k]; }
+  __device__ __forceinline__ T* operator()(int64_t k, int64_t) const { return row[k]; }
 };
 
 // Pass 1 of segment sums. grid: (ceil(tiles / kWarpsPerBlock), min(K, kMaxGridY)), or
@@ -299,7 +300,7 @@ __global__ void segment_sum_tiles_kernel(
     *bad_table = 1u;
   }
   for (int64_t k = blockIdx.y; k < num_metrics; k += gridDim.y) {
-    const scalar_t* v = values(k);
+    const scalar_t* v = values(k, num_tokens);
     const int phase = common_phase<VEC>(v, mask);
     const bool count = counts != nullptr && k == 0;
     const bool ok = for_each_segment_in_tile(seg, num_segments, num_tokens, lo, hi, [&](int64_t s, int64_t a, int64_t b, int64_t sb, int64_t se) {
@@ -479,7 +480,7 @@ __global__ void expand_tiles_kernel(
   const int64_t tile = t.index, lo = t.lo, hi = t.hi;
   const bool table_bad = table_chunk_bad(seg, num_segments, num_tokens, tile, tiles, lane);
   for (int64_t k = blockIdx.y; k < num_metrics; k += gridDim.y) {
-    scalar_t* o = out(k);
+    scalar_t* o = out(k, num_tokens);
     const int phase = common_phase<VEC>(o, mask);
     const bool ok =
         !table_bad && for_each_segment_in_tile(seg, num_segments, num_tokens, lo, hi, [&](int64_t s, int64_t a, int64_t b, int64_t, int64_t) {

@@ -443,7 +443,9 @@ void run_case(const Case& c, uint64_t case_seed) {
   }
   expect(rgrad_ok, "reduce_backward writes grad * m[t] / d[s] to every token");
 
-  run_terms_case<S>(c, in, seg, layout, ref, ref_abs, case_seed);
+  if (c.K > 1 || case_seed % 8 == 0) {  // reduce_terms: every case of several metrics, one in eight of one
+    run_terms_case<S>(c, in, seg, layout, ref, ref_abs, case_seed);
+  }
 }
 
 // The gradient under a defective cu_seqlens, run with the lanes of each block in three
