@@ -96,7 +96,10 @@ def main(argv=None):
 
     num_samples = 64
     step = make_step(num_samples, args.tokens // num_samples)
-    print(f"# lossagg late rescale in low precision: torch {torch.__version__}, {int(step[1][-1])} tokens, {num_samples} samples, {args.micro_batches} micro-batches\n")
+    print(
+        f"# lossagg late rescale in low precision: torch {torch.__version__}, {int(step[1][-1])} tokens, "
+        f"{num_samples} samples, {args.micro_batches} micro-batches\n"
+    )
     print("| mode | grad dtype | in-loss | late, est. (rescale) | late, none (rescale) |")
     print("|---|---|---|---|---|")
     for mode in ("token_mean", "sample_mean"):

@@ -60,7 +60,12 @@ bool built_with_cuda() {
 }
 
 TokenLayout check_token_layout(
-    const char* op, const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, bool allow_metric_dim, const char* values_name) {
+    const char* op,
+    const Tensor& values,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens,
+    bool allow_metric_dim,
+    const char* values_name) {
   LOSSAGG_CHECK_TYPE(
       is_value_dtype(values.scalar_type()), "lossagg.", op, ": ", values_name, " must have dtype ", value_dtypes_text(), ", got ",
       values.scalar_type());
@@ -330,7 +335,8 @@ void check_coefficients(const char* op, const std::vector<double>& coefficients,
       static_cast<int64_t>(coefficients.size()) == num_terms, "lossagg.", op, ": coefficients must hold one number per term (K = ", num_terms,
       "), got ", coefficients.size());
   for (size_t k = 0; k < coefficients.size(); ++k) {
-    LOSSAGG_CHECK_VALUE(std::isfinite(coefficients[k]), "lossagg.", op, ": coefficients must be finite, got coefficients[", k, "] = ", coefficients[k]);
+    LOSSAGG_CHECK_VALUE(
+        std::isfinite(coefficients[k]), "lossagg.", op, ": coefficients must be finite, got coefficients[", k, "] = ", coefficients[k]);
   }
 }
 

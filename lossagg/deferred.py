@@ -363,7 +363,9 @@ class DeferredPlan:
             self._log(f"term:{n}", part)
         return total
 
-    def metrics(self, metrics: Mapping[str, torch.Tensor], mask: torch.Tensor, samples, cu_seqlens: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def metrics(
+        self, metrics: Mapping[str, torch.Tensor], mask: torch.Tensor, samples, cu_seqlens: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         """Contributions of per-token metrics under the default reducer (as
         :meth:`lossagg.StepPlan.metrics`), with the final counts recorded by this micro-batch's
         :meth:`loss` (call it first): times :attr:`DeferredStep.metric_scale` they are final, and

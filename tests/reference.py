@@ -61,7 +61,7 @@ def ref_reduce_terms(values, mask, sample_denoms, sample_weights=None, coefficie
         w = torch.ones_like(sums) if sample_weights is None else sample_weights[k].to(torch.float64)
         parts.append((w * sums / sample_denoms[k].to(torch.float64)).sum())
     c = [1.0] * len(values) if coefficients is None else coefficients
-    total = sum(ck * part for ck, part in zip(c, parts))
+    total = sum(ck * part for ck, part in zip(c, parts, strict=True))
     return total, torch.stack(parts)
 
 

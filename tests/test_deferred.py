@@ -14,7 +14,6 @@ import torch_engines
 
 import lossagg
 from lossagg.deferred import deferred_factors
-from lossagg.testing import reference_loss
 
 F64 = torch.float64
 
@@ -123,7 +122,9 @@ def test_the_whole_loss_with_terms_and_weights():
     counts = lossagg.token_counts(final, cu).double()
     sums = [torch.stack([(v[a:b] * final[a:b]).sum() for a, b in zip(cu[:-1], cu[1:], strict=True)]) for v in (loss, loss.sin(), loss.sqrt())]
     n = groups.numel()
-    want = (weights * sums[0] / (n * counts.clamp(min=1))).sum() - 0.1 * (sums[1] / (n * counts.clamp(min=1))).sum() + 0.5 * sums[2].sum() / (n * 24.0)
+    want = (
+        (weights * sums[0] / (n * counts.clamp(min=1))).sum() - 0.1 * (sums[1] / (n * counts.clamp(min=1))).sum() + 0.5 * sums[2].sum() / (n * 24.0)
+    )
     want.backward()
     assert closed.loss == pytest.approx(float(want.detach()), rel=1e-12)
     for g, e in zip((p.grad for p in model.parameters()), (p.grad for p in ref.parameters()), strict=True):
@@ -168,7 +169,7 @@ def test_nemo_rls_token_level_scheme_gives_the_same_number():
     model = torch_engines.make_model()
     g_rollout = float(mask.sum())  # global_valid_toks: the DP sum of token_mask * sample_mask
     survivors = 0.0
-    for samples, x, y, m, mcu in _micro_batches(step, "packed"):
+    for _, x, y, m, mcu in _micro_batches(step, "packed"):
         loss = torch_engines.per_token_loss(model, x, y)
         kept = filtered_step.keep(loss, m, mcu).to(F64)
         (torch.sum(loss * kept) / (g_rollout + 1e-8)).backward()  # masked_mean with the global factor
@@ -226,7 +227,9 @@ def test_prompt_mean_needs_whole_groups_in_each_micro_batch():
 
 
 def test_terms_with_other_step_level_factors_are_refused_by_name():
-    config = lossagg.LossAggregationConfig.from_dict({"mode": "prompt_mean", "n_samples_per_prompt": 4, "terms": {"kl": {"mode": "token_mean", "coefficient": 0.1}}})
+    config = lossagg.LossAggregationConfig.from_dict(
+        {"mode": "prompt_mean", "n_samples_per_prompt": 4, "terms": {"kl": {"mode": "token_mean", "coefficient": 0.1}}}
+    )
     with pytest.raises(ValueError, match=r"term 'kl' \(mode=token_mean\).*'kl' has c\(T\) where the PG term has P"):
         lossagg.DeferredPlan(config, 16, group_index=torch.arange(16) // 4)
 

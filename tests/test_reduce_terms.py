@@ -51,7 +51,7 @@ def terms_batch(layout, dtype=torch.float32, mask_dtype=torch.bool, device="cpu"
 def test_reduce_terms_and_grads_match_reference(device, dtype, layout, mask_dtype, weighted):
     values, mask, cu, d, w = terms_batch(layout, dtype, mask_dtype, device, weighted=weighted, requires_grad=True)
     total, parts = lossagg.reduce_terms(values, mask, cu_seqlens=cu, sample_denoms=d, sample_weights=w, coefficients=COEFFICIENTS)
-    cpu = (lambda t: None if t is None else t.cpu())
+    cpu = lambda t: None if t is None else t.cpu()
     want, want_parts = ref_reduce_terms([v.detach().cpu() for v in values], mask.cpu(), d.cpu(), cpu(w), COEFFICIENTS, cpu(cu))
     assert total.dim() == 0 and total.dtype == acc_dtype(dtype) and parts.shape == (3,) and parts.dtype == acc_dtype(dtype)
     assert not parts.requires_grad
@@ -200,7 +200,7 @@ def test_torch_compile_fullgraph(device):
     eager = loss_fn(*values)
     eager.backward()
     torch.testing.assert_close(out, eager)
-    for g, v in zip(grads, values):
+    for g, v in zip(grads, values, strict=True):
         torch.testing.assert_close(g, v.grad)
 
 
@@ -224,13 +224,25 @@ def _bad_cases():
         ("weights shape", (values, mask), dict(base, sample_weights=w[:, :2]), ValueError, "sample_weights must be [K, B] = [3, 6]"),
         ("weight NaN", (values, mask), dict(base, sample_weights=nan_w), ValueError, "sample_weights must be finite, got sample_weights[2, 3] = nan"),
         ("weight inf in float32", (values, mask), dict(base, sample_weights=big_w), ValueError, "sample_weights[1, 0] = 1e+39 is inf in Float"),
-        ("coefficient count", (values, mask), dict(base, coefficients=[1.0, 2.0]), ValueError, "coefficients must hold one number per term (K = 3), got 2"),
+        (
+            "coefficient count",
+            (values, mask),
+            dict(base, coefficients=[1.0, 2.0]),
+            ValueError,
+            "coefficients must hold one number per term (K = 3), got 2",
+        ),
         ("coefficient inf", (values, mask), dict(base, coefficients=[1.0, float("inf"), 2.0]), ValueError, "coefficients[1] = inf"),
         ("coefficient type", (values, mask), dict(base, coefficients=[1.0, "a", 2.0]), TypeError, "coefficients[1] must be a number, got str"),
         ("no denoms", (values, mask), dict(cu_seqlens=cu), TypeError, "missing the keyword argument sample_denoms"),
         ("positional", (values, mask, cu), dict(sample_denoms=d), TypeError, "takes 2 positional arguments, got 3"),
         ("expanded view", ([values[0], torch.ones(()).expand(values[0].shape), values[2]], mask), base, ValueError, "values[1] is an expanded view"),
-        ("grad of denoms", (values, mask), dict(base, sample_denoms=d.clone().requires_grad_(True)), ValueError, "not differentiable in sample_denoms"),
+        (
+            "grad of denoms",
+            (values, mask),
+            dict(base, sample_denoms=d.clone().requires_grad_(True)),
+            ValueError,
+            "not differentiable in sample_denoms",
+        ),
     ]
 
 

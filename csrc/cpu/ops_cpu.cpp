@@ -161,7 +161,8 @@ std::tuple<Tensor, Tensor> reduce_terms(
   const int64_t k_terms = terms.call.layout.num_metrics;
   const int64_t b = terms.call.layout.num_segments;
   const Tensor denoms = kernel_term_table(sample_denoms, values_dtype);
-  const std::optional<Tensor> weights = sample_weights.has_value() ? std::optional<Tensor>(kernel_term_table(*sample_weights, values_dtype)) : std::nullopt;
+  const std::optional<Tensor> weights =
+      sample_weights.has_value() ? std::optional<Tensor>(kernel_term_table(*sample_weights, values_dtype)) : std::nullopt;
   KernelArgs args = kernel_args(terms.call, values_dtype);
   args.value_rows = terms.row_data.data();
   Tensor out = new_tensor(values[0], {}, acc_dtype);
@@ -205,7 +206,8 @@ std::vector<Tensor> reduce_terms_backward(
   std::vector<Tensor> out = new_term_grads(call, values_dtype);
   const ScalarType acc_dtype = acc_scalar_type(values_dtype);
   const Tensor denoms = kernel_term_table(sample_denoms, values_dtype);
-  const std::optional<Tensor> weights = sample_weights.has_value() ? std::optional<Tensor>(kernel_term_table(*sample_weights, values_dtype)) : std::nullopt;
+  const std::optional<Tensor> weights =
+      sample_weights.has_value() ? std::optional<Tensor>(kernel_term_table(*sample_weights, values_dtype)) : std::nullopt;
   const int64_t k_terms = call.layout.num_metrics;
   const int64_t b = call.layout.num_segments;
   Tensor coef = new_tensor(denoms, {k_terms, b}, acc_dtype);

@@ -100,8 +100,7 @@ template <typename acc_t, typename Device, typename scalar_t, typename mask_t>
 void launch_segment_sum_and_count(
     Device& dev, const TokenLayout& layout, const Segments& seg, const scalar_t* values, const mask_t* mask, acc_t* out, int64_t* counts) {
   segment_sum_passes<acc_t>(
-      dev, layout, seg, StridedRows<const scalar_t>{values}, mask, out, static_cast<const acc_t*>(nullptr), static_cast<acc_t*>(nullptr),
-      counts);
+      dev, layout, seg, StridedRows<const scalar_t>{values}, mask, out, static_cast<const acc_t*>(nullptr), static_cast<acc_t*>(nullptr), counts);
 }
 
 // reduce: *result = sum_s segment_sum[s] / denoms[s]; the per-sample sums live in the workspace.

@@ -131,7 +131,9 @@ def make_loss_func(
         if deferred:
             if plan.config.terms or isinstance(output_tensor, Mapping):
                 if not isinstance(output_tensor, Mapping):
-                    raise TypeError(f"the plan's config has the terms {', '.join(plan.config.terms)}: output_tensor must be a mapping of every term's values")
+                    raise TypeError(
+                        f"the plan's config has the terms {', '.join(plan.config.terms)}: output_tensor must be a mapping of every term's values"
+                    )
                 contribution = plan.loss_terms(output_tensor, final_mask, samples, cu_seqlens)
             else:
                 contribution = plan.loss(output_tensor, final_mask, samples, cu_seqlens)

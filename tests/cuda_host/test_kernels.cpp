@@ -232,7 +232,12 @@ bool close(double got, double want, double scale, double rtol) {
 // the backward writes ((g * c_k) / d[k, s]) * w[k, s] * m[t] to every token of every term.
 template <typename S, typename In, typename acc_t = lossagg::acc_t_of<S>>
 void run_terms_case(
-    const Case& c, const In& in, const Segments& seg, TokenLayout layout, const std::vector<double>& ref, const std::vector<double>& ref_abs,
+    const Case& c,
+    const In& in,
+    const Segments& seg,
+    TokenLayout layout,
+    const std::vector<double>& ref,
+    const std::vector<double>& ref_abs,
     uint64_t case_seed) {
   const int64_t K = c.K;
   layout.num_metrics = K;
