@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from lossagg.config.model import PG_TERM, default_term_mode
+from lossagg.config.model import PG_TERM
 from lossagg.denom_program import FACTORS, DenomInputs, DenomProduct
 from lossagg.denominators import check_denoms
 from lossagg.layout import token_counts as _token_counts
-from lossagg.modes import ModeSpec, mode_spec
+from lossagg.modes import ModeSpec, default_term_mode, mode_spec
 from lossagg.ops import reduce_terms_of, segment_sum
 from lossagg.step import StepPlan, _as_config, _sample_weights, sample_positions
 from lossagg.totals import mode_totals, read_totals

@@ -278,6 +278,14 @@ DEFAULT_MODE = "sample_mean"
 #: The reducer of metrics other than the PG loss (docs/composition.md, "Who divides by what").
 METRIC_MODE = "sample_mean"
 
+
+def default_term_mode(mode: str) -> str:
+    """The reducer of a term that names none, and of metrics, under a step of ``mode``: the default
+    reducer (:data:`METRIC_MODE`), or the per-token mode when the step itself is token-level (a
+    trainer then takes its per-token path for every term; docs/terms.md)."""
+    per_token = ALIASES["per_token"].mode
+    return per_token if mode == per_token else METRIC_MODE
+
 _NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 

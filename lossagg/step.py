@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from lossagg.config import LossAggregationConfig
-from lossagg.config.model import PG_TERM, default_term_mode
+from lossagg.config.model import PG_TERM
 from lossagg.denominators import denoms_from_totals
 from lossagg.layout import token_counts as _token_counts
-from lossagg.modes import METRIC_MODE, mode_spec
+from lossagg.modes import METRIC_MODE, default_term_mode, mode_spec
 from lossagg.ops import reduce, reduce_terms_of, segment_sum
 from lossagg.totals import mode_totals, plan_totals, read_totals
 from lossagg.validate import as_int, check_holds_data, check_token_counts

@@ -60,7 +60,7 @@ from lossagg.config.errors import ConfigError, issues_from_validation
 from lossagg.config.files import read_file, select_section
 from lossagg.denom_program import DenomProduct
 from lossagg.messages import short_repr
-from lossagg.modes import ALIASES, DEFAULT_MODE, METRIC_MODE, MODES, ModeSpec, add_registration_check, canonical_mode, mode_spec
+from lossagg.modes import ALIASES, DEFAULT_MODE, MODES, ModeSpec, add_registration_check, canonical_mode, default_term_mode, mode_spec
 from lossagg.totals import DEFAULT_EMPTY_SAMPLES, EMPTY_SAMPLES
 
 # The mode the legacy flag calculate_per_token_loss means: Megatron's per-token loss, as the registry maps it.
@@ -102,13 +102,6 @@ ModeName = Annotated[str, PlainValidator(_registered_mode), _ModeJsonSchema()]
 #: The name of the PG term (the config's own ``mode``) among a step's terms.
 PG_TERM = "pg"
 _TERM_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
-
-
-def default_term_mode(mode: str) -> str:
-    """The reducer of a term that names none, under a step of ``mode``: the default reducer
-    (:data:`lossagg.modes.METRIC_MODE`), or the per-token mode when the step itself is token-level (a trainer then
-    takes its per-token path for every term)."""
-    return _PER_TOKEN_MODE if mode == _PER_TOKEN_MODE else METRIC_MODE
 
 
 def _int_as_float(value: Any) -> Any:
