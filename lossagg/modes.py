@@ -286,6 +286,7 @@ def default_term_mode(mode: str) -> str:
     per_token = ALIASES["per_token"].mode
     return per_token if mode == per_token else METRIC_MODE
 
+
 _NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 
