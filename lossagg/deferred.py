@@ -69,6 +69,11 @@ def _value(symbols: tuple[str, ...], read: Mapping[str, Any]) -> float:
     return float(DenomProduct(*symbols)(DenomInputs(ones, read, None))[0])
 
 
+def _ratio(used: float, final: float) -> float:
+    """``G_used / G``; 1 for a step without samples (``N = 0``: no numerator, J = 0, nothing to rescale)."""
+    return used / final if final != 0.0 else 1.0
+
+
 @dataclass(frozen=True)
 class DeferredStep:
     """What :meth:`DeferredPlan.close` found: the step's final totals, the rescale, the logged values.
@@ -87,7 +92,7 @@ class DeferredStep:
     scale: float
     metric_scale: float
     plan: StepPlan
-    loss: float | None
+    loss: float | None = None
     terms: Mapping[str, float] = field(default_factory=dict)
     metrics: Mapping[str, float] = field(default_factory=dict)
 
@@ -224,7 +229,9 @@ class DeferredPlan:
         self._counts: torch.Tensor | None = None
         self._seen = torch.zeros(n, dtype=torch.bool)
         self._seen_groups: set[int] = set()
-        self._logged: dict[str, torch.Tensor] = {}
+        # the logged values, summed over the ranks at close(): every term's from the start, so that a
+        # rank with no sample still sends the same buffer (every rank must report the same metrics)
+        self._logged: dict[str, torch.Tensor] = {f"term:{n}": torch.zeros((), dtype=torch.float64) for n in self._names}
         self._closed: DeferredStep | None = None
 
     # ---------------------------------------------------------------- set-up
@@ -314,7 +321,8 @@ class DeferredPlan:
 
     def _log(self, name: str, value: torch.Tensor) -> None:
         value = value.detach().to(torch.float64)
-        self._logged[name] = value if name not in self._logged else self._logged[name] + value.to(self._logged[name].device)
+        # on the value's device (no host sync per micro-batch)
+        self._logged[name] = value if name not in self._logged else self._logged[name].to(value.device) + value
 
     def loss(self, per_token_loss: torch.Tensor, mask: torch.Tensor, samples, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """This micro-batch's contribution to J of the PG term, with its final (post-filter) ``mask``
@@ -369,7 +377,8 @@ class DeferredPlan:
         """Contributions of per-token metrics under the default reducer (as
         :meth:`lossagg.StepPlan.metrics`), with the final counts recorded by this micro-batch's
         :meth:`loss` (call it first): times :attr:`DeferredStep.metric_scale` they are final, and
-        :attr:`DeferredStep.metrics` holds the step's values."""
+        :attr:`DeferredStep.metrics` holds the step's values (summed over the ranks at
+        :meth:`close`: every rank reports the same metric names)."""
         pos = sample_positions(samples, self.num_local_samples, torch.device("cpu"))
         missing = pos[~self._seen[pos]]
         if missing.numel():
@@ -421,14 +430,12 @@ class DeferredPlan:
         )
         empty = self.config.empty_samples
         final = read_totals(tuple(FACTORS[f].reads for f in self._step_factors), plan.totals, empty, self._specs[PG_TERM].name)
-        scale = self._used / _value(self._step_factors, final)
+        scale = _ratio(self._used, _value(self._step_factors, final))
         metric_final = read_totals(tuple(FACTORS[f].reads for f in self._metric_step_factors), plan.totals, empty, self._metric_spec.name)
-        metric_scale = self._metric_used / _value(self._metric_step_factors, metric_final)
+        metric_scale = _ratio(self._metric_used, _value(self._metric_step_factors, metric_final))
         values = dict(zip(keys, logged.tolist() if logged is not None else [], strict=True))
-        terms = {n: values[f"term:{n}"] * scale for n in self._names if f"term:{n}" in values}
-        loss = None
-        if terms:
-            loss = sum(self._coefficients[self._names.index(n)] * v for n, v in terms.items())
+        terms = {n: values[f"term:{n}"] * scale for n in self._names}
+        loss = sum(self._coefficients[i] * terms[n] for i, n in enumerate(self._names))
         metrics = {k.split(":", 1)[1]: v * metric_scale for k, v in values.items() if k.startswith("metric:")}
         self._closed = DeferredStep(scale=scale, metric_scale=metric_scale, plan=plan, loss=loss, terms=terms, metrics=metrics)
         return self._closed

@@ -234,6 +234,14 @@ def test_terms_with_other_step_level_factors_are_refused_by_name():
         lossagg.DeferredPlan(config, 16, group_index=torch.arange(16) // 4)
 
 
+def test_a_rank_without_samples_closes_with_the_same_buffer():
+    # a rank whose share of the step is empty still closes (in a world, its all-reduce carries every
+    # term's logged value, zeros); a step without any sample has J = 0 and nothing to rescale
+    for mode in ("sample_mean", "token_mean"):
+        closed = lossagg.DeferredPlan(lossagg.LossAggregationConfig(mode=mode), 0).close()
+        assert closed.scale == 1.0 and closed.loss == 0.0 and closed.terms == {"pg": 0.0}
+
+
 def test_misuse_is_named_and_leaves_nothing_half_applied():
     step = _step()
     config = lossagg.LossAggregationConfig()
