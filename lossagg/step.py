@@ -231,7 +231,10 @@ class StepPlan:
             rounded = denoms.to(dtype)
             if not bool((torch.isfinite(rounded) & (rounded > 0)).all()):
                 rounded = denoms  # a d[i] out of dtype's range: the op refuses it, naming the value as given
-            cache[dtype] = (rounded, None if weights is None else weights.to(dtype))
+            rounded_w = None if weights is None else weights.to(dtype)
+            if rounded_w is not None and not bool(torch.isfinite(rounded_w).all()):
+                rounded_w = weights  # likewise a weight
+            cache[dtype] = (rounded, rounded_w)
         return cache[dtype]
 
     @functools.cached_property
