@@ -14,7 +14,7 @@ before it, and never in a circle (tests/test_import_graph.py checks both against
 2. declarations (no torch at import): totals, denom_program, modes
 3. configuration (no torch): config.errors, config.files, config.model, config.flags, config
 4. native ops: _native, ops
-5. planning: layout, context_parallel, denominators, step, deferred, aggregate, sequence, testing
+5. planning: layout, context_parallel, denominators, micro_batch, step, deferred, aggregate, sequence, testing
 6. adapters: integrations, integrations.verl, integrations.megatron, integrations.trl, integrations.miles
 7. front ends: demo.report, demo.train, demo, cli, __main__, lossagg
 """
@@ -73,6 +73,7 @@ _EXPORTS = {
     "token_counts": "lossagg.layout",
     "prompt_mask_sums": "lossagg.denominators",
     "StepPlan": "lossagg.step",
+    "MicroBatch": "lossagg.micro_batch",
     "DeferredPlan": "lossagg.deferred",
     "DeferredStep": "lossagg.deferred",
     "gradient_scale": "lossagg.step",
@@ -111,15 +112,17 @@ def __dir__():
     return sorted(set(globals()) | set(__all__))
 
 
-if TYPE_CHECKING:  # for type checkers and IDEs
-    from lossagg._native import built_with_cuda, device_checks_enabled, set_device_checks  # noqa: F401
+if TYPE_CHECKING:  # for type checkers and IDEs: every name of _EXPORTS, from its module (tests/test_import_graph.py)
+    from lossagg._native import built_with_cuda, cpu_isa, device_checks_enabled, set_cpu_isa, set_device_checks  # noqa: F401
     from lossagg.aggregate import aggregate  # noqa: F401
     from lossagg.config import ConfigError, LossAggregationConfig, add_loss_aggregation_args, config_from_args  # noqa: F401
     from lossagg.context_parallel import zigzag_local_cu_seqlens, zigzag_positions, zigzag_shard  # noqa: F401
     from lossagg.deferred import DeferredPlan, DeferredStep  # noqa: F401
+    from lossagg.denom_program import DenomInputs, DenomProduct  # noqa: F401
     from lossagg.denominators import prompt_mask_sums  # noqa: F401
     from lossagg.layout import cu_seqlens_from_lengths, token_counts  # noqa: F401
-    from lossagg.modes import ALIASES, MODES, REFUSED_NAMES, DenomInputs, ModeSpec, ReferenceInputs, register_mode, unregister_mode  # noqa: F401
+    from lossagg.micro_batch import MicroBatch  # noqa: F401
+    from lossagg.modes import ALIASES, MODES, REFUSED_NAMES, ModeSpec, ReferenceInputs, register_mode, unregister_mode  # noqa: F401
     from lossagg.ops import reduce, reduce_terms, segment_sum  # noqa: F401
     from lossagg.sequence import (  # noqa: F401
         SEQUENCE_OBJECTIVES,

@@ -37,7 +37,7 @@ from lossagg.ops import (
     reduce,
     segment_sum_and_count,
 )
-from lossagg.step import StepPlan, _as_config
+from lossagg.step import StepPlan
 from lossagg.validate import check_holds_data
 
 
@@ -73,7 +73,7 @@ def aggregate(
     if sample_denoms is None:
         if rollout_mask is None or rollout_mask is mask:
             if not isinstance(config, LossAggregationConfig):
-                config = _as_config(config)
+                config = LossAggregationConfig.coerce(config)
             config.check_single_term("lossagg.aggregate")
             denoms = mode_spec(config.mode).denoms
             program = denoms.program(config.empty_samples) if type(denoms) is DenomProduct else None
@@ -81,7 +81,7 @@ def aggregate(
             if program is not None:
                 return reduce_by_program(per_token_loss, mask, cu_seqlens, program, config.divisor, plan)
             return reduce_with_counts(per_token_loss, mask, cu_seqlens, plan)
-        _as_config(config).check_single_term("lossagg.aggregate")
+        LossAggregationConfig.coerce(config).check_single_term("lossagg.aggregate")
         sample_denoms = StepPlan.from_mask(config, rollout_mask, cu_seqlens, group_index=group_index).sample_denoms
     return reduce(per_token_loss, mask, cu_seqlens=cu_seqlens, sample_denoms=sample_denoms)
 

@@ -29,14 +29,26 @@ from typing import Any
 
 import torch
 
+from lossagg.config import LossAggregationConfig
 from lossagg.config.model import PG_TERM
 from lossagg.denom_program import FACTORS, DenomInputs, DenomProduct
 from lossagg.denominators import check_denoms
 from lossagg.layout import token_counts as _token_counts
+from lossagg.micro_batch import (
+    MicroBatch,
+    MicroBatchLog,
+    Samples,
+    check_layout,
+    check_sample_weights,
+    cut_from_step,
+    reduce_metrics,
+    reduce_micro_batch,
+    sample_positions,
+    term_tables,
+)
 from lossagg.modes import ModeSpec, default_term_mode, mode_spec
-from lossagg.ops import reduce_terms_of, segment_sum
-from lossagg.step import StepPlan, _as_config, _sample_weights, sample_positions
-from lossagg.totals import mode_totals, read_totals
+from lossagg.step import StepPlan
+from lossagg.totals import group_sums, mode_totals, read_totals
 from lossagg.validate import as_int, check_group_index, check_holds_data
 
 __all__ = ["DeferredPlan", "DeferredStep", "deferred_factors"]
@@ -181,7 +193,7 @@ class DeferredPlan:
         sample_weights: torch.Tensor | None = None,
         estimate: StepPlan | Mapping[str, Any] | None = None,
     ):
-        config = _as_config(config)
+        config = LossAggregationConfig.coerce(config)
         n = as_int("num_local_samples", num_local_samples, minimum=0)
         self.config = config
         self.num_local_samples = n
@@ -205,14 +217,17 @@ class DeferredPlan:
                 raise ValueError(
                     f"DeferredPlan cannot serve term {name!r} (mode={specs[name].name}) beside the PG term (mode={specs[PG_TERM].name}): "
                     f"one rescale after the last micro-batch serves the whole gradient, so every term must divide by the same step-level "
-                    f"factors, and {name!r} has {' · '.join(factors) or 'none'} where the PG term has {' · '.join(pg_step) or 'none'}"
+                    f"factors, and {name!r} has {' · '.join(factors) or 'none'} where the PG term has {' · '.join(pg_step) or 'none'}: "
+                    f"give {name!r} the PG term's mode and weighting (mode={config.mode}"
+                    + (f", weighting={config.weighting}" if config.weighting != "none" else "")
+                    + "), or, "
+                    "when the filter does not change the step's counts, use a StepPlan of the rollout masks"
                 )
         self._step_factors = pg_step
         self._metric_step_factors, _ = deferred_factors(self._metric_spec)
         self._whole_groups = whole_groups
-        counts_template = torch.zeros(n, dtype=torch.float64)
-        self.sample_weights = _sample_weights(
-            sample_weights, {PG_TERM: config.weighting, **{k: t.weighting for k, t in config.terms.items()}}, counts_template
+        self.sample_weights = check_sample_weights(
+            sample_weights, {PG_TERM: config.weighting, **{k: t.weighting for k, t in config.terms.items()}}, n, torch.device("cpu"), "DeferredPlan"
         )
         self.group_index = None
         if group_index is not None or whole_groups:
@@ -232,6 +247,8 @@ class DeferredPlan:
         # the logged values, summed over the ranks at close(): every term's from the start, so that a
         # rank with no sample still sends the same buffer (every rank must report the same metrics)
         self._logged: dict[str, torch.Tensor] = {f"term:{n}": torch.zeros((), dtype=torch.float64) for n in self._names}
+        # every micro-batch made, with the terms' J_k its loss returned (summed at close())
+        self._logs: list[MicroBatchLog] = []
         self._closed: DeferredStep | None = None
 
     # ---------------------------------------------------------------- set-up
@@ -260,24 +277,60 @@ class DeferredPlan:
         return out
 
     # ---------------------------------------------------------- one micro-batch
-    def _register(self, samples, mask: torch.Tensor, cu_seqlens) -> tuple[torch.Tensor, list[int]]:
-        """Record the micro-batch's samples and their final kept tokens (summed over the CP group);
-        returns their positions and the prompt groups it recorded (for :meth:`_unregister`)."""
-        if self._closed is not None:
-            raise RuntimeError("DeferredPlan: the step is closed (close() ran); build a new plan for the next step")
+    def micro_batch(self, samples: Samples, mask: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *, step_layout: bool = False) -> MicroBatch:
+        """One micro-batch of the step with its final (post-filter) ``mask``, checked once: its
+        samples' kept tokens are recorded (summed over the CP group: one all-reduce of ``B``
+        numbers) and its denominators known so far computed, for :meth:`loss` and :meth:`metrics`
+        (arguments as for :meth:`lossagg.StepPlan.micro_batch`). Each sample's final mask is given
+        once in a step; every micro-batch made must run its :meth:`loss` before :meth:`close`."""
+        mb = self._micro_batch(samples, mask, cu_seqlens, step_layout)
+        self._logs.append(mb.log)
+        return mb
+
+    def _micro_batch(self, samples, mask, cu_seqlens, step_layout: bool) -> MicroBatch:
+        """:meth:`micro_batch`, not yet listed among the step's micro-batches."""
+        self._check_open("micro_batch")
         check_holds_data("mask", mask)
         check_holds_data("cu_seqlens", cu_seqlens)
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
         pos = sample_positions(samples, self.num_local_samples, torch.device("cpu"))
+        tokens = None
+        if step_layout:
+            tokens, mask, cu_seqlens = cut_from_step(pos, mask, cu_seqlens)
+        check_layout(pos.shape[0], mask, cu_seqlens)
+        groups = self._register(pos, mask, cu_seqlens)
+        try:
+            rows, weights = [], []
+            for n in self._names:
+                spec = self._specs[n]
+                divisor = self.config.divisor if n == PG_TERM else self.config.terms[n].divisor
+                rows.append(self._used_denoms(spec, divisor, pos, f"mode={spec.name}"))
+                weighting = self.config.weighting if n == PG_TERM else self.config.terms[n].weighting
+                weights.append(None if weighting == "none" else self.sample_weights[pos])
+            table = None
+            if any(w is not None for w in weights):
+                table = torch.stack([torch.ones(pos.shape[0], dtype=torch.float64) if w is None else w for w in weights])
+            tables = term_tables(torch.stack(rows), table, mask.device)
+        except BaseException:
+            self._unregister(pos, groups)
+            raise
+        return MicroBatch(self, self._names, self._coefficients, pos, mask, cu_seqlens, tables, tokens, MicroBatchLog(pos))
+
+    def _check_open(self, what: str) -> None:
+        if self._closed is not None:
+            raise RuntimeError(f"DeferredPlan.{what}: the step is closed (close() ran); build a new plan for the next step")
+
+    def _register(self, pos: torch.Tensor, mask: torch.Tensor, cu_seqlens) -> list[int]:
+        """Record the micro-batch's samples and their final kept tokens (summed over the CP group);
+        returns the prompt groups it recorded (for :meth:`_unregister`)."""
         again = pos[self._seen[pos]]
         if again.numel():
             raise ValueError(
                 f"samples: sample {int(again[0])} already ran in an earlier micro-batch of this step (each sample's final mask is "
-                "given once, by loss() or loss_terms(); metrics() reads what they recorded)"
+                "given once, by micro_batch() or loss(); metrics() reads what they recorded)"
             )
         kept = _token_counts(mask, cu_seqlens).to(torch.float64)
-        if kept.shape[0] != pos.shape[0]:
-            layout = "cu_seqlens has" if cu_seqlens is not None else "the padded mask has"
-            raise ValueError(f"samples selects {pos.shape[0]} sample(s) but {layout} {kept.shape[0]}: one position per sample of the micro-batch")
         if self.cp_group is not None:  # each CP rank holds a shard of every sample's tokens
             torch.distributed.all_reduce(kept, group=self.cp_group)
         groups = self._check_whole_groups(pos) if self._whole_groups else []
@@ -286,7 +339,7 @@ class DeferredPlan:
         self._counts[pos.to(kept.device)] = kept
         self._seen[pos] = True
         self._seen_groups.update(groups)
-        return pos, groups
+        return groups
 
     def _unregister(self, pos: torch.Tensor, groups: list[int]) -> None:
         """Forget a micro-batch whose loss failed, so that nothing is half-applied."""
@@ -312,93 +365,90 @@ class DeferredPlan:
         factors from the estimate, the others final."""
         kept = self._counts[pos.to(self._counts.device)]
         read = dict(self._estimate_read)
-        if "group_token_sums" in spec.totals:
+        if "group_token_sums" in spec.totals:  # the micro-batch holds its samples' groups whole
             dense = torch.unique(self.group_index[pos], return_inverse=True)[1].to(kept.device)
-            sums = torch.zeros(int(dense.max()) + 1 if dense.numel() else 0, dtype=torch.float64, device=kept.device).index_add_(0, dense, kept)
-            read["group_token_sums"] = sums[dense]
+            read["group_token_sums"] = group_sums(kept, dense)[dense]
         d = spec.denoms(DenomInputs(kept, read, None if divisor is None else float(divisor)))
         return check_denoms(d, what, tuple(kept.shape), {k: v for k, v in read.items() if isinstance(v, float)}, kept.device)
+
+    def _as_micro_batch(self, micro_batch, samples, cu_seqlens, what: str) -> MicroBatch | None:
+        """A :class:`MicroBatch` of this plan as given, or None for (mask, samples, cu_seqlens)."""
+        if isinstance(micro_batch, MicroBatch):
+            if samples is not None or cu_seqlens is not None:
+                raise TypeError(f"{what}: a MicroBatch already holds its samples and layout; pass it alone, without samples or cu_seqlens")
+            if micro_batch.owner is not self:
+                raise ValueError(f"{what}: the MicroBatch was made by another plan (plan.micro_batch of this step's plan makes one)")
+            return micro_batch
+        if samples is None:
+            raise TypeError(f"{what}: pass a MicroBatch (plan.micro_batch(samples, final_mask, cu_seqlens)) or mask, samples and cu_seqlens")
+        return None
+
+    def loss(
+        self,
+        values: torch.Tensor | Mapping[str, torch.Tensor],
+        micro_batch: MicroBatch | torch.Tensor,
+        samples: Samples | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        *,
+        parts: bool = False,
+    ):
+        """This micro-batch's contribution to the whole loss ``J = Σ_k c_k J_k`` (docs/terms.md) with
+        its final mask and the denominators known so far: times :attr:`DeferredStep.scale` it is the
+        step's. Arguments and result as for :meth:`lossagg.StepPlan.loss` (the same reduction,
+        lossagg/micro_batch.py); given (mask, samples, cu_seqlens) instead of a
+        :class:`lossagg.MicroBatch`, the micro-batch is made here, and forgotten if the loss fails."""
+        mb = self._as_micro_batch(micro_batch, samples, cu_seqlens, "DeferredPlan.loss")
+        if mb is not None:
+            self._check_open("loss")
+            return reduce_micro_batch(values, mb, parts=parts, what="DeferredPlan.loss")
+        mb = self._micro_batch(samples, micro_batch, cu_seqlens, False)
+        try:
+            out = reduce_micro_batch(values, mb, parts=parts, what="DeferredPlan.loss")
+        except BaseException:
+            self._unregister(mb.samples, self._groups_of(mb.samples))
+            raise
+        self._logs.append(mb.log)
+        return out
+
+    def _groups_of(self, pos: torch.Tensor) -> list[int]:
+        return torch.unique(self.group_index[pos]).tolist() if self._whole_groups else []
+
+    def metrics(
+        self,
+        metrics: Mapping[str, torch.Tensor],
+        micro_batch: MicroBatch | torch.Tensor,
+        samples: Samples | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Contributions of per-token metrics under the default reducer (as
+        :meth:`lossagg.StepPlan.metrics`), with the final counts recorded by this micro-batch
+        (a :class:`lossagg.MicroBatch`, or mask, samples and cu_seqlens of samples whose loss ran):
+        times :attr:`DeferredStep.metric_scale` they are final, and :attr:`DeferredStep.metrics`
+        holds the step's values (summed over the ranks at :meth:`close`: every rank reports the
+        same metric names)."""
+        self._check_open("metrics")
+        mb = self._as_micro_batch(micro_batch, samples, cu_seqlens, "DeferredPlan.metrics")
+        if mb is None:
+            mask = micro_batch
+            check_holds_data("mask", mask)
+            pos = sample_positions(samples, self.num_local_samples, torch.device("cpu"))
+        else:
+            mask, cu_seqlens, pos = mb.mask, mb.cu_seqlens, mb.samples
+        missing = pos[~self._seen[pos]]
+        if missing.numel():
+            raise ValueError(
+                f"DeferredPlan.metrics: sample {int(missing[0])} has no final mask yet: make its micro-batch (micro_batch() or loss()) first"
+            )
+        d = self._used_denoms(self._metric_spec, None, pos, f"mode={self._metric_spec.name} (the metrics reducer)")
+        out = reduce_metrics(metrics, mask, cu_seqlens, d)
+        for k, v in out.items():
+            self._log(f"metric:{k}", v)
+        return out
 
     def _log(self, name: str, value: torch.Tensor) -> None:
         value = value.detach().to(torch.float64)
         # on the value's device (no host sync per micro-batch)
         self._logged[name] = value if name not in self._logged else self._logged[name].to(value.device) + value
-
-    def loss(self, per_token_loss: torch.Tensor, mask: torch.Tensor, samples, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """This micro-batch's contribution to J of the PG term, with its final (post-filter) ``mask``
-        and the denominators known so far: times :attr:`DeferredStep.scale` it is the step's."""
-        return self.loss_terms({PG_TERM: per_token_loss}, mask, samples, cu_seqlens, _pg_only=True)
-
-    def loss_terms(
-        self, terms: Mapping[str, torch.Tensor], mask: torch.Tensor, samples, cu_seqlens: torch.Tensor | None = None, *, _pg_only: bool = False
-    ) -> torch.Tensor:
-        """This micro-batch's contribution to the whole loss ``J = Σ_k c_k J_k`` (docs/terms.md), with
-        its final ``mask``: :meth:`lossagg.StepPlan.loss_terms` with the denominators known so far."""
-        names = (PG_TERM,) if _pg_only else self._names
-        if not isinstance(terms, Mapping) or set(terms) != set(names):
-            got = ", ".join(map(repr, terms)) if isinstance(terms, Mapping) else type(terms).__name__
-            raise ValueError(f"terms must hold exactly the loss's terms, {', '.join(names)} ('pg' and the config's terms), got {got}")
-        values = [terms[n] for n in names]
-        for n, v in zip(names, values, strict=True):
-            check_holds_data(f"terms[{n!r}]", v)
-            if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(mask.shape):
-                got = f"shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
-                raise ValueError(f"terms[{n!r}] must be a tensor with the token shape of mask {tuple(mask.shape)}, got {got}")
-        dtype = values[0].dtype
-        if any(v.dtype != dtype for v in values):  # one pass for the terms (lossagg.reduce_terms)
-            shown = ", ".join(f"{n}: {v.dtype}" for n, v in zip(names, values, strict=True))
-            raise TypeError(f"DeferredPlan.loss_terms: every term must have one dtype, got {shown}")
-        pos, groups = self._register(samples, mask, cu_seqlens)
-        try:
-            device = values[0].device
-            rows, weights = [], []
-            for n in names:
-                spec = self._specs[n]
-                divisor = self.config.divisor if n == PG_TERM else self.config.terms[n].divisor
-                rows.append(self._used_denoms(spec, divisor, pos, f"mode={spec.name}"))
-                weighting = self.config.weighting if n == PG_TERM else self.config.terms[n].weighting
-                weights.append(None if weighting == "none" else self.sample_weights[pos])
-            denoms = torch.stack(rows).to(device)
-            table = None
-            if any(w is not None for w in weights):
-                table = torch.stack([torch.ones(pos.shape[0], dtype=torch.float64) if w is None else w for w in weights]).to(device)
-            coefficients = [self._coefficients[self._names.index(n)] for n in names]
-            total, parts = reduce_terms_of(values, mask, cu_seqlens, denoms, table, coefficients)
-        except BaseException:
-            self._unregister(pos, groups)
-            raise
-        for n, part in zip(names, parts.unbind(0), strict=True):
-            self._log(f"term:{n}", part)
-        return total
-
-    def metrics(
-        self, metrics: Mapping[str, torch.Tensor], mask: torch.Tensor, samples, cu_seqlens: torch.Tensor | None = None
-    ) -> dict[str, torch.Tensor]:
-        """Contributions of per-token metrics under the default reducer (as
-        :meth:`lossagg.StepPlan.metrics`), with the final counts recorded by this micro-batch's
-        :meth:`loss` (call it first): times :attr:`DeferredStep.metric_scale` they are final, and
-        :attr:`DeferredStep.metrics` holds the step's values (summed over the ranks at
-        :meth:`close`: every rank reports the same metric names)."""
-        pos = sample_positions(samples, self.num_local_samples, torch.device("cpu"))
-        missing = pos[~self._seen[pos]]
-        if missing.numel():
-            raise ValueError(
-                f"DeferredPlan.metrics: sample {int(missing[0])} has no final mask yet: call loss() or loss_terms() of its micro-batch first"
-            )
-        names = list(metrics)
-        if not names:
-            return {}
-        for k in names:
-            if not isinstance(metrics[k], torch.Tensor) or tuple(metrics[k].shape) != tuple(mask.shape):
-                got = tuple(metrics[k].shape) if isinstance(metrics[k], torch.Tensor) else type(metrics[k]).__name__
-                raise ValueError(f"metric {k!r} must have the token shape of mask {tuple(mask.shape)}, got {got}")
-        sums = segment_sum(torch.stack([metrics[k].detach() for k in names]), mask, cu_seqlens)
-        d = self._used_denoms(self._metric_spec, None, pos, f"mode={self._metric_spec.name} (the metrics reducer)").to(sums.device)
-        contrib = (sums.to(torch.float64) / d).sum(-1)
-        out = {k: contrib[i] for i, k in enumerate(names)}
-        for k, v in out.items():
-            self._log(f"metric:{k}", v)
-        return out
 
     # --------------------------------------------------------------- the end
     def close(self) -> DeferredStep:
@@ -412,11 +462,23 @@ class DeferredPlan:
             shown = ", ".join(map(str, missing[:8].tolist())) + (", ..." if missing.numel() > 8 else "")
             raise ValueError(
                 f"DeferredPlan.close: {missing.numel()} of this rank's {self.num_local_samples} samples never ran a micro-batch ({shown}): "
-                "every sample's final mask must be given by loss() or loss_terms() before the step closes"
+                "every sample's final mask must be given by micro_batch() or loss() before the step closes"
             )
+        idle = [log for log in self._logs if log.parts is None]
+        if idle:
+            shown = ", ".join(map(str, idle[0].samples[:8].tolist()))
+            raise ValueError(
+                f"DeferredPlan.close: {len(idle)} micro-batch(es) made by micro_batch() never ran loss() (the first holds samples {shown}): "
+                "their terms would be missing from the step's J"
+            )
+        sums = dict(self._logged)  # (a close() that fails leaves the plan as it was)
+        for log in self._logs:  # the terms' J_k, in the order the micro-batches were made
+            for n, part in zip(self._names, log.parts, strict=True):
+                part = part.detach().to(torch.float64)
+                sums[f"term:{n}"] = sums[f"term:{n}"].to(part.device) + part
         counts = self._counts if self._counts is not None else torch.zeros(0, dtype=torch.float64)
-        keys = sorted(self._logged)
-        logged = torch.stack([self._logged[k].to(counts.device) for k in keys]) if keys else None
+        keys = sorted(sums)
+        logged = torch.stack([sums[k].to(counts.device) for k in keys]) if keys else None
         if logged is not None and self.cp_group is not None:
             torch.distributed.all_reduce(logged, group=self.cp_group)
         plan = StepPlan(

@@ -17,7 +17,7 @@ import torch
 
 from lossagg.denom_program import DenomInputs
 from lossagg.modes import ModeSpec
-from lossagg.totals import DEFAULT_EMPTY_SAMPLES, StepTotals, stand_in
+from lossagg.totals import DEFAULT_EMPTY_SAMPLES, StepTotals, group_sums, stand_in
 from lossagg.validate import check_group_index, check_group_sizes, check_token_counts  # shared with the step totals
 
 
@@ -91,5 +91,4 @@ def prompt_mask_sums(token_counts, group_index, n_samples_per_prompt: int | None
     group_index = check_group_index(group_index, counts.shape[0], counts.device)
     labels, dense, sizes = torch.unique(group_index, return_inverse=True, return_counts=True)
     check_group_sizes(labels, sizes, n_samples_per_prompt)
-    sums = torch.zeros(labels.numel(), dtype=torch.float64, device=counts.device).index_add_(0, dense, counts)
-    return sums[dense]
+    return group_sums(counts, dense, labels.numel())[dense]

@@ -491,7 +491,7 @@ def reduce_terms(
 
 def reduce_terms_of(values: list, mask, cu_seqlens, sample_denoms, sample_weights, coefficients: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`reduce_terms` for a caller that passes ``values`` as a list and ``coefficients`` as
-    a list of floats (``StepPlan.loss_terms``): every check of the tensors, none of the parsing."""
+    a list of floats (lossagg/micro_batch.py): every check of the tensors, none of the parsing."""
     if torch.compiler.is_compiling():  # the fake kernel checks what a trace can see
         return torch.ops.lossagg.reduce_terms(values, mask, cu_seqlens, sample_denoms, sample_weights, coefficients)
     grad_mode = torch.is_grad_enabled()

@@ -16,7 +16,7 @@ only, and token counts from the full (unsharded) rollout masks (see
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -25,101 +25,22 @@ from lossagg.config import LossAggregationConfig
 from lossagg.config.model import PG_TERM
 from lossagg.denominators import denoms_from_totals
 from lossagg.layout import token_counts as _token_counts
+from lossagg.micro_batch import (
+    MicroBatch,
+    Samples,
+    check_layout,
+    check_sample_weights,
+    cut_from_step,
+    reduce_metrics,
+    reduce_micro_batch,
+    sample_positions,
+    term_tables,
+)
 from lossagg.modes import METRIC_MODE, default_term_mode, mode_spec
-from lossagg.ops import reduce, reduce_terms_of, segment_sum
 from lossagg.totals import mode_totals, plan_totals, read_totals
 from lossagg.validate import as_int, check_holds_data, check_token_counts
 
 GRADIENT_CONVENTIONS = ("sum", "mean", "micro_batch_mean", "megatron")
-
-Samples = slice | Sequence[int] | torch.Tensor
-
-
-def _as_config(config) -> LossAggregationConfig:
-    if isinstance(config, str):
-        raise TypeError(
-            f"config must be a LossAggregationConfig (or a mapping of its settings), got the string {config!r}: "
-            f"pass LossAggregationConfig(mode={config!r}) or {{'mode': {config!r}}}"
-        )
-    if isinstance(config, Mapping):
-        return LossAggregationConfig.from_dict(config)
-    if not isinstance(config, LossAggregationConfig):
-        raise TypeError(f"config must be a LossAggregationConfig (or a mapping of its settings), got {type(config).__name__}")
-    return config
-
-
-def _sample_weights(weights, weightings: Mapping[str, str], counts: torch.Tensor) -> torch.Tensor | None:
-    """The samples' weights as float64 ``[n_local]``, checked: given exactly when a term of the
-    config uses them, one per sample, finite (docs/terms.md, "Per-sample weights")."""
-    users = [name for name, w in weightings.items() if w != "none"]
-    if weights is None:
-        if users:
-            raise ValueError(f"the term(s) {', '.join(users)} weigh the samples (weighting={weightings[users[0]]}): pass sample_weights= to StepPlan")
-        return None
-    if not users:
-        raise ValueError("sample_weights were given, but no term of the config uses them: set weighting for the PG term or a term (docs/terms.md)")
-    check_holds_data("sample_weights", weights)
-    if not isinstance(weights, torch.Tensor) or not weights.is_floating_point() or weights.dim() != 1 or weights.shape[0] != counts.shape[0]:
-        got = f"{weights.dtype} tensor of shape {tuple(weights.shape)}" if isinstance(weights, torch.Tensor) else type(weights).__name__
-        raise ValueError(f"sample_weights must be a floating 1-D tensor with one weight per sample of this rank ({counts.shape[0]}), got a {got}")
-    w = weights.detach().to(device=counts.device, dtype=torch.float64)
-    bad = ~torch.isfinite(w)
-    if bool(bad.any()):
-        i = int(torch.nonzero(bad)[0, 0])
-        raise ValueError(f"sample_weights[{i}] is {float(w[i])!r}: every weight must be finite")
-    return w
-
-
-def sample_positions(samples: Samples, n: int, device) -> torch.Tensor:
-    """Positions among a rank's ``n`` samples (int64 on ``device``): integers in [0, n), a slice,
-    or a bool selection of length n; each sample named at most once."""
-    check_holds_data("samples", samples)
-    if isinstance(samples, slice):
-        return torch.arange(n, device=device)[samples]
-    if isinstance(samples, (int, bool)) or (isinstance(samples, torch.Tensor) and samples.dim() == 0):
-        raise TypeError("samples must be a 1-D selection of this rank's samples (integer positions, a slice or a bool mask), got a scalar")
-    try:
-        pos = samples if isinstance(samples, torch.Tensor) else torch.as_tensor(samples)
-    except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"samples must be integer positions, a slice or a bool selection, got {type(samples).__name__}") from None
-    if pos.dim() != 1:
-        raise ValueError(f"samples must be 1-D, got shape {tuple(pos.shape)}")
-    if pos.numel() == 0 and pos.dtype != torch.bool:  # no samples (an empty list is float32 to torch)
-        return torch.zeros(0, dtype=torch.long, device=device)
-    if pos.dtype == torch.bool:
-        if pos.shape[0] != n:
-            raise ValueError(f"samples as a bool selection must have one entry per sample of this rank ({n}), got {pos.shape[0]}")
-        return torch.nonzero(pos).flatten().to(device)
-    if pos.is_floating_point() or pos.is_complex():
-        raise TypeError(f"samples must hold integer positions, got dtype {pos.dtype}")
-    if pos.numel() and pos.device.type == "cpu":  # positions on an accelerator are not read back (no host sync)
-        lo, hi = int(pos.min()), int(pos.max())
-        if lo < 0 or hi >= n:
-            raise ValueError(f"samples must be positions in [0, {n}) among this rank's samples, got values in [{lo}, {hi}]")
-        distinct, counts = torch.unique(pos, return_counts=True)
-        if distinct.numel() != pos.numel():
-            first = int(torch.nonzero(counts > 1)[0, 0])
-            raise ValueError(
-                f"samples must name each sample of the micro-batch once, got position {int(distinct[first])} {int(counts[first])} times "
-                "(a sample counted twice would weigh twice in J)"
-            )
-    return pos.to(device=device, dtype=torch.long)
-
-
-def _plain_terms(values: list, mask) -> bool:
-    """Every term a dense tensor of the mask's shape, of one dtype and device, the mask dense and
-    holding data: the usual call, for which :meth:`StepPlan.loss_terms` skips its checks by name
-    and makes one :func:`lossagg.reduce_terms` call."""
-    if not isinstance(mask, torch.Tensor) or mask.layout is not torch.strided or mask.is_meta:
-        return False
-    first = values[0]
-    if not isinstance(first, torch.Tensor):
-        return False
-    shape, dtype, device = mask.shape, first.dtype, first.device
-    for t in values:
-        if not (isinstance(t, torch.Tensor) and t.layout is torch.strided and not t.is_meta and t.shape == shape and t.dtype is dtype):
-            return False
-    return all(t.device == device for t in values[1:])
 
 
 class StepPlan:
@@ -163,14 +84,14 @@ class StepPlan:
         _totals: Mapping[str, Any] | None = None,
         _extra_sums: torch.Tensor | None = None,
     ):
-        config = _as_config(config)
+        config = LossAggregationConfig.coerce(config)
         counts = check_token_counts(token_counts)
         self.config = config
         self.token_counts = counts
         self.device = counts.device
         empty = config.empty_samples
         weightings = {PG_TERM: config.weighting, **{name: term.weighting for name, term in config.terms.items()}}
-        self.sample_weights = _sample_weights(sample_weights, weightings, counts)
+        self.sample_weights = check_sample_weights(sample_weights, weightings, counts.shape[0], counts.device)
         # each term's mode, as a weighted mean where its weighting says so (N replaced by W or W_abs)
         spec = mode_spec(config.mode).weighted(config.weighting)
         terms = {name: mode_spec(term.mode).weighted(term.weighting) for name, term in config.terms.items()}
@@ -223,19 +144,11 @@ class StepPlan:
             weights = torch.stack([ones if w == "none" else self.sample_weights for w in weightings])
         return names, denoms, weights, [1.0, *(t.coefficient for t in self.config.terms.values())]
 
-    def _term_table_in(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:attr:`_term_table`'s ``d`` and ``w`` in ``dtype`` (each converted once per plan)."""
-        cache = self.__dict__.setdefault("_term_tables", {})
-        if dtype not in cache:
-            _, denoms, weights, _ = self._term_table
-            rounded = denoms.to(dtype)
-            if not bool((torch.isfinite(rounded) & (rounded > 0)).all()):
-                rounded = denoms  # a d[i] out of dtype's range: the op refuses it, naming the value as given
-            rounded_w = None if weights is None else weights.to(dtype)
-            if rounded_w is not None and not bool(torch.isfinite(rounded_w).all()):
-                rounded_w = weights  # likewise a weight
-            cache[dtype] = (rounded, rounded_w)
-        return cache[dtype]
+    @functools.cached_property
+    def _kernel_tables(self) -> dict:
+        """:attr:`_term_table`'s ``d`` and ``w`` by accumulation dtype, rounded once per plan as the kernels round them."""
+        _, denoms, weights, _ = self._term_table
+        return term_tables(denoms, weights, self.device)
 
     @functools.cached_property
     def metric_denoms(self) -> torch.Tensor:
@@ -293,161 +206,96 @@ class StepPlan:
         check_holds_data("mask", mask)
         check_holds_data("cu_seqlens", cu_seqlens)
         d = self.sample_denoms_for(samples, dtype=torch.float64, device=device)
-        self._check_micro_batch(d.shape[0], mask, cu_seqlens)
+        check_layout(d.shape[0], mask, cu_seqlens)
         return d
 
-    @staticmethod
-    def _check_micro_batch(selected: int, mask: torch.Tensor, cu_seqlens) -> None:
-        """The samples selected are the micro-batch's (one per segment of its layout)."""
-        b = (cu_seqlens.shape[0] - 1 if cu_seqlens.dim() == 1 else -1) if isinstance(cu_seqlens, torch.Tensor) else mask.shape[0]
-        if b >= 0 and selected != b:
-            layout = "cu_seqlens has" if cu_seqlens is not None else "the padded mask has"
-            raise ValueError(f"samples selects {selected} sample(s) but {layout} {b}: one position per sample of the micro-batch")
+    def micro_batch(self, samples: Samples, mask: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *, step_layout: bool = False) -> MicroBatch:
+        """One micro-batch of this plan, checked once (:class:`lossagg.MicroBatch`): what :meth:`loss`
+        and :meth:`metrics` reduce, with no data-dependent check left for them (a loss function that
+        takes it compiles whole).
+
+        ``samples`` are the positions of the micro-batch's samples among this rank's (integers, a
+        slice or a bool selection); ``mask`` and ``cu_seqlens`` its own layout (packed ``[T]`` with
+        ``cu_seqlens``, padded ``[B, T]``), on this CP rank's tokens if sharded. With
+        ``step_layout=True`` they are the layout of all this rank's samples instead, and the
+        micro-batch is cut from it (its tokens at ``mb.tokens``; packed: consecutive samples).
+        """
+        check_holds_data("mask", mask)
+        check_holds_data("cu_seqlens", cu_seqlens)
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+        whole = isinstance(samples, slice) and samples == slice(None)
+        positions = self._positions(samples)
+        tokens = None
+        if step_layout:
+            tokens, mask, cu_seqlens = cut_from_step(positions, mask, cu_seqlens)
+        check_layout(positions.shape[0], mask, cu_seqlens)
+        names, _, _, coefficients = self._term_table
+        tables = {}
+        for acc, (d, w) in self._kernel_tables.items():
+            if not whole:
+                d, w = d[:, positions], None if w is None else w[:, positions]
+            tables[acc] = (d.to(mask.device), None if w is None else w.to(mask.device))
+        return MicroBatch(self, names, coefficients, positions, mask, cu_seqlens, tables, tokens)
+
+    def _as_micro_batch(self, micro_batch, samples, cu_seqlens, what: str) -> MicroBatch:
+        """The micro-batch a call names: a :class:`MicroBatch` of this plan, or (mask, samples, cu_seqlens)."""
+        if isinstance(micro_batch, MicroBatch):
+            if samples is not None or cu_seqlens is not None:
+                raise TypeError(f"{what}: a MicroBatch already holds its samples and layout; pass it alone, without samples or cu_seqlens")
+            if micro_batch.owner is not self:
+                raise ValueError(f"{what}: the MicroBatch was made by another plan (plan.micro_batch of this step's plan makes one)")
+            return micro_batch
+        if samples is None:
+            raise TypeError(f"{what}: pass a MicroBatch (plan.micro_batch(samples, mask, cu_seqlens)) or mask, samples and cu_seqlens")
+        return self.micro_batch(samples, micro_batch, cu_seqlens)
 
     def loss(
         self,
-        per_token_loss: torch.Tensor,
-        mask: torch.Tensor,
-        samples: Samples,
+        values: torch.Tensor | Mapping[str, torch.Tensor],
+        micro_batch: MicroBatch | torch.Tensor,
+        samples: Samples | None = None,
         cu_seqlens: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """This micro-batch's contribution to J (on this CP rank's tokens, if sharded)."""
-        d = self._micro_batch_denoms(samples, mask, cu_seqlens, per_token_loss.device)
-        if self.config.weighting == "none":
-            return reduce(per_token_loss, mask, cu_seqlens=cu_seqlens, sample_denoms=d)
-        # weighted numerators: the sample's sum times its weight, then added as reduce adds them
-        sums = segment_sum(per_token_loss, mask, cu_seqlens)
-        return self._weighted_total(sums, d, self._positions(samples))
+        *,
+        parts: bool = False,
+    ):
+        """This micro-batch's contribution to the whole loss ``J = Σ_k c_k J_k`` (docs/terms.md), on
+        this CP rank's tokens if sharded: summed over every micro-batch and rank it is the step's
+        J, and so is its gradient, ``c_k · w_k[i] · m[t] / d_k[i(t)]`` for each term's values.
 
-    def _weighted_total(self, sums: torch.Tensor, d: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Σ_i w_i S_i / d[i] of a micro-batch's sums ``S`` ``[B]``, added as reduce adds a sample's
-        quotients (over B one-token rows)."""
-        w = self.sample_weights[positions.to(self.sample_weights.device)].to(device=sums.device, dtype=sums.dtype)
-        rows = torch.ones((sums.shape[-1], 1), dtype=torch.bool, device=sums.device)
-        return reduce((sums * w).unsqueeze(1), rows, sample_denoms=d)
+        ``values``: the per-token loss (one tensor, for a config with the PG term only), or a
+        mapping of every term's per-token values by name (``"pg"``, the config's own mode and
+        coefficient 1, and each of ``config.terms``, its own reducer and coefficient); a config
+        with terms given one tensor is refused, naming the terms. ``micro_batch``: a
+        :class:`lossagg.MicroBatch` from :meth:`micro_batch` (checked once: the call that a
+        trainer compiles), or the micro-batch's ``mask``, followed by ``samples`` and
+        ``cu_seqlens``. With ``parts=True`` returns ``(J_mb, {name: J_k})``, each term's
+        contribution before its coefficient, detached (summed over micro-batches and ranks: each
+        term's step value, for a tracker).
 
-    def loss_terms(
-        self,
-        terms: Mapping[str, torch.Tensor],
-        mask: torch.Tensor,
-        samples: Samples,
-        cu_seqlens: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """This micro-batch's contribution to the whole loss ``J = Σ_k c_k J_k`` (docs/terms.md).
-
-        ``terms`` maps every term's name to its per-token values (each with the token shape of
-        ``mask``; each term accumulates as :func:`lossagg.reduce` does for its dtype, and the
-        total is in the widest of them): ``"pg"`` (the config's own mode, coefficient 1) and each
-        of ``config.terms`` (its own reducer and coefficient). ``J_k`` is the term's
-        ``Σ_i S_ki / d_k[i]`` over this micro-batch's samples, with ``d_k`` from this plan
-        (:attr:`term_denoms`): summed over every micro-batch and rank it is the step's value of
-        every term at once, and so is the gradient of each term's values,
-        ``c_k · m[t] / d_k[i(t)]``. Terms of one dtype are reduced by one
-        :func:`lossagg.reduce_terms` call: one native pass over the K values where they lie, with
-        one read of the mask, each ``J_k`` added as :func:`lossagg.reduce` adds it (a weighted
-        term's sums multiplied by the weights first), so a step with the PG term alone gives the
-        bits of :meth:`loss`. Terms of several dtypes take one :func:`lossagg.reduce` per term.
+        One term, unweighted, is one :func:`lossagg.reduce`; the terms of one dtype one
+        :func:`lossagg.reduce_terms` (each ``J_k`` added as ``reduce`` adds it); terms of several
+        dtypes one call each, each accumulating as ``reduce`` does for its dtype, the total in
+        the widest (lossagg/micro_batch.py).
         """
-        return self._loss_terms(terms, mask, samples, cu_seqlens)[0]
-
-    def loss_terms_parts(
-        self,
-        terms: Mapping[str, torch.Tensor],
-        mask: torch.Tensor,
-        samples: Samples,
-        cu_seqlens: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(:meth:`loss_terms`, each term's own contribution ``J_k`` before its coefficient, by
-        name): the total is differentiable, the parts are detached (for a tracker: summed over
-        micro-batches and ranks they are each term's step value)."""
-        total, parts = self._loss_terms(terms, mask, samples, cu_seqlens)
-        names = self._term_table[0]
-        return total, dict(zip(names, parts.unbind(0) if isinstance(parts, torch.Tensor) else parts, strict=True))
-
-    def _loss_terms(self, terms, mask, samples, cu_seqlens):
-        """(J, the terms' J_k: a [K] tensor, or a list for terms of several dtypes)."""
-        names, _, _, coefficients = self._term_table
-        if not isinstance(terms, Mapping):
-            raise TypeError(f"terms must be a mapping of term name -> per-token values ({', '.join(names)}), got {type(terms).__name__}")
-        if len(terms) != len(names) or not all(n in terms for n in names):
-            missing = [n for n in names if n not in terms]
-            unknown = [n for n in terms if n not in names]
-            got = ", ".join(map(repr, terms)) or "none"
-            raise ValueError(
-                f"terms must hold exactly the loss's terms, {', '.join(names)} ('pg' and the config's terms), got {got}"
-                + (f": missing {', '.join(missing)}" if missing else "")
-                + (f"; not terms of the config: {', '.join(map(repr, unknown))}" if unknown else "")
-            )
-        values = [terms[n] for n in names]
-        first = values[0]
-        one_call = _plain_terms(values, mask)
-        if not one_call:  # the usual call skips these checks (each names what is wrong)
-            check_holds_data("mask", mask)
-            for n, t in zip(names, values, strict=True):
-                check_holds_data(f"terms[{n!r}]", t)
-                if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(mask.shape):
-                    got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                    raise ValueError(f"terms[{n!r}] must be a tensor with the token shape of mask {tuple(mask.shape)}, got {got}")
-            one_call = all(v.dtype == first.dtype and v.device == first.device for v in values)
-        if one_call:
-            # one native pass over the K values where they lie, with one read of the mask; d and w in
-            # the accumulation dtype, rounded once here as the kernel would round them
-            check_holds_data("cu_seqlens", cu_seqlens)
-            denoms, weights = self._term_table_in(torch.float64 if first.dtype is torch.float64 else torch.float32)
-            if not (isinstance(samples, slice) and samples == slice(None)):
-                positions = self._positions(samples)
-                denoms = denoms[:, positions]
-                weights = None if weights is None else weights[:, positions]
-            self._check_micro_batch(denoms.shape[1], mask, cu_seqlens)
-            if denoms.device != first.device:
-                denoms = denoms.to(first.device)
-                weights = None if weights is None else weights.to(first.device)
-            return reduce_terms_of(values, mask, cu_seqlens, denoms, weights, coefficients)
-        # terms of several dtypes: one reduce per term, each accumulating as reduce does for its own
-        d = self._micro_batch_denoms(samples, mask, cu_seqlens, first.device)
-        positions = self._positions(samples)
-        total, parts = None, []
-        for n, v in zip(names, values, strict=True):
-            d_k = d if n == PG_TERM else self.term_denoms[n][positions].to(device=d.device)
-            weighting = self.config.weighting if n == PG_TERM else self.config.terms[n].weighting
-            if weighting == "none":
-                j_k = reduce(v, mask, cu_seqlens=cu_seqlens, sample_denoms=d_k)
-            else:  # the sums times the samples' weights, then added as reduce adds them
-                j_k = self._weighted_total(segment_sum(v, mask, cu_seqlens), d_k, positions)
-            parts.append(j_k.detach())
-            part = j_k if n == PG_TERM else j_k * self.config.terms[n].coefficient
-            total = part if total is None else total + part
-        return total, parts
+        return reduce_micro_batch(values, self._as_micro_batch(micro_batch, samples, cu_seqlens, "StepPlan.loss"), parts=parts, what="StepPlan.loss")
 
     def metrics(
         self,
-        metrics: dict[str, torch.Tensor],
-        mask: torch.Tensor,
-        samples: Samples,
+        metrics: Mapping[str, torch.Tensor],
+        micro_batch: MicroBatch | torch.Tensor,
+        samples: Samples | None = None,
         cu_seqlens: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Contributions of several per-token metrics under the default reducer (:attr:`metric_denoms`:
-        sample_mean, or token_mean when the step is token-level).
+        sample_mean, or token_mean when the step is token-level), float64, detached.
 
         One native segment_sum launch over the stacked ``[K, tokens]`` metrics. Sum the returned
         values over micro-batches (and all-reduce over ranks) for the step-level value of each
-        metric.
+        metric. ``micro_batch`` as for :meth:`loss`.
         """
-        names = list(metrics)
-        if not names:
-            return {}
-        for k in names:
-            if not isinstance(metrics[k], torch.Tensor) or tuple(metrics[k].shape) != tuple(mask.shape):
-                got = tuple(metrics[k].shape) if isinstance(metrics[k], torch.Tensor) else type(metrics[k]).__name__
-                raise ValueError(f"metric {k!r} must have the token shape of mask {tuple(mask.shape)}, got {got}")
-        stacked = torch.stack([metrics[k].detach() for k in names])
-        sums = segment_sum(stacked, mask, cu_seqlens)
-        positions = self._positions(samples)
-        if positions.shape[0] != sums.shape[-1]:
-            raise ValueError(f"samples selects {positions.shape[0]} sample(s) but the micro-batch holds {sums.shape[-1]}")
-        d = self.metric_denoms[positions].to(sums.device, torch.float64)
-        contrib = (sums.to(torch.float64) / d).sum(-1)
-        return {k: contrib[i] for i, k in enumerate(names)}
+        mb = self._as_micro_batch(micro_batch, samples, cu_seqlens, "StepPlan.metrics")
+        return reduce_metrics(metrics, mb.mask, mb.cu_seqlens, self.metric_denoms[mb.samples])
 
     def token_weights(
         self,

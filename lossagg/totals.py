@@ -136,16 +136,24 @@ def _scalar(value) -> Any:
     return _torch().tensor([float(value)], dtype=_torch().float64)
 
 
-def _group_sizes(share: RankShare):
+def group_sums(values, group_dense, num_labels: int | None = None):
+    """``Σ_{i in g} values[i]`` of every group, float64 ``[num_labels]``, for dense group labels
+    ``group_dense`` in ``[0, num_labels)`` (default: one more than the largest). With the token
+    counts as values, each group's tokens ``Sg`` (``Sg[g(i)]`` is ``group_sums(counts, dense)[dense]``):
+    the one place the planner, the deferred plan and :func:`lossagg.prompt_mask_sums` compute it."""
     torch = _torch()
-    sizes = torch.zeros(share.num_labels, dtype=torch.float64, device=share.token_counts.device)
-    return sizes.index_add_(0, share.group_dense, torch.ones_like(share.token_counts))
+    if num_labels is None:
+        num_labels = int(group_dense.max()) + 1 if group_dense.numel() else 0
+    sums = torch.zeros(num_labels, dtype=torch.float64, device=values.device)
+    return sums.index_add_(0, group_dense.to(values.device), values.to(torch.float64))
+
+
+def _group_sizes(share: RankShare):
+    return group_sums(_torch().ones_like(share.token_counts), share.group_dense, share.num_labels)
 
 
 def _group_token_sums(share: RankShare):
-    torch = _torch()
-    sums = torch.zeros(share.num_labels, dtype=torch.float64, device=share.token_counts.device)
-    return sums.index_add_(0, share.group_dense, share.token_counts)
+    return group_sums(share.token_counts, share.group_dense, share.num_labels)
 
 
 def _num_groups(sizes, share: RankShare) -> int:
@@ -159,9 +167,7 @@ def _nonempty(counts):
 
 
 def _nonempty_group_sizes(share: RankShare):
-    torch = _torch()
-    sizes = torch.zeros(share.num_labels, dtype=torch.float64, device=share.token_counts.device)
-    return sizes.index_add_(0, share.group_dense, _nonempty(share.token_counts))
+    return group_sums(_nonempty(share.token_counts), share.group_dense, share.num_labels)
 
 
 def _weights(share: RankShare):

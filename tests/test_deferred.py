@@ -113,7 +113,7 @@ def test_the_whole_loss_with_terms_and_weights():
     for samples, x, y, m, mcu in _micro_batches(step, "packed"):
         loss = torch_engines.per_token_loss(model, x, y)
         terms = {"pg": loss, "entropy": loss.sin(), "kl": loss.sqrt()}
-        plan.loss_terms(terms, filtered_step.keep(loss, m, mcu), samples, mcu).backward()
+        plan.loss(terms, filtered_step.keep(loss, m, mcu), samples, mcu).backward()
     closed = plan.close()
     closed.apply_(model)
     ref = torch_engines.make_model()
@@ -230,7 +230,8 @@ def test_terms_with_other_step_level_factors_are_refused_by_name():
     config = lossagg.LossAggregationConfig.from_dict(
         {"mode": "prompt_mean", "n_samples_per_prompt": 4, "terms": {"kl": {"mode": "token_mean", "coefficient": 0.1}}}
     )
-    with pytest.raises(ValueError, match=r"term 'kl' \(mode=token_mean\).*'kl' has c\(T\) where the PG term has P"):
+    remedy = r"give 'kl' the PG term's mode and weighting \(mode=prompt_mean\)"
+    with pytest.raises(ValueError, match=r"term 'kl' \(mode=token_mean\).*'kl' has c\(T\) where the PG term has P: " + remedy):
         lossagg.DeferredPlan(config, 16, group_index=torch.arange(16) // 4)
 
 
@@ -250,11 +251,11 @@ def test_misuse_is_named_and_leaves_nothing_half_applied():
     batches = _micro_batches(step, "packed")
     samples, x, y, m, cu = batches[0]
     loss = torch_engines.per_token_loss(model, x, y)
-    with pytest.raises(ValueError, match="call loss\\(\\) or loss_terms\\(\\) of its micro-batch first"):
+    with pytest.raises(ValueError, match=r"make its micro-batch \(micro_batch\(\) or loss\(\)\) first"):
         plan.metrics({"x": loss}, m, samples, cu)
     with pytest.raises(ValueError, match="samples selects 3 sample"):
         plan.loss(loss, m, samples[:3], cu)
-    with pytest.raises(TypeError, match="values\\[0\\] must have dtype"):  # fails inside the op: the micro-batch is forgotten
+    with pytest.raises(TypeError, match="values must have dtype"):  # fails inside the op: the micro-batch is forgotten
         plan.loss(torch.zeros_like(loss, dtype=torch.int32), m, samples, cu)
     plan.loss(loss, m, samples, cu)  # the same micro-batch again, after the failure
     with pytest.raises(ValueError, match="sample 0 already ran in an earlier micro-batch"):

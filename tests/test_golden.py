@@ -86,3 +86,22 @@ def test_denominator_program_routes_match_the_recording(isa, threads):
     assert not changed, f"{len(changed)} results changed on {isa} with {threads} threads, e.g. {[(k, recorded[k], now[k]) for k in changed[:3]]}"
     stale = [k for k in golden_program.CHANGED if now.get(k) == recorded.get(k)]
     assert not stale, f"listed as changed but equal to the recording: {stale}"
+
+
+def test_micro_batch_reductions_match_the_recording():
+    """Every micro-batch reduction of both plans (one tensor, terms, parts, weights, several dtypes,
+    metrics, a DeferredPlan's close) keeps the bits recorded through the five entrances of before
+    they became one call (tests/golden_micro_batch.py)."""
+    import golden_micro_batch
+
+    with open(golden_micro_batch.GOLDEN_PATH) as f:
+        recorded = json.load(f)["cases"]
+    now = golden_micro_batch.corpus()
+    kept = {k for k in recorded if not golden_micro_batch.changed(k)}
+    assert kept == {k for k in now if not golden_micro_batch.changed(k)}
+    differ = [k for k in kept if now[k] != recorded[k]]
+    assert not differ, f"{len(differ)} results changed, e.g. {[(k, recorded[k], now[k]) for k in differ[:4]]}"
+    for prefix in golden_micro_batch.CHANGED:  # refused then, served now
+        assert any(k.startswith(prefix) and "Error" in v for k, v in recorded.items()), prefix
+        served = [v for k, v in now.items() if k.startswith(prefix)]
+        assert served and not any("Error" in v for v in served), prefix

@@ -418,3 +418,15 @@ def test_the_configs_check_of_new_modes_is_in_place_whatever_is_imported_first()
     done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "refused: ModeSpec.example_settings of mode 'needs_l' do not make a valid config" in done.stdout, done.stdout
+
+
+def test_the_type_checking_names_are_the_exports():
+    """``lossagg/__init__.py``'s ``if TYPE_CHECKING:`` block imports every public name of ``_EXPORTS``,
+    each from the module ``_EXPORTS`` names, and nothing else: what an IDE sees is what
+    ``lossagg.<name>`` gives."""
+    import lossagg
+
+    tree = ast.parse(open(os.path.join(PACKAGE, "__init__.py"), encoding="utf-8").read())
+    block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    seen = {alias.asname or alias.name: node.module for node in ast.walk(block) if isinstance(node, ast.ImportFrom) for alias in node.names}
+    assert seen == dict(lossagg._EXPORTS)

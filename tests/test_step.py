@@ -270,7 +270,7 @@ def test_helpers_name_bad_arguments():
     with pytest.raises(ValueError, match="num_group_labels must be an integer >= 1"):
         StepPlan(LossAggregationConfig(mode="prompt_mean"), counts, group_index=[0, 0], num_group_labels=0)
     plan = StepPlan(LossAggregationConfig(), counts)
-    with pytest.raises(ValueError, match="metric 'kl' must have the token shape of mask"):
+    with pytest.raises(ValueError, match=r"metrics\['kl'\] must have the token shape of mask"):
         plan.metrics({"kl": torch.ones(2)}, torch.ones(3, dtype=torch.bool), [0, 1], torch.tensor([0, 1, 3]))
     cu = torch.tensor([0, 3, 5])
     with pytest.raises(ValueError, match="cp_size must be an integer >= 1"):

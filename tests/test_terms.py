@@ -160,7 +160,7 @@ def test_every_term_is_its_own_modes_reference(term_mode, padded, empty):
     names = ("pg", "nll", "kl")
     leaves = {k: values[k].clone().requires_grad_(True) for k in names}
     plan = StepPlan.from_mask(config, mask, cu, group_index=groups)
-    j = plan.loss_terms(leaves, mask, slice(None), cu)
+    j = plan.loss(leaves, mask, slice(None), cu)
     ref_leaves = {k: packed_values[k].clone().requires_grad_(True) for k in names}
     want = reference(config, ref_leaves, packed_mask, packed_cu, groups)
     assert abs(j.item() - want.item()) <= 1e-12 * max(1.0, abs(want.item()))
@@ -178,13 +178,13 @@ def test_micro_batches_add_up_to_the_step():
     config = term_config()
     values = {k: values[k] for k in ("pg", "entropy", "kl")}
     plan = StepPlan.from_mask(config, mask, cu, group_index=groups)
-    whole = plan.loss_terms(values, mask, slice(None), cu)
+    whole = plan.loss(values, mask, slice(None), cu)
     total = 0.0
     lengths = cu[1:] - cu[:-1]
     for samples in (torch.tensor([0, 5, 7]), torch.tensor([1, 2, 3, 4]), torch.tensor([6, 8, 9, 10, 11])):
         idx = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in samples.tolist()])
         mb_cu = lossagg.cu_seqlens_from_lengths(lengths[samples]).long()
-        total = total + plan.loss_terms({k: v[idx] for k, v in values.items()}, mask[idx], samples, mb_cu)
+        total = total + plan.loss({k: v[idx] for k, v in values.items()}, mask[idx], samples, mb_cu)
     assert abs(total.item() - whole.item()) <= 1e-12
     assert abs(whole.item() - reference(config, values, mask, cu, groups).item()) <= 1e-12
 
@@ -195,7 +195,7 @@ def test_the_pg_term_alone_has_the_bits_of_plan_loss(mode):
     config = LossAggregationConfig.from_dict({"mode": mode, **lossagg.MODES[mode].example_settings})
     plan = StepPlan.from_mask(config, mask, cu, group_index=groups)
     v = values["pg"].clone().requires_grad_(True)
-    a = plan.loss_terms({"pg": v}, mask, slice(None), cu)
+    a = plan.loss({"pg": v}, mask, slice(None), cu)
     (ga,) = torch.autograd.grad(a, v)
     b = plan.loss(v, mask, slice(None), cu)
     (gb,) = torch.autograd.grad(b, v)
@@ -225,16 +225,16 @@ def test_the_terms_given_must_be_the_configs():
     values, mask, cu, groups = batch()
     plan = StepPlan.from_mask(term_config(), mask, cu, group_index=groups)
     with pytest.raises(ValueError, match="missing kl"):
-        plan.loss_terms({"pg": values["pg"], "entropy": values["entropy"]}, mask, slice(None), cu)
+        plan.loss({"pg": values["pg"], "entropy": values["entropy"]}, mask, slice(None), cu)
     with pytest.raises(ValueError, match="not terms of the config: 'nll'"):
-        plan.loss_terms(values, mask, slice(None), cu)
+        plan.loss(values, mask, slice(None), cu)
     three = {k: values[k] for k in ("pg", "entropy", "kl")}
-    with pytest.raises(ValueError, match=r"terms\['kl'\] must be a tensor with the token shape of mask"):
-        plan.loss_terms({**three, "kl": values["kl"][:-1]}, mask, slice(None), cu)
-    mixed = plan.loss_terms({**three, "kl": values["kl"].float()}, mask, slice(None), cu)  # each term in its own dtype
-    assert mixed.dtype == torch.float64 and abs(mixed.item() - plan.loss_terms(three, mask, slice(None), cu).item()) < 1e-6
-    with pytest.raises(TypeError, match="terms must be a mapping"):
-        plan.loss_terms([values["pg"]], mask, slice(None), cu)
+    with pytest.raises(ValueError, match=r"values\['kl'\] must be a tensor with the token shape of the micro-batch's mask"):
+        plan.loss({**three, "kl": values["kl"][:-1]}, mask, slice(None), cu)
+    mixed = plan.loss({**three, "kl": values["kl"].float()}, mask, slice(None), cu)  # each term in its own dtype
+    assert mixed.dtype == torch.float64 and abs(mixed.item() - plan.loss(three, mask, slice(None), cu).item()) < 1e-6
+    with pytest.raises(TypeError, match=r"values must be a tensor \(the PG term\) or a mapping"):
+        plan.loss([values["pg"]], mask, slice(None), cu)
 
 
 # ---------------------------------------------------------- DP x CP, gloo processes
@@ -299,7 +299,7 @@ def _worker(rank, world, init_file, results_dir):
         local_cu = lossagg.zigzag_local_cu_seqlens(mb_cu, CP)
         local_features = lossagg.zigzag_shard(features[idx].T, mb_cu, CP, cp_rank).T
         local_mask = lossagg.zigzag_shard(mask[idx], mb_cu, CP, cp_rank, pad_value=False)
-        plan.loss_terms(_terms_of(model, local_features), local_mask, mb_local, local_cu).backward()
+        plan.loss(_terms_of(model, local_features), local_mask, mb_local, local_cu).backward()
     for p in model.parameters():
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
     ref_model = _model()
@@ -378,15 +378,16 @@ def test_a_weighted_term_is_its_reference(mode, weighting, empty):
     config = LossAggregationConfig.from_dict({**settings, "terms": {"kl": {"mode": "token_mean", "coefficient": 0.5, "weighting": "multiply"}}})
     plan = StepPlan.from_mask(config, mask, cu, group_index=groups, sample_weights=weights)
     leaves = {k: values[k].clone().requires_grad_(True) for k in ("pg", "kl")}
-    j = plan.loss_terms(leaves, mask, slice(None), cu)
+    j = plan.loss(leaves, mask, slice(None), cu)
     ref_leaves = {k: v.detach().clone().requires_grad_(True) for k, v in leaves.items()}
     want = reference(config, ref_leaves, mask, cu, groups, weights=weights)
     assert abs(j.item() - want.item()) <= 1e-12 * max(1.0, abs(want.item()))
     for a, b in zip(torch.autograd.grad(j, list(leaves.values())), torch.autograd.grad(want, list(ref_leaves.values())), strict=True):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-15)
-    # the PG term alone through plan.loss, and its split into micro-batches
-    v = leaves["pg"].detach()
-    whole = plan.loss(v, mask, slice(None), cu)
+    # the PG term's own part of plan.loss, and its split into micro-batches
+    detached = {k: t.detach() for k, t in leaves.items()}
+    whole = plan.loss(detached, mask, slice(None), cu, parts=True)[1]["pg"]
+    v = detached["pg"]
     assert (
         abs(
             whole.item()
@@ -398,7 +399,8 @@ def test_a_weighted_term_is_its_reference(mode, weighting, empty):
     parts = 0.0
     for samples in (torch.arange(0, 5), torch.arange(5, 12)):
         idx = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in samples.tolist()])
-        parts = parts + plan.loss(v[idx], mask[idx], samples, lossagg.cu_seqlens_from_lengths(lengths[samples]).long())
+        share = {k: t[idx] for k, t in detached.items()}
+        parts = parts + plan.loss(share, mask[idx], samples, lossagg.cu_seqlens_from_lengths(lengths[samples]).long(), parts=True)[1]["pg"]
     assert abs(parts.item() - whole.item()) <= 1e-12
 
 

@@ -221,7 +221,7 @@ class LossAggregationConfig(BaseModel):
         that reduces the PG term alone and unweighted: the config is never half-applied."""
         asks = []
         if self.terms:
-            asks.append(f"the terms {', '.join(self.terms)} (StepPlan.loss_terms reduces them)")
+            asks.append(f"the terms {', '.join(self.terms)} (StepPlan.loss reduces them, given a mapping of every term)")
         if self.weighting != "none":
             asks.append(f"weighting={self.weighting} (StepPlan's sample_weights)")
         if asks:
@@ -233,6 +233,21 @@ class LossAggregationConfig(BaseModel):
         return out
 
     # ------------------------------------------------------------------ loaders
+    @classmethod
+    def coerce(cls, config: Any, what: str = "config") -> LossAggregationConfig:
+        """``config`` as a config: itself, or validated from a mapping of its settings (what every
+        plan takes); a mode name alone is refused with the two ways to say it."""
+        if isinstance(config, str):
+            raise TypeError(
+                f"{what} must be a LossAggregationConfig (or a mapping of its settings), got the string {config!r}: "
+                f"pass LossAggregationConfig(mode={config!r}) or {{'mode': {config!r}}}"
+            )
+        if isinstance(config, Mapping):
+            return cls.from_dict(config)
+        if not isinstance(config, cls):
+            raise TypeError(f"{what} must be a LossAggregationConfig (or a mapping of its settings), got {type(config).__name__}")
+        return config
+
     @classmethod
     def from_dict(cls, data: Any, *, source: str | None = None) -> LossAggregationConfig:
         """Validate a mapping; raises :class:`ConfigError` listing every problem."""

@@ -128,32 +128,17 @@ def make_loss_func(
             _check_zero_one("the mask keep() returned", final_mask)
             if tuple(final_mask.shape) != tuple(loss_mask.shape):
                 raise ValueError(f"keep() must return a mask of loss_mask's shape {tuple(loss_mask.shape)}, got {tuple(final_mask.shape)}")
-        if deferred:
-            if plan.config.terms or isinstance(output_tensor, Mapping):
-                if not isinstance(output_tensor, Mapping):
-                    raise TypeError(
-                        f"the plan's config has the terms {', '.join(plan.config.terms)}: output_tensor must be a mapping of every term's values"
-                    )
-                contribution = plan.loss_terms(output_tensor, final_mask, samples, cu_seqlens)
-            else:
-                contribution = plan.loss(output_tensor, final_mask, samples, cu_seqlens)
-            report = {"pg_loss": contribution.detach()}  # this micro-batch's, before the step's rescale (DeferredStep.loss: the final)
-            if metrics:
-                report.update(plan.metrics(metrics, final_mask, samples, cu_seqlens))
-            return contribution * scale, report
-        if plan.config.terms or isinstance(output_tensor, Mapping):
-            if not isinstance(output_tensor, Mapping):
-                raise TypeError(
-                    f"the plan's config has the terms {', '.join(plan.config.terms)}: output_tensor must be a mapping of every term's "
-                    f"per-token values by name ('pg' and those), got {type(output_tensor).__name__}"
-                )
-            contribution, parts = plan.loss_terms_parts(output_tensor, loss_mask, samples, cu_seqlens)
-            report = {f"{name}_loss": value for name, value in parts.items()}
-        else:
-            contribution = plan.loss(output_tensor, loss_mask, samples, cu_seqlens)
-            report = {"pg_loss": contribution.detach()}
+        if plan.config.terms and not isinstance(output_tensor, Mapping):
+            raise TypeError(
+                f"the plan's config has the terms {', '.join(plan.config.terms)}: output_tensor must be a mapping of every term's "
+                f"per-token values by name ('pg' and those), got {type(output_tensor).__name__}"
+            )
+        mb = plan.micro_batch(samples, final_mask, cu_seqlens)
+        # each term's J_k (a DeferredPlan's before the step's rescale: DeferredStep.terms holds the final ones)
+        contribution, parts = plan.loss(output_tensor, mb, parts=True)
+        report = {f"{name}_loss": value for name, value in parts.items()}
         if metrics:
-            report.update(plan.metrics(metrics, loss_mask, samples, cu_seqlens))
+            report.update(plan.metrics(metrics, mb))
         if calculate_per_token_loss:
             return contribution * scale, local_tokens.to(torch.int64), report
         return contribution * scale, report

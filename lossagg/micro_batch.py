@@ -1,0 +1,301 @@
+"""One micro-batch's share of the step's loss: the handle both plans make, and the one function that reduces it.
+
+A plan (:class:`lossagg.StepPlan`, :class:`lossagg.DeferredPlan`) knows, for each of its samples,
+every term's denominator ``d_k[i]`` (docs/terms.md) and weight ``w[i]``. Once per micro-batch,
+``plan.micro_batch(samples, mask, cu_seqlens)`` checks what depends on the data (the positions,
+that they match the layout, that every ``d_k[i]`` and weight survives the accumulation dtype) and
+returns a :class:`MicroBatch` that holds the micro-batch's rows of those tables, ready for the
+kernels. :func:`reduce_micro_batch` (what ``plan.loss`` runs) then reduces::
+
+    J_mb = Σ_k c_k J_k,    J_k = Σ_{i in mb} w_k[i] · (Σ_{t in i} m[t] · l_k[t]) / d_k[i]
+
+with checks on metadata only (names, shapes, dtypes), so a loss function that calls it compiles
+whole (``torch.compile(fullgraph=True)``). A plan whose config has only the PG term takes one
+tensor; a config with ``terms`` takes a mapping of every term's values by name, and one tensor
+is refused, naming the terms. One term, unweighted, is one :func:`lossagg.reduce`; otherwise one
+:func:`lossagg.reduce_terms` (one per term when the terms differ in dtype, each accumulating as
+``reduce`` does for its own dtype, the total in the widest).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from lossagg.ops import reduce, reduce_terms_of, segment_sum
+from lossagg.validate import check_holds_data
+
+Samples = slice | Sequence[int] | torch.Tensor
+_STRIDED = torch.strided
+
+
+# ------------------------------------------------------------------------------ samples and weights
+def sample_positions(samples: Samples, n: int, device) -> torch.Tensor:
+    """Positions among a rank's ``n`` samples (int64 on ``device``): integers in [0, n), a slice,
+    or a bool selection of length n; each sample named at most once."""
+    check_holds_data("samples", samples)
+    if isinstance(samples, slice):
+        return torch.arange(n, device=device)[samples]
+    if isinstance(samples, (int, bool)) or (isinstance(samples, torch.Tensor) and samples.dim() == 0):
+        raise TypeError("samples must be a 1-D selection of this rank's samples (integer positions, a slice or a bool mask), got a scalar")
+    try:
+        pos = samples if isinstance(samples, torch.Tensor) else torch.as_tensor(samples)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"samples must be integer positions, a slice or a bool selection, got {type(samples).__name__}") from None
+    if pos.dim() != 1:
+        raise ValueError(f"samples must be 1-D, got shape {tuple(pos.shape)}")
+    if pos.numel() == 0 and pos.dtype != torch.bool:  # no samples (an empty list is float32 to torch)
+        return torch.zeros(0, dtype=torch.long, device=device)
+    if pos.dtype == torch.bool:
+        if pos.shape[0] != n:
+            raise ValueError(f"samples as a bool selection must have one entry per sample of this rank ({n}), got {pos.shape[0]}")
+        return torch.nonzero(pos).flatten().to(device)
+    if pos.is_floating_point() or pos.is_complex():
+        raise TypeError(f"samples must hold integer positions, got dtype {pos.dtype}")
+    if pos.numel() and pos.device.type == "cpu":  # positions on an accelerator are not read back (no host sync)
+        lo, hi = int(pos.min()), int(pos.max())
+        if lo < 0 or hi >= n:
+            raise ValueError(f"samples must be positions in [0, {n}) among this rank's samples, got values in [{lo}, {hi}]")
+        distinct, counts = torch.unique(pos, return_counts=True)
+        if distinct.numel() != pos.numel():
+            first = int(torch.nonzero(counts > 1)[0, 0])
+            raise ValueError(
+                f"samples must name each sample of the micro-batch once, got position {int(distinct[first])} {int(counts[first])} times "
+                "(a sample counted twice would weigh twice in J)"
+            )
+    return pos.to(device=device, dtype=torch.long)
+
+
+def check_sample_weights(weights, weightings: Mapping[str, str], n: int, device, owner: str = "StepPlan") -> torch.Tensor | None:
+    """The samples' weights as float64 ``[n]`` on ``device``, checked: given exactly when a term of
+    the config uses them (``weightings``: each term's weighting by name), one per sample, finite,
+    and not asking for a gradient (docs/terms.md, "Per-sample weights")."""
+    users = [name for name, w in weightings.items() if w != "none"]
+    if weights is None:
+        if users:
+            raise ValueError(f"the term(s) {', '.join(users)} weigh the samples (weighting={weightings[users[0]]}): pass sample_weights= to {owner}")
+        return None
+    if not users:
+        raise ValueError("sample_weights were given, but no term of the config uses them: set weighting for the PG term or a term (docs/terms.md)")
+    check_holds_data("sample_weights", weights)
+    if not isinstance(weights, torch.Tensor) or not weights.is_floating_point() or weights.dim() != 1 or weights.shape[0] != n:
+        got = f"{weights.dtype} tensor of shape {tuple(weights.shape)}" if isinstance(weights, torch.Tensor) else type(weights).__name__
+        raise ValueError(f"sample_weights must be a floating 1-D tensor with one weight per sample of this rank ({n}), got a {got}")
+    if weights.requires_grad:
+        raise ValueError(
+            "sample_weights require grad, but the loss is not differentiable in them (they scale the samples' numerators and "
+            "their sum is a step total): pass sample_weights.detach()"
+        )
+    w = weights.to(device=device, dtype=torch.float64)
+    bad = ~torch.isfinite(w)
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0, 0])
+        raise ValueError(f"sample_weights[{i}] is {float(w[i])!r}: every weight must be finite")
+    return w
+
+
+def check_layout(selected: int, mask: torch.Tensor, cu_seqlens) -> None:
+    """The samples selected are the micro-batch's (one per segment of its layout)."""
+    b = (cu_seqlens.shape[0] - 1 if cu_seqlens.dim() == 1 else -1) if isinstance(cu_seqlens, torch.Tensor) else mask.shape[0]
+    if b >= 0 and selected != b:
+        layout = "cu_seqlens has" if cu_seqlens is not None else "the padded mask has"
+        raise ValueError(f"samples selects {selected} sample(s) but {layout} {b}: one position per sample of the micro-batch")
+
+
+def cut_from_step(positions: torch.Tensor, mask: torch.Tensor, cu_seqlens) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
+    """(the micro-batch's token selection, its mask, its own ``cu_seqlens``) cut from the rank's
+    step layout (``mask`` and ``cu_seqlens`` of all its samples). Packed: the samples must be
+    consecutive, the tokens a slice; padded: the rows of the samples (a slice when consecutive)."""
+    check_holds_data("mask", mask)
+    check_holds_data("cu_seqlens", cu_seqlens)
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+    pos = positions.cpu()
+    n = pos.shape[0]
+    consecutive = n == 0 or bool((pos == torch.arange(int(pos[0]), int(pos[0]) + n)).all())
+    if cu_seqlens is None:
+        if mask.dim() != 2:
+            raise ValueError(f"mask must be the step's padded [N, T] mask when cu_seqlens is None, got shape {tuple(mask.shape)}")
+        rows = slice(int(pos[0]), int(pos[0]) + n) if consecutive and n else positions.to(mask.device)
+        return rows, mask[rows], None
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
+        raise ValueError("cu_seqlens must be the step's 1-D [N+1] tensor to cut a micro-batch from it")
+    if not consecutive:
+        raise ValueError(
+            f"samples must be consecutive positions to cut a micro-batch from the step's packed layout (its tokens one slice), "
+            f"got {pos.tolist()[:8]}{' ...' if n > 8 else ''}"
+        )
+    first = int(pos[0]) if n else 0
+    bounds = cu_seqlens[first : first + n + 1]
+    lo, hi = (int(bounds[0]), int(bounds[-1])) if n else (0, 0)
+    tokens = slice(lo, hi)
+    return tokens, mask[tokens], bounds - bounds[0] if n else cu_seqlens.new_zeros(1)
+
+
+# ------------------------------------------------------------------------------------- the handle
+def term_tables(denoms: torch.Tensor, weights: torch.Tensor | None, device) -> dict:
+    """``d`` ``[K, B]`` and ``w`` (or None) as the kernels take them, by accumulation dtype (float32,
+    float64), on ``device``: rounded once here as the kernels would round them. A ``d_k[i]`` or a
+    weight out of float32's range stays as given, so that the op refuses it naming the value."""
+    denoms = denoms.to(device)
+    weights = None if weights is None else weights.to(device)
+    d32 = denoms.to(torch.float32)
+    if not bool((torch.isfinite(d32) & (d32 > 0)).all()):
+        d32 = denoms
+    w32 = None if weights is None else weights.to(torch.float32)
+    if w32 is not None and not bool(torch.isfinite(w32).all()):
+        w32 = weights
+    return {torch.float32: (d32, w32), torch.float64: (denoms, weights)}
+
+
+class MicroBatch:
+    """One micro-batch of a plan, checked once: made by ``plan.micro_batch(...)``, reduced by
+    ``plan.loss(values, mb)`` and ``plan.metrics(metrics, mb)``.
+
+    * ``mask``, ``cu_seqlens``: the micro-batch's own layout (packed ``[T]`` with ``cu_seqlens``,
+      padded ``[B, T]``);
+    * ``samples``: the positions of its ``B`` samples among the rank's (int64 ``[B]``);
+    * ``tokens``: where its tokens lie in the rank's step tensors when it was cut from them
+      (``plan.micro_batch(..., step_layout=True)``: a slice, or the rows of a padded layout), else
+      None: ``values[mb.tokens]`` selects a step tensor's share;
+    * ``names``: the terms ``plan.loss`` takes, ``"pg"`` first.
+    """
+
+    def __init__(self, owner, names, coefficients, samples, mask, cu_seqlens, tables, tokens=None, log=None):
+        self.owner = owner
+        self.names = tuple(names)
+        self.coefficients = list(coefficients)
+        self.samples = samples
+        self.mask = mask
+        self.cu_seqlens = cu_seqlens
+        self.tokens = tokens
+        self.tables = tables
+        # a DeferredPlan's record of what this micro-batch's loss returned (the terms' J_k)
+        self.log = log
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.samples.shape[0])
+
+    def __repr__(self) -> str:
+        layout = "packed" if self.cu_seqlens is not None else "padded"
+        return f"MicroBatch({self.num_samples} samples, {layout} {tuple(self.mask.shape)}, terms {', '.join(self.names)})"
+
+
+class MicroBatchLog:
+    """What a :class:`lossagg.DeferredPlan` keeps of one micro-batch until ``close()``: its samples,
+    the terms' ``J_k`` its loss returned (None until it runs), and its metrics by name."""
+
+    def __init__(self, samples: torch.Tensor):
+        self.samples = samples
+        self.parts: Any = None
+        self.metrics: dict[str, torch.Tensor] = {}
+
+
+# --------------------------------------------------------------------------------- the reduction
+def _term_values(values, names: tuple[str, ...], what: str) -> list:
+    """The values of every term in order, from one tensor (a config with the PG term only) or a mapping."""
+    if isinstance(values, torch.Tensor):
+        if len(names) != 1:
+            raise ValueError(
+                f"{what}: the config has the terms {', '.join(names[1:])} besides 'pg', so the loss takes a mapping of every term's "
+                f"per-token values by name ({', '.join(map(repr, names))}), got one tensor (it would be the PG term alone)"
+            )
+        return [values]
+    if not isinstance(values, Mapping):
+        raise TypeError(f"{what}: values must be a tensor (the PG term) or a mapping of term name -> per-token values, got {type(values).__name__}")
+    if len(values) != len(names) or not all(n in values for n in names):
+        missing = [n for n in names if n not in values]
+        unknown = [n for n in values if n not in names]
+        got = ", ".join(map(repr, values)) or "none"
+        raise ValueError(
+            f"{what}: values must hold exactly the loss's terms, {', '.join(names)} ('pg' and the config's terms), got {got}"
+            + (f": missing {', '.join(missing)}" if missing else "")
+            + (f"; not terms of the config: {', '.join(map(repr, unknown))}" if unknown else "")
+        )
+    return [values[n] for n in names]
+
+
+def _plain(seq: list, mask) -> bool:
+    """Every term a dense tensor of the mask's shape, one dtype and device: the usual call, whose
+    named checks are skipped (the op checks the rest)."""
+    first = seq[0]
+    if not isinstance(first, torch.Tensor):
+        return False
+    shape, dtype, device = mask.shape, first.dtype, first.device
+    for t in seq:
+        if not (isinstance(t, torch.Tensor) and t.layout is _STRIDED and t.shape == shape and t.dtype is dtype and t.device == device):
+            return False
+    return True
+
+
+def _check_values(names, seq, mb: MicroBatch, what: str) -> None:
+    """Each term's values named as the user passed them: a tensor holding data with the token shape of the mask."""
+    single = len(names) == 1
+    for n, t in zip(names, seq, strict=True):
+        label = "values" if single else f"values[{n!r}]"
+        check_holds_data(label, t)
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(mb.mask.shape):
+            got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{what}: {label} must be a tensor with the token shape of the micro-batch's mask {tuple(mb.mask.shape)}, got {got}")
+        if not t.is_floating_point():
+            raise TypeError(f"{what}: {label} must have a floating dtype (per-token values), got {t.dtype}")
+        if t.device != mb.mask.device:
+            raise ValueError(f"{what}: {label} must be on the device of the micro-batch's mask ({mb.mask.device}), got {t.device}")
+
+
+def reduce_micro_batch(values, mb: MicroBatch, *, parts: bool = False, what: str = "plan.loss"):
+    """``J_mb = Σ_k c_k J_k`` of one micro-batch (module docstring): a 0-dim tensor differentiable in
+    every term's values, in the widest accumulation dtype of the terms; with ``parts``, also each
+    term's ``J_k`` before its coefficient, detached, by name."""
+    names = mb.names
+    seq = _term_values(values, names, what)
+    if not _plain(seq, mb.mask):
+        _check_values(names, seq, mb, what)
+    first = seq[0]
+    if all(v.dtype is first.dtype for v in seq):
+        d, w = mb.tables[torch.float64 if first.dtype is torch.float64 else torch.float32]
+        if len(seq) == 1 and w is None and mb.coefficients[0] == 1.0:
+            total = reduce(first, mb.mask, cu_seqlens=mb.cu_seqlens, sample_denoms=d[0])
+            split = total.detach().reshape(1)
+        else:
+            total, split = reduce_terms_of(seq, mb.mask, mb.cu_seqlens, d, w, mb.coefficients)
+    else:  # one reduce_terms per term, each accumulating as reduce does for its dtype; the total in the widest
+        total, split = None, []
+        for k, v in enumerate(seq):
+            d, w = mb.tables[torch.float64 if v.dtype is torch.float64 else torch.float32]
+            j_k, part = reduce_terms_of([v], mb.mask, mb.cu_seqlens, d[k : k + 1], None if w is None else w[k : k + 1], [mb.coefficients[k]])
+            split.append(part[0])
+            total = j_k if total is None else total + j_k
+    if mb.log is not None:
+        mb.log.parts = split
+    if parts:
+        return total, {n: split[k] for k, n in enumerate(names)}
+    return total
+
+
+def reduce_metrics(metrics: Mapping[str, torch.Tensor], mask, cu_seqlens, denoms: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each per-token metric's ``Σ_i S_i / d[i]`` over a micro-batch (float64, detached): one native
+    ``segment_sum`` over the stacked ``[K, tokens]`` metrics, divided by ``denoms`` (float64 ``[B]``)."""
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"metrics must be a mapping of metric name -> per-token values, got {type(metrics).__name__}")
+    names = list(metrics)
+    if not names:
+        return {}
+    for k in names:
+        if not isinstance(metrics[k], torch.Tensor) or tuple(metrics[k].shape) != tuple(mask.shape):
+            got = tuple(metrics[k].shape) if isinstance(metrics[k], torch.Tensor) else type(metrics[k]).__name__
+            raise ValueError(f"metrics[{k!r}] must have the token shape of mask {tuple(mask.shape)}, got {got}")
+        if not metrics[k].is_floating_point():
+            raise TypeError(f"metrics[{k!r}] must have a floating dtype, got {metrics[k].dtype}")
+    stacked = torch.stack([metrics[k].detach() for k in names])
+    sums = segment_sum(stacked, mask, cu_seqlens)
+    if denoms.shape[0] != sums.shape[-1]:
+        raise ValueError(f"samples selects {denoms.shape[0]} sample(s) but the micro-batch holds {sums.shape[-1]}")
+    contrib = (sums.to(torch.float64) / denoms.to(sums.device, torch.float64)).sum(-1)
+    return {k: contrib[i] for i, k in enumerate(names)}
+
+
+__all__ = ["MicroBatch", "reduce_micro_batch", "reduce_metrics", "sample_positions"]
