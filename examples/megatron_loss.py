@@ -24,8 +24,9 @@ def pg_loss_func(plan, samples, cu_seqlens, loss_mask, old_logp, advantages, sca
     """Megatron's loss_func(output_tensor): returns (loss, report)."""
     ratio = torch.exp(logp - old_logp)
     per_token = -torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages)
-    contribution = plan.loss(per_token, loss_mask, samples, cu_seqlens)
-    metrics = plan.metrics({"ratio": ratio, "neg_logp": -logp}, loss_mask, samples, cu_seqlens)
+    mb = plan.micro_batch(samples, loss_mask, cu_seqlens)
+    contribution = plan.loss(per_token, mb)
+    metrics = plan.metrics({"ratio": ratio, "neg_logp": -logp}, mb)
     return contribution * scale, {"pg_loss": contribution.detach(), **metrics}
 
 

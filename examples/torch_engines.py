@@ -101,7 +101,8 @@ def accumulate(model, engine: str, plan: lossagg.StepPlan, micro_batches, scale:
         else:
             sync = contextlib.nullcontext() if last else model.no_sync()
         with sync:
-            (plan.loss(per_token_loss(model, x, y), mask, samples, cu) * scale).backward()
+            mb = plan.micro_batch(samples, mask, cu)
+            (plan.loss(per_token_loss(model, x, y), mb) * scale).backward()
 
 
 def full_grads(model, engine: str) -> list[torch.Tensor]:

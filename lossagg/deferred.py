@@ -39,7 +39,6 @@ from lossagg.micro_batch import (
     MicroBatchLog,
     Samples,
     check_layout,
-    check_sample_weights,
     cut_from_step,
     reduce_metrics,
     reduce_micro_batch,
@@ -49,7 +48,7 @@ from lossagg.micro_batch import (
 from lossagg.modes import ModeSpec, default_term_mode, mode_spec
 from lossagg.step import StepPlan
 from lossagg.totals import group_sums, mode_totals, read_totals
-from lossagg.validate import as_int, check_group_index, check_holds_data
+from lossagg.validate import as_int, check_group_index, check_holds_data, check_sample_weights
 
 __all__ = ["DeferredPlan", "DeferredStep", "deferred_factors"]
 
@@ -193,7 +192,8 @@ class DeferredPlan:
         sample_weights: torch.Tensor | None = None,
         estimate: StepPlan | Mapping[str, Any] | None = None,
     ):
-        config = LossAggregationConfig.coerce(config)
+        if not isinstance(config, LossAggregationConfig):
+            config = LossAggregationConfig.coerce(config)
         n = as_int("num_local_samples", num_local_samples, minimum=0)
         self.config = config
         self.num_local_samples = n

@@ -23,13 +23,13 @@ Importing this module does not import torch.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
 from lossagg.messages import did_you_mean
-from lossagg.totals import EMPTY_SAMPLES, StepTotals, stand_in
+from lossagg.totals import EMPTY_SAMPLES, TOTALS, RankShare, StepTotals, stand_in
 
 #: At most this many factors in a product (csrc/denom_program.h, kMaxFactors).
 MAX_FACTORS = 15
@@ -93,26 +93,41 @@ def _c(x: float) -> float:
 
 @dataclass(frozen=True)
 class Code:
-    """One code of the native program (csrc/denom_program.h): what it reads, and its value
-    from the float64 token counts ``m`` of the whole step (and the divisor)."""
+    """One code of the native program (csrc/denom_program.h): the factor it multiplies and what it
+    reads. Its value from the token counts of the whole step is :func:`code_value`'s: a step total
+    is its one-rank value from :data:`lossagg.totals.TOTALS` (where counts become totals, once
+    in Python), read as ``c(x) = max(x, 1)`` when ``clamped``."""
 
     code: int
     symbol: str  # as csrc/denom_program.h's table names it
     reads: str  # the step total (stand-in included), "divisor" or "token_counts"
-    of_counts: Callable[[Any, float], Any]
+    clamped: bool
 
 
 _CODE_ROWS = (
-    Code(1, "N", "num_samples", lambda m, divisor: float(m.shape[0])),
-    Code(2, "c(N')", "num_nonempty_samples", lambda m, divisor: _c((m > 0).sum())),
-    Code(3, "c(T)", "total_tokens", lambda m, divisor: _c(m.sum())),
-    Code(4, "c(L_max)", "max_tokens", lambda m, divisor: _c(m.max() if m.numel() else 0.0)),
-    Code(5, "L", "divisor", lambda m, divisor: float(divisor)),
-    Code(6, "c(M[i])", "token_counts", lambda m, divisor: m.clamp(min=1.0)),
+    Code(1, "N", "num_samples", clamped=False),
+    Code(2, "c(N')", "num_nonempty_samples", clamped=True),
+    Code(3, "c(T)", "total_tokens", clamped=True),
+    Code(4, "c(L_max)", "max_tokens", clamped=True),
+    Code(5, "L", "divisor", clamped=False),
+    Code(6, "c(M[i])", "token_counts", clamped=True),
 )
 #: The native codes, by code (the twin of csrc/denom_program.h's kFactorCodes).
 CODES: Mapping[int, Code] = MappingProxyType({c.code: c for c in _CODE_ROWS})
 _CODE_OF_READ: Mapping[str, int] = MappingProxyType({c.reads: c.code for c in _CODE_ROWS})
+
+
+def code_value(code: int, counts, divisor: float) -> Any:
+    """The value of ``code`` for the float64 token counts ``counts`` of the whole step: a float, or
+    ``[B]`` values for ``c(M[i])``."""
+    c = CODES[code]
+    if c.reads == "divisor":
+        return float(divisor)
+    if c.reads == "token_counts":
+        return counts.clamp(min=1.0)
+    total = TOTALS[c.reads]
+    value = float(total.value(total.share(RankShare(counts)), None))  # one rank's share is the whole step's
+    return _c(value) if c.clamped else value
 
 
 def code_of(symbol: str, empty_samples: str) -> int | None:
@@ -147,7 +162,7 @@ def evaluate(program: Sequence[int], divisor: float, counts) -> Any:
     m = counts.double()
     acc = None
     for code in program:
-        v = CODES[code].of_counts(m, divisor)
+        v = code_value(code, m, divisor)
         acc = v if acc is None else acc * v
     return m.new_full(m.shape, acc) if isinstance(acc, float) else acc
 

@@ -26,8 +26,15 @@ def short_repr(value: Any, limit: int = MAX_QUOTED, quote: bool = True) -> str:
 
 
 def did_you_mean(name: Any, candidates: Iterable[Any]) -> str:
-    """`` (did you mean 'x'?)`` for a close candidate, else ``""``; only for short strings."""
+    """`` (did you mean 'x'?)`` for a close candidate, else ``""``; only for short strings.
+
+    Close: similar as difflib judges it, or else the one candidate that ``name`` (3 characters
+    or more) abbreviates, as ``coef`` does ``coefficient``."""
     if not isinstance(name, str) or len(name) > 64:
         return ""
-    close = difflib.get_close_matches(name, [c for c in candidates if isinstance(c, str)], n=1, cutoff=0.6)
+    names = [c for c in candidates if isinstance(c, str)]
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    if not close and len(name) >= 3:
+        close = [c for c in dict.fromkeys(names) if c.startswith(name) and c != name]
+        close = close if len(close) == 1 else []
     return f" (did you mean {close[0]!r}?)" if close else ""

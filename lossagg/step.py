@@ -29,7 +29,6 @@ from lossagg.micro_batch import (
     MicroBatch,
     Samples,
     check_layout,
-    check_sample_weights,
     cut_from_step,
     reduce_metrics,
     reduce_micro_batch,
@@ -38,7 +37,7 @@ from lossagg.micro_batch import (
 )
 from lossagg.modes import METRIC_MODE, default_term_mode, mode_spec
 from lossagg.totals import mode_totals, plan_totals, read_totals
-from lossagg.validate import as_int, check_holds_data, check_token_counts
+from lossagg.validate import as_int, check_holds_data, check_sample_weights, check_token_counts
 
 GRADIENT_CONVENTIONS = ("sum", "mean", "micro_batch_mean", "megatron")
 
@@ -84,7 +83,8 @@ class StepPlan:
         _totals: Mapping[str, Any] | None = None,
         _extra_sums: torch.Tensor | None = None,
     ):
-        config = LossAggregationConfig.coerce(config)
+        if not isinstance(config, LossAggregationConfig):
+            config = LossAggregationConfig.coerce(config)
         counts = check_token_counts(token_counts)
         self.config = config
         self.token_counts = counts

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 
 import torch
 
@@ -182,3 +183,31 @@ def check_cu_seqlens(cu_seqlens, num_tokens: int | None = None, *, name: str = "
     if num_tokens is not None and int(cu_seqlens[-1]) != num_tokens:
         raise ValueError(f"{name}[-1] must equal the number of tokens T = {num_tokens}, got {int(cu_seqlens[-1])}")
     return cu_seqlens
+
+
+def check_sample_weights(weights, weightings: Mapping[str, str], n: int, device, owner: str = "StepPlan") -> torch.Tensor | None:
+    """The samples' weights as float64 ``[n]`` on ``device``, checked: given exactly when a term of
+    the config uses them (``weightings``: each term's weighting by name), one per sample, finite,
+    and not asking for a gradient (docs/terms.md, "Per-sample weights")."""
+    users = [name for name, w in weightings.items() if w != "none"]
+    if weights is None:
+        if users:
+            raise ValueError(f"the term(s) {', '.join(users)} weigh the samples (weighting={weightings[users[0]]}): pass sample_weights= to {owner}")
+        return None
+    if not users:
+        raise ValueError("sample_weights were given, but no term of the config uses them: set weighting for the PG term or a term (docs/terms.md)")
+    check_holds_data("sample_weights", weights)
+    if not isinstance(weights, torch.Tensor) or not weights.is_floating_point() or weights.dim() != 1 or weights.shape[0] != n:
+        got = f"{weights.dtype} tensor of shape {tuple(weights.shape)}" if isinstance(weights, torch.Tensor) else type(weights).__name__
+        raise ValueError(f"sample_weights must be a floating 1-D tensor with one weight per sample of this rank ({n}), got a {got}")
+    if weights.requires_grad:
+        raise ValueError(
+            "sample_weights require grad, but the loss is not differentiable in them (they scale the samples' numerators and "
+            "their sum is a step total): pass sample_weights.detach()"
+        )
+    w = weights.to(device=device, dtype=torch.float64)
+    bad = ~torch.isfinite(w)
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0, 0])
+        raise ValueError(f"sample_weights[{i}] is {float(w[i])!r}: every weight must be finite")
+    return w

@@ -7,8 +7,13 @@ standard library) are left out, and so are the leaves of layer 1 (:mod:`lossagg.
 :mod:`lossagg.messages`, ...: argument checks any layer calls, which a reader does not
 follow). A *return* is a stop at a module visited before: the path bounced back to it.
 
-    python scripts/call_path.py              # StepPlan(config, counts) under every built-in mode
+    python scripts/call_path.py              # StepPlan(config, counts) under every built-in mode,
+                                             # then a micro-batch's reduction from each plan
     python scripts/call_path.py --leaves     # the leaves counted too
+
+The second part shows the one function both plans call for a micro-batch's share of J
+(``lossagg.micro_batch.reduce_micro_batch``): ``plan.loss(values, mb)`` of a ``StepPlan`` and of a
+``DeferredPlan``, with terms and weights, and the module each reaches it from.
 """
 
 from __future__ import annotations
@@ -74,6 +79,26 @@ def main() -> None:
         short = [s.removeprefix("lossagg.") for s in stops]
         print(f"{mode:>12}: {n} stops over {modules} modules, {returns} returns: {' -> '.join(short)}")
     print(f"most: {worst[0]} stops, {worst[2]} returns")
+
+    # a micro-batch's share of J, from each plan: both reach the one reduction
+    settings = {"mode": "sample_mean", "weighting": "mean", "terms": {"entropy": {"coefficient": -0.01, "weighting": "mean"}}}
+    config = lossagg.LossAggregationConfig.from_dict(settings)
+    mask = torch.tensor([1, 1, 0, 1, 1, 1, 0, 1, 1, 1], dtype=torch.bool)
+    cu = torch.tensor([0, 3, 3, 6, 10])
+    weights = torch.tensor([1.0, 0.5, 2.0, 1.0], dtype=torch.float64)
+    values = {"pg": torch.randn(10), "entropy": torch.randn(10)}
+    plans = {
+        "StepPlan": lossagg.StepPlan.from_mask(config, mask, cu, sample_weights=weights),
+        "DeferredPlan": lossagg.DeferredPlan(config, 4, sample_weights=weights),
+    }
+    for name, plan in plans.items():
+        mb = plan.micro_batch(slice(None), mask, cu)
+        plan.loss(values, mb)  # warm
+        mb = plan.micro_batch(slice(None), mask, cu) if name == "StepPlan" else mb
+        stops = call_path(lambda plan=plan, mb=mb: plan.loss(values, mb), leaves)
+        n, modules, returns = summary(stops)
+        short = [s.removeprefix("lossagg.") for s in stops]
+        print(f"{name}.loss(values, mb): {n} stops over {modules} modules, {returns} returns: {' -> '.join(short)}")
 
 
 if __name__ == "__main__":

@@ -156,6 +156,13 @@ def test_every_error_at_once_with_did_you_mean():
     assert "(3 errors)" in text
 
 
+def test_a_mistyped_term_setting_is_named_by_its_path_with_did_you_mean():
+    with pytest.raises(ConfigError) as info:
+        LossAggregationConfig.from_dict({"mode": "sample_mean", "terms": {"kl": {"coef": 0.1}}})
+    found = dict(info.value.issues)
+    assert "unknown setting" in found["terms.kl.coef"] and "did you mean 'coefficient'" in found["terms.kl.coef"], found
+
+
 def test_unknown_setting_with_a_huge_name_is_quoted_short():
     with pytest.raises(ConfigError) as info:
         LossAggregationConfig.from_dict({"m" * 100_000: 1})
@@ -520,6 +527,13 @@ def test_cli_check_errors_exit_nonzero(tmp_path, capsys):
     assert cli_main(["check", str(p)]) == 1
     err = capsys.readouterr().err
     assert "divisor" in err and "extra: unknown setting" in err and "bad.json" in err
+
+
+def test_cli_check_suggests_a_mistyped_term_setting(tmp_path, capsys):
+    p = write(tmp_path, "typo.yaml", "mode: sample_mean\nterms:\n  kl:\n    coef: 0.1\n")
+    assert cli_main(["check", str(p)]) == 1
+    err = capsys.readouterr().err
+    assert "terms.kl.coef: unknown setting (did you mean 'coefficient'?)" in err and "Traceback" not in err, err
 
 
 def test_cli_schema_is_json(capsys):
