@@ -381,6 +381,13 @@ TokenLayout check_reduce_terms_inputs(
   return layout;
 }
 
+// The dtype a backward op writes its gradient in: a value dtype, named as the op's argument.
+static void check_values_dtype_argument(const char* op, ScalarType values_dtype) {
+  LOSSAGG_CHECK_TYPE(
+      is_value_dtype(values_dtype), "lossagg.", op, ": values_dtype (the gradient's dtype, that of the values) must be ", value_dtypes_text(),
+      ", got ", values_dtype);
+}
+
 TokenLayout check_reduce_terms_backward_inputs(
     const Tensor& grad,
     const Tensor& mask,
@@ -390,6 +397,7 @@ TokenLayout check_reduce_terms_backward_inputs(
     const std::vector<double>& coefficients,
     ScalarType values_dtype) {
   const char* op = "reduce_terms_backward";
+  check_values_dtype_argument(op, values_dtype);
   LOSSAGG_CHECK_VALUE(grad.dim() == 0, "lossagg.", op, ": grad must be a 0-dim tensor, got shape ", shape_of(grad));
   LOSSAGG_CHECK_TYPE(is_value_dtype(grad.scalar_type()), "lossagg.", op, ": grad must have a floating dtype, got ", grad.scalar_type());
   LOSSAGG_CHECK_VALUE(
@@ -414,6 +422,7 @@ TokenLayout check_reduce_terms_backward_inputs(
 TokenLayout check_reduce_backward_inputs(
     const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms, ScalarType values_dtype) {
   const char* op = "reduce_backward";
+  check_values_dtype_argument(op, values_dtype);
   LOSSAGG_CHECK_VALUE(grad.dim() == 0, "lossagg.", op, ": grad must be a 0-dim tensor, got shape ", shape_of(grad));
   LOSSAGG_CHECK_TYPE(is_value_dtype(grad.scalar_type()), "lossagg.", op, ": grad must have a floating dtype, got ", grad.scalar_type());
   TokenLayout layout = check_mask_layout(op, mask, cu_seqlens, 1, false);
@@ -424,8 +433,10 @@ TokenLayout check_reduce_backward_inputs(
   return layout;
 }
 
-TokenLayout check_segment_sum_backward_inputs(const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
+TokenLayout check_segment_sum_backward_inputs(
+    const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, ScalarType values_dtype) {
   const char* op = "segment_sum_backward";
+  check_values_dtype_argument(op, values_dtype);
   LOSSAGG_CHECK_VALUE(grad.dim() == 1 || grad.dim() == 2, "lossagg.", op, ": grad must be [B] or [K, B], got shape ", shape_of(grad));
   LOSSAGG_CHECK_TYPE(is_value_dtype(grad.scalar_type()), "lossagg.", op, ": grad must have a floating dtype, got ", grad.scalar_type());
   const bool has_metric_dim = grad.dim() == 2;

@@ -48,7 +48,8 @@ TokenLayout check_reduce_terms_inputs(
 // All checks of the backward ops (shapes, dtypes, devices, and the data checks).
 TokenLayout check_reduce_backward_inputs(
     const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms, ScalarType values_dtype);
-TokenLayout check_segment_sum_backward_inputs(const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens);
+TokenLayout check_segment_sum_backward_inputs(
+    const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, ScalarType values_dtype);
 TokenLayout check_reduce_terms_backward_inputs(
     const Tensor& grad,
     const Tensor& mask,

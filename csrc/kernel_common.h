@@ -127,4 +127,33 @@ LOSSAGG_HD bool is_kept(mask_t m) {
   }
 }
 
+// The per-(term, sample) numbers of reduce_terms (docs/ops.md, "Precision of the terms"). A float32
+// accumulation computes each in float64 and rounds it once, so that an intermediate product or
+// quotient that leaves float32's range cannot turn a representable result into inf or 0 (a
+// weight of 1e30 times a sum of 1e20, a coefficient of 1e39); a float64 accumulation computes
+// them in float64 as written. With weight 1 and coefficient 1 every one is reduce's own number
+// (the quotient of two floats computed in float64 and rounded once is the float32 quotient).
+template <typename acc_t>
+LOSSAGG_HD acc_t weighted_quotient(acc_t sum, acc_t weight, acc_t denom) {  // w·S / d
+  if constexpr (std::is_same_v<acc_t, float>) {
+    return static_cast<float>(static_cast<double>(sum) * static_cast<double>(weight) / static_cast<double>(denom));
+  } else {
+    return (sum * weight) / denom;
+  }
+}
+template <typename acc_t>
+LOSSAGG_HD acc_t scaled_part(acc_t part, double coefficient) {  // c_k · J_k
+  return static_cast<acc_t>(static_cast<double>(part) * coefficient);
+}
+template <typename acc_t>
+LOSSAGG_HD acc_t term_grad(acc_t grad, double coefficient, acc_t denom, const acc_t* weight) {  // ((g·c_k) / d) · w
+  if constexpr (std::is_same_v<acc_t, float>) {
+    const double q = static_cast<double>(grad) * coefficient / static_cast<double>(denom);
+    return static_cast<float>(weight != nullptr ? q * static_cast<double>(*weight) : q);
+  } else {
+    const double q = (grad * coefficient) / denom;
+    return weight != nullptr ? q * *weight : q;
+  }
+}
+
 }  // namespace lossagg

@@ -14,7 +14,7 @@ before it, and never in a circle (tests/test_import_graph.py checks both against
 2. declarations (no torch at import): totals, denom_program, modes
 3. configuration (no torch): config.errors, config.files, config.model, config.flags, config
 4. native ops: _native, ops
-5. planning: layout, context_parallel, denominators, micro_batch, step, deferred, aggregate, sequence, testing
+5. planning: layout, context_parallel, denominators, micro_batch, step, deferred, one_pass, sequence, testing
 6. adapters: integrations, integrations.verl, integrations.megatron, integrations.trl, integrations.miles
 7. front ends: demo.report, demo.train, demo, cli, __main__, lossagg
 """
@@ -77,7 +77,7 @@ _EXPORTS = {
     "DeferredPlan": "lossagg.deferred",
     "DeferredStep": "lossagg.deferred",
     "gradient_scale": "lossagg.step",
-    "aggregate": "lossagg.aggregate",
+    "aggregate": "lossagg.one_pass",
     "zigzag_local_cu_seqlens": "lossagg.context_parallel",
     "zigzag_positions": "lossagg.context_parallel",
     "zigzag_shard": "lossagg.context_parallel",
@@ -114,7 +114,7 @@ def __dir__():
 
 if TYPE_CHECKING:  # for type checkers and IDEs: every name of _EXPORTS, from its module (tests/test_import_graph.py)
     from lossagg._native import built_with_cuda, cpu_isa, device_checks_enabled, set_cpu_isa, set_device_checks  # noqa: F401
-    from lossagg.aggregate import aggregate  # noqa: F401
+    from lossagg.one_pass import aggregate  # noqa: F401
     from lossagg.config import ConfigError, LossAggregationConfig, add_loss_aggregation_args, config_from_args  # noqa: F401
     from lossagg.context_parallel import zigzag_local_cu_seqlens, zigzag_positions, zigzag_shard  # noqa: F401
     from lossagg.deferred import DeferredPlan, DeferredStep  # noqa: F401

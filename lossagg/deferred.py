@@ -23,7 +23,9 @@ is read from these declarations, never from a list of names.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+import threading
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +50,7 @@ from lossagg.micro_batch import (
 from lossagg.modes import ModeSpec, default_term_mode, mode_spec
 from lossagg.step import StepPlan
 from lossagg.totals import group_sums, mode_totals, read_totals
-from lossagg.validate import as_int, check_group_index, check_holds_data, check_sample_weights
+from lossagg.validate import as_int, check_group_index, check_holds_data, check_process_group, check_sample_weights, plain_number
 
 __all__ = ["DeferredPlan", "DeferredStep", "deferred_factors"]
 
@@ -136,7 +138,7 @@ class DeferredStep:
                 "DeferredStep.apply_: target must be a module, an optimizer, an iterable of parameters or gradient tensors, "
                 f"or an object with scale_gradients (Megatron-Core's DistributedDataParallel), got {type(target).__name__}"
             )
-        seen, scaled = set(), 0
+        seen, grads = set(), []
         for p in params:
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"DeferredStep.apply_: target must yield tensors, got {type(p).__name__}")
@@ -148,10 +150,17 @@ class DeferredStep:
                 g = p
             if g is None or id(g) in seen:
                 continue
+            if not (g.is_floating_point() or g.is_complex()):  # checked for all before any is scaled: never half-applied
+                raise TypeError(
+                    f"DeferredStep.apply_: a gradient of dtype {g.dtype} cannot be scaled by {self.scale!r} in place (gradients are "
+                    "floating): pass the parameters, or floating gradient tensors"
+                )
             seen.add(id(g))
-            with torch.no_grad():
+            grads.append(g)
+        with torch.no_grad():
+            for g in grads:
                 g.mul_(self.scale)
-            scaled += 1
+        scaled = len(grads)
         return scaled
 
 
@@ -178,6 +187,15 @@ class DeferredPlan:
             the same on every rank. None: 1 for every step-level factor. With an estimate close
             to the final totals, :attr:`DeferredStep.scale` is close to 1 (docs/composition.md
             on why that matters for bf16 and fp16 gradients).
+        metrics: the names of the metrics the step reports through :meth:`metrics`, declared so
+            that a rank that holds no sample (or reports a metric on none of its samples) sends
+            the same buffer at :meth:`close`; a metric reported but not declared is added as it
+            comes. At :meth:`close` the ranks check that they report the same terms and metrics
+            (one all-reduce of a few numbers), and every rank raises, naming the difference, if not.
+
+    A plan belongs to one step of one rank: a micro-batch's samples are checked and recorded
+    atomically (two threads giving the same samples get one micro-batch and one error), but the
+    plan is not meant to be shared between threads otherwise (docs/composition.md).
     """
 
     def __init__(
@@ -191,14 +209,15 @@ class DeferredPlan:
         num_group_labels: int | None = None,
         sample_weights: torch.Tensor | None = None,
         estimate: StepPlan | Mapping[str, Any] | None = None,
+        metrics: Sequence[str] = (),
     ):
         if not isinstance(config, LossAggregationConfig):
             config = LossAggregationConfig.coerce(config)
         n = as_int("num_local_samples", num_local_samples, minimum=0)
         self.config = config
         self.num_local_samples = n
-        self.process_group = process_group
-        self.cp_group = cp_group
+        self.process_group = check_process_group(process_group, "process_group", "the DP group of this rank")
+        self.cp_group = check_process_group(cp_group, "cp_group", "the CP group of this rank")
         self.num_group_labels = num_group_labels
         self._names = (PG_TERM, *config.terms)
         self._coefficients = [1.0, *(t.coefficient for t in config.terms.values())]
@@ -247,6 +266,13 @@ class DeferredPlan:
         # the logged values, summed over the ranks at close(): every term's from the start, so that a
         # rank with no sample still sends the same buffer (every rank must report the same metrics)
         self._logged: dict[str, torch.Tensor] = {f"term:{n}": torch.zeros((), dtype=torch.float64) for n in self._names}
+        if isinstance(metrics, str) or not isinstance(metrics, (list, tuple)) or not all(isinstance(k, str) for k in metrics):
+            raise TypeError(f"metrics must be a list of the metric names every rank reports (strings), got {metrics!r}")
+        self._logged.update({f"metric:{k}": torch.zeros((), dtype=torch.float64) for k in metrics})
+        # each metric's samples counted so far (a metric is given once per sample)
+        self._metric_samples: dict[str, torch.Tensor] = {}
+        # one micro-batch at a time is recorded (a plan shared by threads checks and records atomically)
+        self._lock = threading.Lock()
         # every micro-batch made, with the terms' J_k its loss returned (summed at close())
         self._logs: list[MicroBatchLog] = []
         self._closed: DeferredStep | None = None
@@ -271,9 +297,10 @@ class DeferredPlan:
         out = {}
         for name in needed:
             value = read[name]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)) or float(value) < 0:
+            number = plain_number(value)  # a Python or NumPy number, or a 0-dim tensor
+            if number is None or not math.isfinite(float(number)) or float(number) < 0:
                 raise ValueError(f"estimate: the step total {name} must be a finite number >= 0, got {value!r}")
-            out[name] = float(value)
+            out[name] = float(number)
         return out
 
     # ---------------------------------------------------------- one micro-batch
@@ -324,15 +351,19 @@ class DeferredPlan:
     def _register(self, pos: torch.Tensor, mask: torch.Tensor, cu_seqlens) -> list[int]:
         """Record the micro-batch's samples and their final kept tokens (summed over the CP group);
         returns the prompt groups it recorded (for :meth:`_unregister`)."""
+        kept = _token_counts(mask, cu_seqlens).to(torch.float64)
+        if self.cp_group is not None:  # each CP rank holds a shard of every sample's tokens
+            torch.distributed.all_reduce(kept, group=self.cp_group)
+        with self._lock:
+            return self._record(pos, kept)
+
+    def _record(self, pos: torch.Tensor, kept: torch.Tensor) -> list[int]:
         again = pos[self._seen[pos]]
         if again.numel():
             raise ValueError(
                 f"samples: sample {int(again[0])} already ran in an earlier micro-batch of this step (each sample's final mask is "
                 "given once, by micro_batch() or loss(); metrics() reads what they recorded)"
             )
-        kept = _token_counts(mask, cu_seqlens).to(torch.float64)
-        if self.cp_group is not None:  # each CP rank holds a shard of every sample's tokens
-            torch.distributed.all_reduce(kept, group=self.cp_group)
         groups = self._check_whole_groups(pos) if self._whole_groups else []
         if self._counts is None:
             self._counts = torch.full((self.num_local_samples,), -1.0, dtype=torch.float64, device=kept.device)
@@ -343,9 +374,10 @@ class DeferredPlan:
 
     def _unregister(self, pos: torch.Tensor, groups: list[int]) -> None:
         """Forget a micro-batch whose loss failed, so that nothing is half-applied."""
-        self._seen[pos] = False
-        self._counts[pos.to(self._counts.device)] = -1.0
-        self._seen_groups.difference_update(groups)
+        with self._lock:
+            self._seen[pos] = False
+            self._counts[pos.to(self._counts.device)] = -1.0
+            self._seen_groups.difference_update(groups)
 
     def _check_whole_groups(self, pos: torch.Tensor) -> list[int]:
         n = self.config.n_samples_per_prompt
@@ -441,8 +473,18 @@ class DeferredPlan:
             )
         d = self._used_denoms(self._metric_spec, None, pos, f"mode={self._metric_spec.name} (the metrics reducer)")
         out = reduce_metrics(metrics, mask, cu_seqlens, d)
-        for k, v in out.items():
-            self._log(f"metric:{k}", v)
+        with self._lock:
+            for k in out:
+                done = self._metric_samples.get(k)
+                if done is not None and bool(done[pos].any()):
+                    again = int(pos[done[pos]][0])
+                    raise ValueError(
+                        f"DeferredPlan.metrics: metric {k!r} was already reported for sample {again} in this step (each metric is given "
+                        "once per sample: a second report would count it twice)"
+                    )
+            for k, v in out.items():
+                self._metric_samples.setdefault(k, torch.zeros(self.num_local_samples, dtype=torch.bool))[pos] = True
+                self._log(f"metric:{k}", v)
         return out
 
     def _log(self, name: str, value: torch.Tensor) -> None:
@@ -451,26 +493,66 @@ class DeferredPlan:
         self._logged[name] = value if name not in self._logged else self._logged[name].to(value.device) + value
 
     # --------------------------------------------------------------- the end
-    def close(self) -> DeferredStep:
-        """After the last micro-batch: the step totals of the final masks (one sum all-reduce over the
-        process group, plus one max all-reduce for a mode with a maximum; the logged values ride in
-        the sum, after one all-reduce over the CP group when there is one) and the rescale."""
-        if self._closed is not None:
-            return self._closed
+    def _local_problem(self) -> str | None:
+        """What keeps this rank from closing the step, or None."""
         missing = torch.nonzero(~self._seen).flatten()
         if missing.numel():
             shown = ", ".join(map(str, missing[:8].tolist())) + (", ..." if missing.numel() > 8 else "")
-            raise ValueError(
+            return (
                 f"DeferredPlan.close: {missing.numel()} of this rank's {self.num_local_samples} samples never ran a micro-batch ({shown}): "
                 "every sample's final mask must be given by micro_batch() or loss() before the step closes"
             )
         idle = [log for log in self._logs if log.parts is None]
         if idle:
             shown = ", ".join(map(str, idle[0].samples[:8].tolist()))
-            raise ValueError(
+            return (
                 f"DeferredPlan.close: {len(idle)} micro-batch(es) made by micro_batch() never ran loss() (the first holds samples {shown}): "
                 "their terms would be missing from the step's J"
             )
+        return None
+
+    def _agree(self, problem: str | None) -> None:
+        """Every rank closes the step or none does: over the CP group, then the DP group, one MAX
+        all-reduce of a few numbers (whether a rank cannot close, and the count and a checksum of
+        the names its buffer holds); a rank that cannot close, or buffers that differ, make every
+        rank raise, naming the cause, before any all-reduce of the values (whose layouts would
+        differ: a number on one rank and an error on another)."""
+        groups = [g for g in (self.cp_group, self.process_group) if g is not None]
+        if not groups:
+            return
+        names = sorted(set(self._logged))
+        checksum = float(zlib.crc32("\n".join(names).encode()))
+        failed, differ = (1.0 if problem is not None else 0.0), 0.0
+        for group in groups:  # a flag raised in the CP group reaches the DP group through the ranks it shares
+            buf = torch.tensor([failed, differ, len(names), checksum, -len(names), -checksum], dtype=torch.float64)
+            torch.distributed.all_reduce(buf, op=torch.distributed.ReduceOp.MAX, group=group)
+            failed = float(buf[0])
+            differ = 1.0 if buf[1] > 0 or buf[2] != -buf[4] or buf[3] != -buf[5] else 0.0
+        if problem is not None:
+            raise ValueError(problem + " (the other ranks are told and raise too)")
+        if failed:
+            raise ValueError(
+                "DeferredPlan.close: another rank could not close the step (it raises its own error, naming what it lacks), so no rank "
+                "takes a number from this step"
+            )
+        if differ:
+            shown = ", ".join(n.split(":", 1)[1] + (" (metric)" if n.startswith("metric:") else "") for n in names)
+            raise ValueError(
+                "DeferredPlan.close: the ranks do not report the same terms and metrics, so their buffers cannot be summed (this rank's: "
+                f"{shown}): every rank must report the same metric names, a rank without samples included; declare them with "
+                "DeferredPlan(..., metrics=[...])"
+            )
+
+    def close(self) -> DeferredStep:
+        """After the last micro-batch: the step totals of the final masks (one sum all-reduce over the
+        process group, plus one max all-reduce for a mode with a maximum; the logged values ride in
+        the sum, after one all-reduce over the CP group when there is one) and the rescale."""
+        if self._closed is not None:
+            return self._closed
+        problem = self._local_problem()
+        self._agree(problem)
+        if problem is not None:  # one process: no rank to tell
+            raise ValueError(problem)
         sums = dict(self._logged)  # (a close() that fails leaves the plan as it was)
         for log in self._logs:  # the terms' J_k, in the order the micro-batches were made
             for n, part in zip(self._names, log.parts, strict=True):

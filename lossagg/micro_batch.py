@@ -194,13 +194,18 @@ def _plain(seq: list, mask) -> bool:
     """Every term a dense tensor of the mask's shape, one dtype and device: the usual call, whose
     named checks are skipped (the op checks the rest)."""
     first = seq[0]
-    if not isinstance(first, torch.Tensor):
+    if not isinstance(first, torch.Tensor) or not first.is_floating_point():
         return False
     shape, dtype, device = mask.shape, first.dtype, first.device
     for t in seq:
         if not (isinstance(t, torch.Tensor) and t.layout is _STRIDED and t.shape == shape and t.dtype is dtype and t.device == device):
             return False
     return True
+
+
+def _labels(names: tuple[str, ...]) -> tuple[str, ...]:
+    """The values as the user passed them: ``values`` alone, or ``values['kl']`` of a mapping."""
+    return ("values",) if names == ("pg",) else tuple(f"values[{n!r}]" for n in names)
 
 
 def _check_values(names, seq, mb: MicroBatch, what: str) -> None:
@@ -233,12 +238,14 @@ def reduce_micro_batch(values, mb: MicroBatch, *, parts: bool = False, what: str
             total = reduce(first, mb.mask, cu_seqlens=mb.cu_seqlens, sample_denoms=d[0])
             split = total.detach().reshape(1)
         else:
-            total, split = reduce_terms_of(seq, mb.mask, mb.cu_seqlens, d, w, mb.coefficients)
+            total, split = reduce_terms_of(seq, mb.mask, mb.cu_seqlens, d, w, mb.coefficients, _labels(names))
     else:  # one reduce_terms per term, each accumulating as reduce does for its dtype; the total in the widest
         total, split = None, []
         for k, v in enumerate(seq):
             d, w = mb.tables[torch.float64 if v.dtype is torch.float64 else torch.float32]
-            j_k, part = reduce_terms_of([v], mb.mask, mb.cu_seqlens, d[k : k + 1], None if w is None else w[k : k + 1], [mb.coefficients[k]])
+            j_k, part = reduce_terms_of(
+                [v], mb.mask, mb.cu_seqlens, d[k : k + 1], None if w is None else w[k : k + 1], [mb.coefficients[k]], _labels(names[k : k + 1])
+            )
             split.append(part[0])
             total = j_k if total is None else total + j_k
     if mb.log is not None:

@@ -408,6 +408,13 @@ def mode_spec(mode: Any) -> ModeSpec:
         raise ValueError(f"mode must be one of {', '.join(registry)}, got {mode!r}") from None
 
 
+def mode_spellings(name: str) -> tuple[str, ...]:
+    """The spellings ``name`` stands for, in the order they are looked up: as given (case and
+    surrounding spaces ignored), then with ``-`` for ``_``, then with ``_`` for ``-`` (no repeats)."""
+    key = name.strip().lower()
+    return tuple(dict.fromkeys((key, key.replace("_", "-"), key.replace("-", "_"))))
+
+
 def canonical_mode(name: Any, settings: Mapping[str, Any] = MappingProxyType({})) -> tuple[Any, str | None]:
     """(the mode ``name`` stands for, the alias used or None).
 
@@ -419,16 +426,17 @@ def canonical_mode(name: Any, settings: Mapping[str, Any] = MappingProxyType({})
     """
     if not isinstance(name, str):
         return name, None
-    key = name.strip().lower()
+    spellings = mode_spellings(name)
+    key = spellings[0]
     registry = _published
     if key in registry:
         return key, None
     # other trainers' names: '-' and '_' count as the same here too (SkyRL's seq_mean_token_sum_norm is verl's
     # seq-mean-token-sum-norm); the spelling as given is looked up first
-    for spelling in dict.fromkeys((key, key.replace("_", "-"), key.replace("-", "_"))):
+    for spelling in spellings:
         if spelling in _REFUSED:
             raise ValueError(f"mode {name!r} is not supported: {_REFUSED[spelling]}")
-    for spelling in dict.fromkeys((key, key.replace("_", "-"), key.replace("-", "_"))):
+    for spelling in spellings:
         if spelling in _ALIASES:  # an alias spelled like a mode stands for that very mode (registration makes sure)
             return _ALIASES[spelling].resolve(settings), spelling
     if key.replace("-", "_") in registry:

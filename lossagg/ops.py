@@ -37,7 +37,7 @@ import torch
 from lossagg import _native  # noqa: F401  (registers torch.ops.lossagg)
 from lossagg.denom_program import evaluate as evaluate_program
 from lossagg.dtypes import MASK_DTYPES, VALUE_DTYPES, values_dtype_error
-from lossagg.validate import check_cu_seqlens, check_holds_data
+from lossagg.validate import check_cu_seqlens, check_holds_data, plain_number
 
 __all__ = ["segment_sum", "reduce", "reduce_terms", "token_counts"]
 
@@ -213,6 +213,12 @@ def _check_sample_denoms(op, sample_denoms, num_segments, like):
     _check_device(op, "sample_denoms", sample_denoms, like, "the token tensors")
 
 
+def _check_values_dtype_argument(op, values_dtype):
+    """The dtype a backward op writes its gradient in: a value dtype, named as the op's argument."""
+    if values_dtype not in VALUE_DTYPES:
+        _fail(TypeError, op, values_dtype_error("values_dtype (the gradient's dtype, that of the values)", values_dtype))
+
+
 def _not_differentiable(op: str, **tensors) -> None:
     for name, t in tensors.items():
         if t is not None and t.requires_grad:
@@ -289,6 +295,7 @@ torch.library.register_autograd("lossagg::segment_sum", _segment_sum_grad, setup
 @torch.library.register_fake("lossagg::segment_sum_backward")
 def _segment_sum_backward_fake(grad, mask, cu_seqlens, values_dtype):
     op = "segment_sum_backward"
+    _check_values_dtype_argument(op, values_dtype)
     if grad.dim() not in (1, 2):
         _fail(ValueError, op, f"grad must be [B] or [K, B], got shape {list(grad.shape)}")
     b = _mask_layout(op, mask, cu_seqlens)
@@ -424,6 +431,7 @@ torch.library.register_autograd("lossagg::reduce", _reduce_grad, setup_context=_
 @torch.library.register_fake("lossagg::reduce_backward")
 def _reduce_backward_fake(grad, mask, cu_seqlens, sample_denoms, values_dtype):
     op = "reduce_backward"
+    _check_values_dtype_argument(op, values_dtype)
     if grad.dim() != 0:
         _fail(ValueError, op, f"grad must be a 0-dim tensor, got shape {list(grad.shape)}")
     b = _mask_layout(op, mask, cu_seqlens)
@@ -484,21 +492,27 @@ def reduce_terms(
     values = list(values)
     if not values:
         _fail(ValueError, "reduce_terms", "values must hold at least one term's tensor, got an empty list")
+    for k, v in enumerate(values):
+        if not isinstance(v, torch.Tensor):
+            _fail(TypeError, "reduce_terms", f"values[{k}] must be a torch.Tensor (a term's per-token values), got {type(v).__name__}")
     if sample_denoms is None:
         raise TypeError("lossagg.reduce_terms: missing the keyword argument sample_denoms (the [K, B] per-term, per-sample denominators)")
     return reduce_terms_of(values, mask, cu_seqlens, sample_denoms, sample_weights, _term_coefficients(coefficients, len(values)))
 
 
-def reduce_terms_of(values: list, mask, cu_seqlens, sample_denoms, sample_weights, coefficients: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+def reduce_terms_of(
+    values: list, mask, cu_seqlens, sample_denoms, sample_weights, coefficients: list[float], names: tuple[str, ...] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`reduce_terms` for a caller that passes ``values`` as a list and ``coefficients`` as
-    a list of floats (lossagg/micro_batch.py): every check of the tensors, none of the parsing."""
+    a list of floats (lossagg/micro_batch.py): every check of the tensors, none of the parsing;
+    ``names``, the values as the caller's user named them (``values['kl']``), for the messages."""
     if torch.compiler.is_compiling():  # the fake kernel checks what a trace can see
         return torch.ops.lossagg.reduce_terms(values, mask, cu_seqlens, sample_denoms, sample_weights, coefficients)
     grad_mode = torch.is_grad_enabled()
     needs_grad = grad_mode and any(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
     tensors = (*values, mask, cu_seqlens, sample_denoms, sample_weights)
     if not _readable(tensors, needs_grad):
-        names = (*(f"values[{k}]" for k in range(len(values))), "mask", "cu_seqlens", "sample_denoms", "sample_weights")
+        names = (*(names or (f"values[{k}]" for k in range(len(values)))), "mask", "cu_seqlens", "sample_denoms", "sample_weights")
         check_readable(
             "reduce_terms", names, tensors, (_reduce_terms_fake, (values, mask, cu_seqlens, sample_denoms, sample_weights, coefficients)), needs_grad
         )
@@ -520,9 +534,10 @@ def _term_coefficients(coefficients, k: int) -> list[float]:
         _fail(TypeError, "reduce_terms", f"coefficients must be a list of K = {k} numbers, got {type(coefficients).__name__}")
     out = []
     for i, c in enumerate(coefficients):
-        if isinstance(c, bool) or not isinstance(c, (int, float)):
+        number = plain_number(c)  # a Python or NumPy number, or a 0-dim tensor
+        if number is None:
             _fail(TypeError, "reduce_terms", f"coefficients[{i}] must be a number, got {type(c).__name__}")
-        out.append(float(c))
+        out.append(float(number))
     return out
 
 
@@ -622,6 +637,7 @@ torch.library.register_autograd("lossagg::reduce_terms", _reduce_terms_grad, set
 @torch.library.register_fake("lossagg::reduce_terms_backward")
 def _reduce_terms_backward_fake(grad, mask, cu_seqlens, sample_denoms, sample_weights, coefficients, values_dtype):
     op = "reduce_terms_backward"
+    _check_values_dtype_argument(op, values_dtype)
     if grad.dim() != 0:
         _fail(ValueError, op, f"grad must be a 0-dim tensor, got shape {list(grad.shape)}")
     if sample_denoms.dim() != 2 or sample_denoms.shape[0] < 1:
@@ -686,7 +702,7 @@ def _setup_segment_sum_and_count(ctx, inputs, output):
 
 def _segment_sum_and_count_grad(ctx, grad_sums, grad_counts):
     raise RuntimeError(
-        "lossagg.segment_sum_and_count is not differentiable: lossagg.aggregate (its one-pass route, lossagg/aggregate.py) gives the gradient of J, "
+        "lossagg.segment_sum_and_count is not differentiable: lossagg.aggregate (its one-pass route, lossagg/one_pass.py) gives the gradient of J, "
         "lossagg.segment_sum that of the per-segment sums"
     )
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from lossagg.config import LossAggregationConfig
 from lossagg.ops import segment_sum
 from lossagg.step import StepPlan
-from lossagg.validate import as_number, check_cu_seqlens, check_holds_data
+from lossagg.validate import as_number, check_cu_seqlens, check_holds_data, check_process_group
 
 __all__ = [
     "SEQUENCE_OBJECTIVES",
@@ -46,18 +46,6 @@ __all__ = [
 
 
 # ----------------------------------------------------------------- the CP collective
-def _check_group(cp_group, name: str = "cp_group"):
-    """``cp_group`` as given (None: one CP rank), checked: a process group of an initialised ``torch.distributed``;
-    errors name the argument as the caller's signature spells it (``name``)."""
-    if cp_group is None:
-        return None
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(f"{name} was given but torch.distributed is not initialised: call torch.distributed.init_process_group first, or pass None")
-    if not isinstance(cp_group, dist.ProcessGroup):
-        raise TypeError(f"{name} must be a torch.distributed process group (the CP group of this rank) or None, got {type(cp_group).__name__}")
-    return cp_group
-
-
 class _AllReduceSum(torch.autograd.Function):
     """Sum over the group; its backward is the same sum of the incoming gradients (the
     gradient of ``y = sum_r x_r`` held on every rank, with respect to each ``x_r``, is the sum
@@ -84,7 +72,7 @@ def all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    group = _check_group(group, "group")
+    group = check_process_group(group, "group", "the group of ranks to sum over")
     return tensor if group is None else _AllReduceSum.apply(tensor, group)
 
 
@@ -104,7 +92,7 @@ def sequence_sum(values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Ten
     differentiable in ``values`` (the gradient of a rank's use of a sum reaches the tokens of
     every rank).
     """
-    group = _check_group(cp_group)
+    group = check_process_group(cp_group, "cp_group", "the CP group of this rank")
     sums = segment_sum(values, mask, cu_seqlens)
     return sums if group is None else _AllReduceSum.apply(sums, group)
 
@@ -306,7 +294,7 @@ def cispo_token_loss(
     """
     low = None if eps_low is None else _eps("eps_low", eps_low)
     high = _eps("eps_high", eps_high)
-    _check_group(cp_group)
+    check_process_group(cp_group, "cp_group", "the CP group of this rank")
     log_ratio, b = _log_ratio(log_prob, old_log_prob, mask, cu_seqlens)
     dtype = _compute_dtype(log_prob)
     token_adv = broadcast_to_tokens(_sample_advantages(advantages, b, dtype, log_prob.device), mask, cu_seqlens)

@@ -37,7 +37,7 @@ from lossagg.micro_batch import (
 )
 from lossagg.modes import METRIC_MODE, default_term_mode, mode_spec
 from lossagg.totals import mode_totals, plan_totals, read_totals
-from lossagg.validate import as_int, check_holds_data, check_sample_weights, check_token_counts
+from lossagg.validate import as_int, check_holds_data, check_process_group, check_sample_weights, check_token_counts
 
 GRADIENT_CONVENTIONS = ("sum", "mean", "micro_batch_mean", "megatron")
 
@@ -86,6 +86,7 @@ class StepPlan:
         if not isinstance(config, LossAggregationConfig):
             config = LossAggregationConfig.coerce(config)
         counts = check_token_counts(token_counts)
+        process_group = check_process_group(process_group, "process_group", "the DP group of this rank")
         self.config = config
         self.token_counts = counts
         self.device = counts.device

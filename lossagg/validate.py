@@ -11,9 +11,10 @@ import numbers
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 
 
-def _plain(value):
+def plain_number(value):
     """A Python number from an int/float, a NumPy scalar or a 0-dim tensor; None otherwise."""
     if isinstance(value, bool):
         return None
@@ -35,7 +36,7 @@ MAX_INT = 2**53
 def as_int(name: str, value, *, minimum: int) -> int:
     """``value`` as an int in ``[minimum, 2**53]`` (Python/NumPy integers and 0-dim integer
     tensors; floats are refused, integral or not: a count is an integer)."""
-    plain = _plain(value)
+    plain = plain_number(value)
     if not isinstance(plain, int) or plain < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     if plain > MAX_INT:
@@ -45,7 +46,7 @@ def as_int(name: str, value, *, minimum: int) -> int:
 
 def as_number(name: str, value, *, positive: bool = True) -> float:
     """``value`` as a finite float, > 0 when ``positive`` else >= 0."""
-    plain = _plain(value)
+    plain = plain_number(value)
     try:
         plain = None if plain is None else float(plain)
     except OverflowError:  # an int beyond float64
@@ -211,3 +212,16 @@ def check_sample_weights(weights, weightings: Mapping[str, str], n: int, device,
         i = int(torch.nonzero(bad)[0, 0])
         raise ValueError(f"sample_weights[{i}] is {float(w[i])!r}: every weight must be finite")
     return w
+
+
+def check_process_group(group, name: str, what: str):
+    """``group`` as given (None: one rank), checked: a process group of an initialised
+    ``torch.distributed`` (``what`` it is, for the message); errors name the argument as the
+    caller's signature spells it (``name``)."""
+    if group is None:
+        return None
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{name} must be a torch.distributed process group ({what}) or None, got {type(group).__name__} {group!r}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"{name} was given but torch.distributed is not initialised: call torch.distributed.init_process_group first, or pass None")
+    return group

@@ -255,7 +255,7 @@ def test_misuse_is_named_and_leaves_nothing_half_applied():
         plan.metrics({"x": loss}, m, samples, cu)
     with pytest.raises(ValueError, match="samples selects 3 sample"):
         plan.loss(loss, m, samples[:3], cu)
-    with pytest.raises(TypeError, match="values must have dtype"):  # fails inside the op: the micro-batch is forgotten
+    with pytest.raises(TypeError, match="values must have a floating dtype"):  # fails in the reduction: the micro-batch is forgotten
         plan.loss(torch.zeros_like(loss, dtype=torch.int32), m, samples, cu)
     plan.loss(loss, m, samples, cu)  # the same micro-batch again, after the failure
     with pytest.raises(ValueError, match="sample 0 already ran in an earlier micro-batch"):
@@ -305,3 +305,55 @@ def test_apply_scales_modules_optimizers_tensors_and_buffers_once():
     assert buffers.factor == 0.5
     with pytest.raises(TypeError, match="target must be a module, an optimizer"):
         closed.apply_(3)
+
+
+def test_hostile_and_careless_calls_are_named():
+    """Metrics given twice for a sample, or after close(); a process group that is not one; an
+    estimate of NumPy and 0-dim tensor numbers; an integer gradient to rescale."""
+    import numpy as np
+
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    plan = lossagg.DeferredPlan({"mode": "sample_mean"}, 2)
+    mb = plan.micro_batch(slice(None), mask)
+    plan.loss(torch.randn(2, 3), mb)
+    plan.metrics({"ent": torch.ones(2, 3)}, mb)
+    with pytest.raises(ValueError, match="metric 'ent' was already reported for sample 0 in this step"):
+        plan.metrics({"ent": torch.ones(1, 3)}, mask[:1], [0])
+    step = plan.close()
+    assert step.metrics == {"ent": pytest.approx(1.0)}  # the mean of ones, counted once (twice: 1.5)
+    with pytest.raises(RuntimeError, match=r"DeferredPlan.metrics: the step is closed"):
+        plan.metrics({"ent": torch.ones(2, 3)}, mb)
+    for name, group in (("process_group", "dp"), ("cp_group", "cp")):
+        with pytest.raises(TypeError, match=rf"{name} must be a torch.distributed process group .* got str '{group[:2]}'"):
+            lossagg.DeferredPlan({"mode": "sample_mean"}, 2, **{name: group})
+    for number in (np.float64(4.0), np.int64(4), torch.tensor(4.0)):
+        plan = lossagg.DeferredPlan({"mode": "sample_mean"}, 2, estimate={"num_samples": number})
+        assert plan._used == 4.0
+    with pytest.raises(TypeError, match=r"DeferredStep.apply_: a gradient of dtype torch.int64 cannot be scaled"):
+        step.apply_([torch.ones(3), torch.ones(3, dtype=torch.int64)])
+
+
+def test_a_plan_shared_by_two_threads_records_a_micro_batch_once():
+    """Two threads giving the same samples to one fresh plan: one records them, the other is refused
+    (the check and the record are one atomic step), in every one of 200 tries."""
+    import threading
+
+    mask = torch.ones(4, 64, dtype=torch.bool)
+    for _ in range(200):
+        plan = lossagg.DeferredPlan({"mode": "token_mean"}, 4)
+        outcomes, start = [], threading.Barrier(2)
+
+        def give(plan=plan, outcomes=outcomes, start=start):
+            start.wait()
+            try:
+                plan.micro_batch(slice(None), mask)
+                outcomes.append("made")
+            except ValueError as exc:
+                outcomes.append("refused" if "already ran" in str(exc) else str(exc))
+
+        threads = [threading.Thread(target=give) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(outcomes) == ["made", "refused"], outcomes

@@ -249,3 +249,113 @@ def test_megatron_schedule_with_a_filter_inside_the_loss(tmp_path):
     failures, runs = run_world(megatron_worker, world, (), tmp_path)
     assert not failures, "\n".join(failures)[:6000]
     assert runs == world * len(_servable())
+
+
+# ------------------------------------------------------------- the ranks agree on close()
+AGREE_TRIALS = 40
+AGREE_METRICS = ("ent", "kl")
+
+
+def _agree_trial(trial: int, rank: int):
+    """One rank's random call sequence for a step: its samples, micro-batches, the metrics it declares
+    and reports, and whether it leaves a micro-batch without its loss or a sample without a
+    micro-batch (the harness reads what it did from the returned record)."""
+    g = torch.Generator().manual_seed(1000 * trial + rank)
+    pick = lambda n: int(torch.randint(0, n, (1,), generator=g))  # noqa: E731
+    n = pick(4)  # 0..3 samples on this rank
+    lengths = torch.randint(0, 4, (n,), generator=g)
+    return {
+        "n": n,
+        "lengths": lengths,
+        "declared": [m for m in AGREE_METRICS if pick(4) == 0],
+        "reported": [m for m in AGREE_METRICS if pick(2) == 0],
+        "skip_micro_batch": n > 0 and pick(8) == 0,
+        "idle": n > 0 and pick(8) == 0,
+        "twice": pick(6) == 0,
+        "g": g,
+    }
+
+
+def agree_worker(rank, world, init_file, results_dir):
+    """Every trial: the call sequence of _agree_trial, then close(); the outcome recorded per trial."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    out = []
+    try:
+        for trial in range(AGREE_TRIALS):
+            t = _agree_trial(trial, rank)
+            config = lossagg.LossAggregationConfig.from_dict({"mode": "token_mean", "terms": {"kl": {"coefficient": 0.1}}})
+            plan = lossagg.DeferredPlan(config, t["n"], process_group=dist.group.WORLD, metrics=t["declared"])
+            cu = lossagg.cu_seqlens_from_lengths(t["lengths"]).long()
+            tokens = int(cu[-1])
+            mask = torch.rand(tokens, generator=t["g"]) < 0.8
+            values = {k: torch.randn(tokens, generator=t["g"], dtype=torch.float64) for k in ("pg", "kl")}
+            reported, problem = set(t["declared"]), False
+            halves = [torch.arange(0, t["n"] // 2), torch.arange(t["n"] // 2, t["n"])]
+            for i, samples in enumerate(h for h in halves if h.numel()):
+                if t["skip_micro_batch"] and i == 0:
+                    problem = True
+                    continue
+                mb = plan.micro_batch(samples, mask, cu, step_layout=True)
+                if t["idle"] and i == 0:
+                    problem = True
+                else:
+                    plan.loss({k: v[mb.tokens] for k, v in values.items()}, mb)
+                metrics = {m: values["pg"][mb.tokens] * 2 for m in t["reported"]}
+                plan.metrics(metrics, mb)
+                reported.update(metrics)
+                if t["twice"] and metrics:
+                    try:
+                        plan.metrics(metrics, mb)
+                        out.append(f"{trial} FAIL: a metric reported twice for one micro-batch was accepted")
+                    except ValueError as exc:
+                        if "already reported" not in str(exc):
+                            out.append(f"{trial} FAIL: {exc}")
+            try:
+                step = plan.close()
+                outcome = "ok " + repr((step.scale, step.loss, sorted(step.terms.items()), sorted(step.metrics.items())))
+            except ValueError as exc:
+                outcome = "error " + str(exc)
+            out.append(f"{trial} problem={int(problem)} keys={','.join(sorted(reported))} {outcome}")
+    except Exception as exc:
+        import traceback
+
+        out.append(f"CRASH {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    with open(f"{results_dir}/agree{rank}.txt", "w") as f:
+        f.write("\n".join(out))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_closes_the_same_step_or_raises_naming_why(world, tmp_path):
+    """Random per-rank call sequences of micro_batch/loss/metrics/close (samples or none, metrics
+    declared or not, reported or not, a micro-batch left without its loss, a sample without its
+    micro-batch): on every trial either every rank gets the same step (scale, loss, terms, metrics)
+    or every rank raises, naming the cause: its own problem, another rank's, or the metrics that differ."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(agree_worker, args=(world, tempfile.mktemp(dir=tmp_path), str(tmp_path)), nprocs=world, join=True)
+    lines = [(tmp_path / f"agree{r}.txt").read_text().splitlines() for r in range(world)]
+    for r in range(world):
+        assert not any(line.startswith("CRASH") or " FAIL: " in line for line in lines[r]), "\n".join(lines[r])[:4000]
+    seen = {"ok": 0, "own": 0, "other": 0, "metrics": 0}
+    for trial in range(AGREE_TRIALS):
+        rows = [next(line for line in lines[r] if line.startswith(f"{trial} problem=")) for r in range(world)]
+        problems = [" problem=1 " in row for row in rows]
+        keys = {row.split(" keys=")[1].split(" ")[0] for row in rows}
+        outcomes = [row.split(" ", 3)[3] for row in rows]
+        if any(problems):
+            for row, own in zip(rows, problems, strict=True):
+                assert row.split(" ", 3)[3].startswith("error DeferredPlan.close: "), row
+                assert ("the other ranks are told" in row) if own else ("another rank could not close the step" in row), row
+            seen["own"] += 1
+            seen["other"] += 1
+        elif len(keys) > 1:
+            assert all(o.startswith("error") and "do not report the same terms and metrics" in o for o in outcomes), rows
+            seen["metrics"] += 1
+        else:
+            assert all(o.startswith("ok ") for o in outcomes) and len(set(outcomes)) == 1, rows
+            seen["ok"] += 1
+    assert all(seen.values()), f"every outcome is drawn at least once in {AGREE_TRIALS} trials: {seen}"

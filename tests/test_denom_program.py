@@ -1,5 +1,6 @@
 """The denominator program has one home per language (lossagg/denom_program.py, csrc/denom_program.h),
-and the two agree: the same codes for the same factors, the same d[i] to the bit."""
+and the two agree: the same codes for the same factors, the same d[i] to the bit. A DenomProduct
+is immutable and names a factor that is not a string."""
 
 from __future__ import annotations
 
@@ -112,3 +113,15 @@ def test_a_mode_spec_reads_its_product_and_refuses_one_that_disagrees():
     with pytest.raises(ValueError, match="denom_formula of mode 'hand_written' must be a non-empty string, got None"):
         lossagg.register_mode(hand)
     assert "wrong_product" not in lossagg.MODES and "hand_written" not in lossagg.MODES
+
+
+def test_denom_product_is_immutable_and_names_bad_factors():
+    product = lossagg.DenomProduct("N", "c(M[i])")
+    for name in ("factors", "formula", "totals", "_programs"):
+        with pytest.raises(AttributeError, match="immutable"):
+            setattr(product, name, ("L",))
+    assert product.factors == ("N", "c(M[i])") and product.program("count") is not None
+    with pytest.raises(TypeError, match=r"separate strings.*got list \['N'\].*DenomProduct\(\*\['N'\]\)"):
+        lossagg.DenomProduct(["N"])
+    with pytest.raises(TypeError, match="got int 3"):
+        lossagg.DenomProduct("N", 3)

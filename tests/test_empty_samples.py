@@ -326,7 +326,13 @@ def test_split_invariance_of_skip(mode, split):
 
 
 class _FakeGroup:
-    """Stands for a process group of one rank; all_reduce is patched to record the call."""
+    """Stands for a process group of one rank; all_reduce is patched to record the call, and the
+    plan's check of its type (lossagg.validate.check_process_group) lets it through (with_fake_group)."""
+
+
+def with_fake_group(monkeypatch) -> _FakeGroup:
+    monkeypatch.setattr(lossagg.step, "check_process_group", lambda group, *_: group)
+    return _FakeGroup()
 
 
 @pytest.mark.parametrize("mode", list(lossagg.MODES))
@@ -340,7 +346,7 @@ def test_n_prime_travels_in_the_one_sum_all_reduce(mode, monkeypatch):
         config = LossAggregationConfig(
             mode=mode, empty_samples=empty, n_samples_per_prompt=2, global_batch_size=8, **lossagg.MODES[mode].example_settings
         )
-        StepPlan(config, counts, group_index=torch.tensor([0, 0, 1, 1]), process_group=_FakeGroup())
+        StepPlan(config, counts, group_index=torch.tensor([0, 0, 1, 1]), process_group=with_fake_group(monkeypatch))
         seen[empty] = list(calls)
     assert [op for op, _ in seen["skip"]] == [op for op, _ in seen["count"]]  # the same collectives
     labels = 8 // 2 if lossagg.MODES[mode].needs_groups else 0  # P' is one more float64 per group label

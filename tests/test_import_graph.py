@@ -430,3 +430,13 @@ def test_the_type_checking_names_are_the_exports():
     block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
     seen = {alias.asname or alias.name: node.module for node in ast.walk(block) if isinstance(node, ast.ImportFrom) for alias in node.names}
     assert seen == dict(lossagg._EXPORTS)
+
+
+def test_no_public_name_is_also_a_module_of_the_package():
+    """``lossagg.<name>`` is the export whatever was imported before: a submodule of the same name
+    would replace the lazily exported function on the package once something imports it (``from
+    lossagg.aggregate import ...`` made ``lossagg.aggregate(...)`` a call of a module)."""
+    import lossagg
+
+    clashes = [name for name in lossagg._EXPORTS if f"lossagg.{name}" in FILES]
+    assert not clashes, f"exports named like a module of lossagg: {clashes}"

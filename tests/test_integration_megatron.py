@@ -139,3 +139,23 @@ def test_megatron_sizes(num_micro_batches, dp_size, cp_size, per_token):
     out = call()(torch.full((9,), 3.0, dtype=torch.float64))
     scale = 9.0 if per_token else sizes["num_micro_batches"] * sizes["dp_size"]  # T, or micro-batches x DP
     assert out[0].item() == pytest.approx(3.0 * scale, rel=1e-12)
+
+
+def test_a_deferred_plan_with_terms_reports_each_term():
+    """make_loss_func(DeferredPlan with terms, keep=...) reports pg_loss as the PG term's own share
+    and <term>_loss for each other term (before the step's rescale), as the StepPlan route does;
+    keep must be a function."""
+    lengths, cu, features, mask, groups = make_step(seed=4)
+    config = lossagg.LossAggregationConfig.from_dict({"mode": "token_mean", "terms": {"kl": {"coefficient": 0.5}}})
+    values = {"pg": torch.randn(int(cu[-1]), dtype=torch.float64), "kl": torch.randn(int(cu[-1]), dtype=torch.float64)}
+    n = lengths.numel()
+    with pytest.raises(TypeError, match="keep must be a function keep\\(output_tensor, loss_mask\\).*got int 3"):
+        make_loss_func(lossagg.DeferredPlan(config, n), slice(None), cu, mask, num_micro_batches=1, keep=3)
+    keep = lambda output, m: m & (output["pg"].detach() < 1.0)  # noqa: E731
+    plan = lossagg.DeferredPlan(config, n)
+    loss, report = make_loss_func(plan, slice(None), cu, mask, num_micro_batches=1, keep=keep)(values)
+    step = plan.close()
+    assert set(report) == {"pg_loss", "kl_loss"}
+    assert report["pg_loss"].item() * step.scale == pytest.approx(step.terms["pg"], rel=1e-12)
+    assert report["kl_loss"].item() * step.scale == pytest.approx(step.terms["kl"], rel=1e-12)
+    assert loss.item() * step.scale == pytest.approx(step.terms["pg"] + 0.5 * step.terms["kl"], rel=1e-12)

@@ -104,6 +104,27 @@ def test_lossagg_modes_through_the_adapter():
         agg_loss(loss, mask, "nope")
 
 
+@pytest.mark.parametrize("mode", VERL_MODES)
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.int64, torch.bool])
+def test_underscore_spelling_gives_the_bits_of_verls_name(mode, mask_dtype):
+    """docs/modes.md: '-' and '_' count as the same in every name (no verl needed). token_mean is
+    lossagg's own mode (a mode's own name is looked up first): on a 0/1 mask, verl's bits too."""
+    loss, mask = padded_loss_batch(13, bs=8, mask_dtype=mask_dtype)
+    for kw in ({}, dict(dp_size=2, batch_num_tokens=int(mask.sum()) * 2 + 3, global_batch_size=16, loss_scale_factor=32)):
+        dash_in, underscore_in = loss.clone().requires_grad_(True), loss.clone().requires_grad_(True)
+        dash, underscore = agg_loss(dash_in, mask, mode, **kw), agg_loss(underscore_in, mask, mode.replace("-", "_"), **kw)
+        dash.backward()
+        underscore.backward()
+        assert torch.equal(underscore, dash), (mode, kw)
+        assert torch.equal(underscore_in.grad, dash_in.grad), (mode, kw)
+    weights = mask.double() * 0.5  # a weight mask: verl's names take it, lossagg's token_mean refuses it
+    if mode == "token-mean":
+        with pytest.raises(ValueError, match="needs a 0/1 loss_mask"):
+            agg_loss(loss, weights, "token_mean")
+    else:
+        assert torch.equal(agg_loss(loss, weights, mode.replace("-", "_")), agg_loss(loss, weights, mode))
+
+
 # ------------------------------------------------------ hostile and careless arguments
 # a micro-batch of 3 sequences, 11 valid tokens
 MASK = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0]], dtype=torch.bool)

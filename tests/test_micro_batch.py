@@ -178,3 +178,20 @@ def test_a_loss_function_compiles_whole_with_terms_and_weights(kind, monkeypatch
     assert torch.equal(eager, comp) and torch.equal(eager_grad, comp_grad)
     if kind == "deferred":  # the compiled loss recorded its terms' J_k for close()
         assert eager_step.terms == comp_step.terms and eager_step.loss == comp_step.loss
+
+
+def test_values_and_metrics_are_named_as_the_user_passed_them():
+    """A term given by name is named by it (values['kl']), never by its position among the op's
+    arguments; so is a metric."""
+    lengths, cu, mask, values, _ = _step()
+    plan = StepPlan.from_mask(LossAggregationConfig.from_dict({"mode": "sample_mean", "terms": {"kl": {"coefficient": 0.1}}}), mask, cu)
+    mb = plan.micro_batch(slice(None), mask, cu)
+    pg = values["pg"]
+    with pytest.raises(TypeError, match=r"StepPlan.loss: values\['kl'\] must have a floating dtype \(per-token values\), got torch.int64"):
+        plan.loss({"pg": pg, "kl": torch.ones_like(pg, dtype=torch.int64)}, mb)
+    with pytest.raises(ValueError, match=r"values\['kl'\] is an expanded view .* pass values\['kl'\].contiguous\(\)"):
+        plan.loss({"pg": pg, "kl": torch.ones((), dtype=torch.float64).expand(pg.shape)}, mb)
+    with pytest.raises(TypeError, match=r"metrics\['kl_metric'\] must have a floating dtype, got torch.int64"):
+        plan.metrics({"kl_metric": torch.ones_like(pg, dtype=torch.int64)}, mb)
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed process group .* got str 'dp'"):
+        StepPlan.from_mask(LossAggregationConfig(), mask, cu, process_group="dp")

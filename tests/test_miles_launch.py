@@ -248,3 +248,12 @@ def test_plan_step_denominators_and_refusals():
 def test_before_train_step_outside_miles_train_one_step():
     with pytest.raises(RuntimeError, match="plan_step"):
         adapter.before_train_step(configured("sample_mean"), 0, 0, None, None, None)
+
+
+def test_the_fsdp_backend_is_refused_naming_the_flag():
+    # miles-rl 0.0.2's FSDP actor never calls the before-train-step hook that plans each step
+    with pytest.raises(
+        ConfigError, match=r"--train-backend fsdp: miles-rl 0.0.2's fsdp actor never calls --custom-megatron-before-train-step-hook-path"
+    ):
+        adapter.configure(miles_args("sample_mean", train_backend="fsdp"))
+    assert adapter.configure(miles_args("sample_mean", train_backend="megatron")).mode == "sample_mean"

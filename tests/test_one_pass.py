@@ -4,7 +4,8 @@
 mask once: the per-sample sums and token counts come from one pass, the denominators from the
 counts (the plan of docs/modes.md), and J from the sums (docs/ops.md). Everything here is
 checked bitwise against the two-pass route it replaces: ``token_counts``, a plan, then
-``reduce``.
+``reduce``; over random modes, settings, dtypes and hostile denominators and masks the two routes
+(and the CUDA composite, on CPU tensors) give the same bits or the same error (a property test).
 """
 
 from __future__ import annotations
@@ -12,9 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 from batches import LAYOUTS, MASK_DTYPES, VALUE_DTYPES, every_path_batch, long_batch, make_batch, many_short_batch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import lossagg
+from lossagg import LossAggregationConfig, StepPlan
+from lossagg.one_pass import reduce_with_counts
 from lossagg.modes import MODES
+from lossagg.ops import _aggregate_composite
 from lossagg.testing import reference_loss
 
 _ORDER = ("baseline", "avx2", "avx512")
@@ -442,3 +448,130 @@ def test_segments_side_by_side_have_the_bits_of_every_instruction_set(mask_dtype
             assert torch.equal(bits(a), bits(b)), isa
     kept = [int((mask[s:e] != 0).sum()) for s, e in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)]
     assert got["avx512" if "avx512" in got else ISAS[-1]][2].tolist() == kept
+
+
+# ------------------------------- one answer per input on both routes (one pass, plan then reduce)
+# the property test's value dtypes (test_one_pass.py's VALUE_DTYPES, from batches, lists them in another order)
+ROUTE_VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+PRODUCT_MODES = ("sample_mean", "token_mean", "constant", "max_length")
+
+
+def outcome(fn):
+    """('ok', bits) or ('error', type, message) of a call."""
+    try:
+        out = fn()
+    except (TypeError, ValueError) as exc:
+        return ("error", type(exc).__name__, str(exc))
+    return ("ok", out.detach().to(torch.float64).item(), str(out.dtype))
+
+
+def plan_route(config, values, mask, cu):
+    return lambda: lossagg.reduce(values, mask, cu_seqlens=cu, sample_denoms=StepPlan.from_mask(config, mask, cu).sample_denoms)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    mode=st.sampled_from(PRODUCT_MODES + ("prompt_mean",)),
+    dtype=st.sampled_from(ROUTE_VALUE_DTYPES),
+    mask_dtype=st.sampled_from((torch.bool, torch.int32, torch.float32, torch.float64)),
+    divisor=st.sampled_from((1e-46, 1e-300, 1e-30, 0.5, 3.0, 1e38, 1e300)),
+    empty=st.sampled_from(("count", "skip")),
+    lengths=st.lists(st.integers(0, 6), min_size=1, max_size=6),
+    tiny=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_one_pass_and_plan_routes_agree(mode, dtype, mask_dtype, divisor, empty, lengths, tiny, seed):
+    g = torch.Generator().manual_seed(seed)
+    cu = lossagg.cu_seqlens_from_lengths(lengths, dtype=torch.int64)
+    t = int(cu[-1])
+    values = (torch.randn(t, generator=g) * 3).to(dtype)
+    kept = torch.rand(t, generator=g) < 0.7
+    mask = kept.to(mask_dtype)
+    if mask_dtype == torch.float64 and tiny and t:
+        mask[torch.nonzero(kept).flatten()[:1]] = 1e-300  # kept by the user's mask, 0 once rounded to float32
+    settings_ = {"mode": mode, "empty_samples": empty}
+    if mode == "constant":
+        settings_["divisor"] = divisor
+    if mode == "prompt_mean":
+        settings_["n_samples_per_prompt"] = 1
+    config = LossAggregationConfig(**settings_)
+    groups = torch.arange(len(lengths)) if mode == "prompt_mean" else None
+    one_pass = outcome(lambda: lossagg.aggregate(config, values, mask, cu_seqlens=cu, group_index=groups))
+    plan = outcome(
+        lambda: lossagg.reduce(values, mask, cu_seqlens=cu, sample_denoms=StepPlan.from_mask(config, mask, cu, group_index=groups).sample_denoms)
+    )
+    assert one_pass == plan
+    program = lossagg.MODES[mode].denoms.program(empty) if isinstance(lossagg.MODES[mode].denoms, lossagg.DenomProduct) else None
+    if program is not None and plan[0] == "ok":  # the CUDA composite, on CPU tensors
+        composite = outcome(lambda: _aggregate_composite(values, mask, cu, program, config.divisor or 0.0)[0])
+        assert composite == plan
+
+
+def test_denominator_zero_in_the_division_dtype_is_refused_on_every_route():
+    config = LossAggregationConfig(mode="constant", divisor=1e-46)
+    values, mask, cu = torch.ones(3), torch.ones(3, dtype=torch.bool), torch.tensor([0, 3])
+    message = r"lossagg.reduce: sample_denoms\[0\] = 1e-46 is 0 in Float, the dtype the division happens in for Float values"
+    with pytest.raises(ValueError, match=message):
+        lossagg.aggregate(config, values, mask, cu_seqlens=cu)
+    with pytest.raises(ValueError, match=message):
+        plan_route(config, values, mask, cu)()
+    with pytest.raises(RuntimeError, match="ValueError: " + message):  # the raw op: the stable ABI's RuntimeError, the message's kind first
+        torch.ops.lossagg.aggregate(values, mask, cu, lossagg.MODES["constant"].denoms.program("count"), 1e-46)
+    with pytest.raises(ValueError, match=message):
+        _aggregate_composite(values, mask, cu, lossagg.MODES["constant"].denoms.program("count"), 1e-46)
+    # float64 values divide in float64: accepted, the float64 number
+    got = lossagg.aggregate(config, values.double(), mask, cu_seqlens=cu)
+    assert got.item() == pytest.approx(3 / (1 * 1e-46), rel=1e-15)
+
+
+def test_a_token_count_is_a_non_zero_entry_of_the_mask_passed():
+    mask = torch.tensor([1e-300, 1.0, -1e-320, 0.0], dtype=torch.float64)
+    cu = torch.tensor([0, 2, 4])
+    assert lossagg.token_counts(mask, cu).tolist() == [2, 1]
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        _, counts = torch.ops.lossagg.segment_sum_and_count(torch.ones(4, dtype=dtype), mask, cu)
+        assert counts.tolist() == [2, 1], dtype
+    config = LossAggregationConfig(mode="token_mean")
+    one_pass, plan = lossagg.aggregate(config, torch.ones(4), mask, cu_seqlens=cu), plan_route(config, torch.ones(4), mask, cu)()
+    assert torch.equal(one_pass, plan) and plan.item() == pytest.approx(1 / 3)  # T = 3 tokens; the tiny entries weigh 0 in float32
+
+
+def test_denoms_that_require_grad_are_refused_by_aggregate_as_by_plan_loss():
+    w = torch.tensor(2.0, requires_grad=True)
+    spec = lossagg.ModeSpec(
+        name="round4_grad_denoms",
+        summary="test mode: d[i] = w · N",
+        formula="(1/(wN)) Σ_i Σ_t m·l",
+        denom_formula="w · N",
+        totals=("num_samples",),
+        denoms=lambda x: w * x.token_counts.new_full(x.token_counts.shape, float(x.totals.num_samples)),
+        reference=lambda r: sum(r.numerators) / (2.0 * len(r.numerators)),
+    )
+    lossagg.register_mode(spec)
+    try:
+        config = LossAggregationConfig(mode=spec.name)
+        values = torch.ones(3, requires_grad=True)
+        mask, cu = torch.ones(3, dtype=torch.bool), torch.tensor([0, 1, 3])
+        message = "not differentiable in sample_denoms, which requires grad"
+        with pytest.raises(ValueError, match=message):
+            StepPlan.from_mask(config, mask, cu).loss(values, mask, slice(None), cu)
+        with pytest.raises(ValueError, match=message):
+            lossagg.aggregate(config, values, mask, cu_seqlens=cu)
+    finally:
+        lossagg.unregister_mode(spec.name)
+
+
+def test_aggregate_blames_a_rollout_mask_of_the_wrong_length_on_it():
+    mask = torch.ones(5, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"rollout_mask must have the shape of mask \(5,\), got \(4,\)"):
+        lossagg.aggregate(LossAggregationConfig(), torch.ones(5), mask, cu_seqlens=torch.tensor([0, 5]), rollout_mask=torch.ones(4, dtype=torch.bool))
+
+
+def test_denoms_of_that_returns_no_tensor_is_named():
+    values = torch.randn(6)
+    mask = torch.ones(6, dtype=torch.bool)
+    cu = torch.tensor([0, 2, 6])
+    with pytest.raises(
+        TypeError, match=r"lossagg.reduce: sample_denoms \(what denoms_of returned\) must be a torch.Tensor of B = 2 denominators, got list"
+    ):
+        reduce_with_counts(values, mask, cu, lambda counts: [1.0, 2.0])

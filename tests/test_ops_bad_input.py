@@ -1,6 +1,7 @@
 """One test per kind of bad input to the ops: the error names the argument, the expectation
 and what was given; the fake (meta) kernels check as the real ones do; denominators are checked
-in the dtype they divide in; a gradient never goes silently missing."""
+in the dtype they divide in; a gradient never goes silently missing; meta (data-less) tensors
+are named by the argument on every entry point that reads them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from batches import six_token_batch, two_sample_batch
 
 import lossagg
+from lossagg import LossAggregationConfig, StepPlan
 
 
 @pytest.fixture(autouse=True)
@@ -230,6 +232,43 @@ def test_tensors_the_kernels_cannot_read_in_place_are_named(case, entry):
         assert fragment in str(info.value), str(info.value)
 
 
+def meta(t):
+    return t.to("meta")
+
+
+def test_meta_tensors_are_named_by_the_argument():
+    mask = torch.ones(5, dtype=torch.bool)
+    cu = torch.tensor([0, 2, 5])
+    plan = StepPlan(LossAggregationConfig(mode="sample_mean"), torch.tensor([2.0, 3.0]))
+    cases = {
+        "cu_seqlens (token_counts)": (lambda: lossagg.token_counts(mask, meta(cu)), "cu_seqlens must hold data"),
+        "mask (token_counts)": (lambda: lossagg.token_counts(meta(mask), cu), "mask must hold data"),
+        "samples (sample_denoms_for)": (lambda: plan.sample_denoms_for(meta(torch.tensor([0, 1]))), "samples must hold data"),
+        "samples (loss)": (lambda: plan.loss(torch.ones(5), mask, meta(torch.tensor([0, 1])), cu), "samples must hold data"),
+        "cu_seqlens (loss)": (lambda: plan.loss(torch.ones(5), mask, [0, 1], meta(cu)), "cu_seqlens must hold data"),
+        "samples (token_weights)": (
+            lambda: plan.token_weights(mask, meta(torch.tensor([0, 1])), cu, convention="sum"),
+            "samples must hold data",
+        ),
+        "cu_seqlens (token_weights)": (lambda: plan.token_weights(mask, [0, 1], meta(cu), convention="sum"), "cu_seqlens must hold data"),
+        "cu_seqlens (broadcast_to_tokens)": (lambda: lossagg.broadcast_to_tokens(torch.ones(2), mask, meta(cu)), "cu_seqlens must hold data"),
+        "per_sample (broadcast_to_tokens)": (lambda: lossagg.broadcast_to_tokens(meta(torch.ones(2)), mask, cu), "per_sample must hold data"),
+        "rollout_mask (aggregate)": (
+            lambda: lossagg.aggregate(LossAggregationConfig(), torch.ones(5), mask, cu_seqlens=cu, rollout_mask=meta(mask)),
+            "rollout_mask must hold data",
+        ),
+        "mask (aggregate)": (lambda: lossagg.aggregate(LossAggregationConfig(), torch.ones(5), meta(mask), cu_seqlens=cu), "mask must hold data"),
+        "cu_seqlens (aggregate)": (
+            lambda: lossagg.aggregate(LossAggregationConfig(), torch.ones(5), mask, cu_seqlens=meta(cu)),
+            "cu_seqlens must hold data",
+        ),
+    }
+    for what, (call, message) in cases.items():
+        with pytest.raises(ValueError, match=message):
+            call()
+        assert what
+
+
 def test_inference_tensors_are_fine_where_nothing_is_saved_for_backward():
     values, mask, cu, denoms = two_sample_batch("cpu")
     with torch.inference_mode():
@@ -250,3 +289,16 @@ def test_a_view_with_strides_is_read_and_a_contiguous_copy_gives_the_same_bits()
     denoms = torch.tensor([2.0, 3.0], dtype=torch.float64)
     got = lossagg.reduce(values, mask, cu_seqlens=cu, sample_denoms=denoms)
     assert torch.equal(got, lossagg.reduce(values.contiguous(), mask.contiguous(), cu_seqlens=cu, sample_denoms=denoms))
+
+
+# ------------------------------------------------------------------ small surfaces
+def test_small_surfaces_name_their_arguments():
+    # all_reduce_sum's argument is `group` (not `cp_group`, the sequence reductions' name for it)
+    with pytest.raises(TypeError, match="^group must be a torch.distributed process group .* got object"):
+        lossagg.all_reduce_sum(torch.ones(1), group=object())
+    with pytest.raises(lossagg.ConfigError) as info:
+        LossAggregationConfig.from_dict({1: 2})
+    assert info.value.issues[0][0] == "1"
+    plan = StepPlan(LossAggregationConfig(mode="token_mean"), torch.full((100,), 1e6))
+    with pytest.raises(ValueError, match=r"weight of sample 0 is 1e-08, which is 0.0 in torch.float16"):
+        plan.token_weights(torch.ones(100, 3, dtype=torch.bool), slice(None), convention="sum", dtype=torch.float16)

@@ -84,20 +84,43 @@ def test_one_term_has_the_bits_of_reduce(device, dtype, layout):
 
 
 def _per_term_route(values, mask, cu, d, w, coefficients):
-    """The terms one call each, as a plan reduced them before reduce_terms: reduce per term (a
-    weighted term's sums times the weights, then added as reduce adds them), c_k J_k added in order."""
+    """The terms one call each, with the numbers docs/ops.md ("Precision of the terms") promises:
+    reduce per term (a weighted term's quotients w·S/d computed in float64 and rounded once to the
+    accumulation dtype, then added as reduce adds them), c_k J_k computed in float64 and rounded
+    once, the products added in order."""
     total, parts = None, []
     for k, v in enumerate(values):
         if w is None:
             part = lossagg.reduce(v, mask, cu_seqlens=cu, sample_denoms=d[k])
         else:
-            sums = lossagg.segment_sum(v, mask, cu)
+            sums = lossagg.segment_sum(v.detach(), mask, cu)
+            quotients = (sums.double() * w[k].double() / d[k].double()).to(sums.dtype)
             rows = torch.ones((sums.shape[0], 1), dtype=torch.bool, device=sums.device)
-            part = lossagg.reduce((sums * w[k].to(sums.dtype)).unsqueeze(1), rows, sample_denoms=d[k])
+            part = lossagg.reduce(quotients.unsqueeze(1), rows, sample_denoms=torch.ones_like(quotients))
+        part = part.detach()
         parts.append(part)
-        scaled = part * coefficients[k]
+        scaled = (part.double() * coefficients[k]).to(part.dtype)
         total = scaled if total is None else total + scaled
     return total, torch.stack(parts)
+
+
+def _per_term_grads(values, mask, cu, d, w, coefficients):
+    """d J / d values_k with an incoming gradient of 1: ((1 · c_k) / d[k, i]) · w[k, i] computed in
+    float64 and rounded once to the accumulation dtype, on each kept token of sample i."""
+    acc = torch.float64 if values[0].dtype == torch.float64 else torch.float32
+    out = []
+    for k, v in enumerate(values):
+        coef = (torch.ones((), dtype=torch.float64, device=d.device) * coefficients[k]) / d[k].to(acc).double()
+        if w is not None:
+            coef = coef * w[k].to(acc).double()
+        coef = coef.to(acc)
+        if cu is None:
+            per_token = coef[:, None].expand(mask.shape)
+        else:
+            per_token = torch.repeat_interleave(coef, (cu[1:] - cu[:-1]).long(), output_size=mask.shape[0])
+        kept = mask != 0
+        out.append(torch.where(kept, per_token * (mask.to(acc) if mask.dtype.is_floating_point else 1), torch.zeros_like(per_token)).to(v.dtype))
+    return out
 
 
 @pytest.mark.parametrize("weighted", [False, True])
@@ -108,15 +131,36 @@ def test_the_bits_of_one_call_per_term(device, dtype, layout, weighted):
     values, mask, cu, d, w = terms_batch(layout, dtype, device=device, weighted=weighted, requires_grad=True)
     acc = acc_dtype(dtype)
     d_acc = d.to(acc)
-    total, parts = lossagg.reduce_terms(values, mask, cu_seqlens=cu, sample_denoms=d_acc, sample_weights=w, coefficients=COEFFICIENTS)
-    leaves = [v.detach().clone().requires_grad_(True) for v in values]
-    want, want_parts = _per_term_route(leaves, mask, cu, d_acc, w, COEFFICIENTS)
-    assert torch.equal(parts, want_parts.detach()), (parts, want_parts)
-    assert torch.equal(total, want), (total, want)
+    w_acc = None if w is None else w.to(acc)
+    total, parts = lossagg.reduce_terms(values, mask, cu_seqlens=cu, sample_denoms=d_acc, sample_weights=w_acc, coefficients=COEFFICIENTS)
+    want, want_parts = _per_term_route([v.detach() for v in values], mask, cu, d_acc, w_acc, COEFFICIENTS)
+    assert torch.equal(parts, want_parts), (parts, want_parts)
+    assert torch.equal(total.detach(), want), (total, want)
     total.backward()
-    want.backward()
-    for k in range(3):
-        assert torch.equal(values[k].grad, leaves[k].grad), f"values[{k}]"
+    for k, g in enumerate(_per_term_grads(values, mask, cu, d_acc, w_acc, COEFFICIENTS)):
+        assert torch.equal(values[k].grad, g), f"values[{k}]"
+
+
+def test_extreme_magnitudes_in_float32_are_the_formulas():
+    """A weight times a sum, or a coefficient, outside float32's range does not make a float32
+    result inf or 0 when the formula's value is a float32: the per-sample numbers are computed in
+    float64 and rounded once (docs/ops.md, "Precision of the terms")."""
+    mask = torch.ones(2, dtype=torch.bool)
+    cu = torch.tensor([0, 1, 2])
+    values = torch.tensor([1e20, 1e20], dtype=torch.float32, requires_grad=True)
+    d = torch.full((1, 2), 1e30, dtype=torch.float32)
+    w = torch.full((1, 2), 1e30, dtype=torch.float32)
+    total, _ = lossagg.reduce_terms([values], mask, cu_seqlens=cu, sample_denoms=d, sample_weights=w)
+    assert total.item() == pytest.approx(2e20, rel=1e-6)  # w·S = 1e50 overflows float32
+    tiny = torch.tensor([1e-20, 1e-20], dtype=torch.float32)
+    total, _ = lossagg.reduce_terms([tiny], mask, cu_seqlens=cu, sample_denoms=torch.full((1, 2), 1e-30), sample_weights=torch.full((1, 2), 1e-30))
+    assert total.item() == pytest.approx(2e-20, rel=1e-6)  # w·S = 1e-50 underflows float32
+    # a coefficient of 1e39 (inf in float32) on a term whose c·J is a float32
+    small = torch.tensor([-0.59e-10, -0.59e-10], dtype=torch.float32, requires_grad=True)
+    total, parts = lossagg.reduce_terms([small], mask, cu_seqlens=cu, sample_denoms=torch.full((1, 2), 100.0), coefficients=[1e39])
+    assert torch.isfinite(total) and total.item() == pytest.approx(1e39 * parts.item(), rel=1e-6)
+    total.backward()  # c / d = 1e37 on each token (the gradient of a float32 value)
+    assert torch.isfinite(small.grad).all() and small.grad[0].item() == pytest.approx(1e37, rel=1e-6)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -262,3 +306,26 @@ def test_inference_mode_values_are_refused_when_they_need_a_gradient():
     leaves = [v.clone().requires_grad_(True) for v in values]
     with pytest.raises(ValueError, match="sample_denoms was made under torch.inference_mode"):
         lossagg.reduce_terms(leaves, mask, cu_seqlens=cu, sample_denoms=d_inf)
+
+
+def test_numbers_and_lists_are_read_as_users_write_them():
+    """Coefficients as NumPy scalars and 0-dim tensors (as a number is accepted everywhere); a term
+    that is not a tensor named by its position; a backward's values_dtype named as the argument."""
+    import numpy as np
+
+    values, mask, cu, d, _ = terms_batch("packed32", torch.float64)
+    want = lossagg.reduce_terms(values, mask, cu_seqlens=cu, sample_denoms=d, coefficients=[1.0, -0.5, 0.25])
+    for c in ([np.float64(1.0), np.float32(-0.5), torch.tensor(0.25)], [np.int64(1), torch.tensor(-0.5, dtype=torch.float64), 0.25]):
+        got = lossagg.reduce_terms(values, mask, cu_seqlens=cu, sample_denoms=d, coefficients=c)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(TypeError, match=r"lossagg.reduce_terms: values\[1\] must be a torch.Tensor .* got NoneType"):
+        lossagg.reduce_terms([values[0], None, values[2]], mask, cu_seqlens=cu, sample_denoms=d)
+    for op, args in (
+        (torch.ops.lossagg.reduce_terms_backward, (torch.tensor(1.0), mask, cu, d, None, [1.0, 1.0, 1.0], torch.int64)),
+        (torch.ops.lossagg.reduce_backward, (torch.tensor(1.0), mask, cu, d[0], torch.int64)),
+        (torch.ops.lossagg.segment_sum_backward, (torch.ones(d.shape[1]), mask, cu, torch.int64)),
+    ):
+        for meta in (False, True):
+            call_args = tuple(a.to("meta") if meta and isinstance(a, torch.Tensor) else a for a in args)
+            with pytest.raises((TypeError, RuntimeError), match=r"values_dtype \(the gradient's dtype, that of the values\) must"):
+                op(*call_args)

@@ -10,10 +10,13 @@
   way) and verl 0.9.1's registered policy losses
   (``gspo``, ``geo_mean`` (GMPO), ``cispo``). Skipped, with the reason, when a peer is not importable.
 * Bad arguments are refused naming the argument.
+* NaN/inf under a zero mask, and the overflow of a clipped branch, stay out of the gradient
+  (values and gradients against float64).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import types
 from collections import defaultdict
@@ -390,7 +393,7 @@ def _call(objective="gspo", plan=None, **changes):
         (_call(log_prob=torch.zeros(35, dtype=torch.long)), ["log_prob must have a floating dtype, got torch.int64"]),
         (_call(cu_seqlens=torch.tensor([0, 3, 2])), ["cu_seqlens must be non-decreasing"]),
         (_call(mask=torch.ones(5, 7)), ["mask must be [T] when cu_seqlens is given"]),
-        (_call(cp_group="world"), ["cp_group was given but torch.distributed is not initialised"]),
+        (_call(cp_group="world"), ["cp_group must be a torch.distributed process group (the CP group of this rank) or None, got str 'world'"]),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
@@ -411,7 +414,7 @@ def test_the_reductions_refuse_bad_arguments_by_name():
     values, mask, cu = torch.zeros(4), torch.ones(4), torch.tensor([0, 2, 4])
     refused_naming(lambda: sequence_mean(values.reshape(1, 1, 4), mask, cu), "values has shape [1, 1, 4]")
     refused_naming(lambda: sequence_mean([0.0], mask, cu), "values must be a torch.Tensor, got list")
-    refused_naming(lambda: sequence_sum(values, mask, cu, cp_group=object()), "cp_group was given but torch.distributed is not initialised")
+    refused_naming(lambda: sequence_sum(values, mask, cu, cp_group=object()), "cp_group must be a torch.distributed process group", "got object")
     refused_naming(lambda: broadcast_to_tokens(torch.zeros(3), mask, cu), "per_sample must be [B] = [2]")
     refused_naming(lambda: broadcast_to_tokens(torch.zeros(2), mask.reshape(2, 2, 1), None), "mask must be [B, T] when cu_seqlens is None")
     refused_naming(lambda: lossagg.all_reduce_sum([1.0], None), "tensor must be a torch.Tensor, got list")
@@ -421,3 +424,43 @@ def test_objective_config_names_the_objectives():
     assert objective_config("gspo").mode == "sample_mean"
     assert (objective_config("luspo").mode, objective_config("luspo").divisor) == ("constant", 1.0)
     refused_naming(lambda: objective_config("GSPO"), "objective must be one of")
+
+
+# ------------------------------------------- NaN, inf and overflow kept out of the gradient
+def _step(dtype, log_ratio_of_first: float):
+    cu = torch.tensor([0, 3, 6])
+    mask = torch.tensor([1, 1, 0, 1, 0, 1], dtype=torch.bool)
+    log_prob = torch.tensor([-1.0, -1.5, float("nan"), -0.5, float("inf"), -2.0], dtype=dtype)
+    old = torch.tensor([-1.0, -1.5, float("nan"), -0.7, float("-inf"), -1.9], dtype=dtype)
+    old[:2] = log_prob[:2] - log_ratio_of_first  # sample 0's mean log ratio
+    return log_prob, old, mask, cu
+
+
+@pytest.mark.parametrize("name", sorted(SEQUENCE_OBJECTIVES))
+@pytest.mark.parametrize("log_ratio", [0.1, 100.0])
+def test_sequence_objectives_keep_nan_and_overflow_out_of_the_gradient(name, log_ratio):
+    obj = SEQUENCE_OBJECTIVES[name]
+    adv = torch.tensor([1.0, -0.5])
+    kwargs = {"eps_low": 0.2, "eps_high": 0.28}
+    results = {}
+    for dtype in (torch.float32, torch.float64):
+        log_prob, old, mask, cu = _step(dtype, log_ratio)
+        log_prob.requires_grad_(True)
+        j = lossagg.aggregate(obj.config(), obj.token_loss(log_prob, old, adv.to(dtype), mask, cu, **kwargs), mask, cu_seqlens=cu)
+        j.backward()
+        grad = log_prob.grad
+        assert torch.isfinite(j), (name, dtype, j)
+        assert torch.isfinite(grad).all(), (name, dtype, grad)
+        assert (grad[~mask] == 0).all(), (name, dtype, grad)
+        results[dtype] = (j.item(), grad.to(torch.float64))
+    (j32, g32), (j64, g64) = results[torch.float32], results[torch.float64]
+    assert j32 == pytest.approx(j64, rel=1e-5, abs=1e-6)
+    assert torch.allclose(g32, g64, rtol=1e-5, atol=1e-6), (name, g32, g64)
+    if log_ratio > 50 and name in ("gspo", "luspo", "gmpo"):  # the clipped branch: a constant, gradient 0 on sample 0
+        assert (g64[:3] == 0).all()
+
+
+def test_gspo_clipped_branch_value_is_the_bound():
+    log_prob, old, mask, cu = _step(torch.float32, 100.0)
+    loss = lossagg.gspo_token_loss(log_prob, old, torch.tensor([2.0, -0.5]), mask, cu, eps_low=0.2, eps_high=0.28)
+    assert loss[0].item() == pytest.approx(-1.28 * 2.0) and math.isfinite(loss[3].item())

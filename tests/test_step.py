@@ -203,7 +203,13 @@ def test_an_empty_micro_batch_contributes_zero():
 
 # ------------------------------------------------------ the collectives of a plan
 class _FakeGroup:
-    """Stands for a process group of one rank; all_reduce is patched to the identity."""
+    """Stands for a process group of one rank; all_reduce is patched to the identity, and the plan's
+    check of its type (lossagg.validate.check_process_group) lets it through (with_fake_group)."""
+
+
+def with_fake_group(monkeypatch) -> _FakeGroup:
+    monkeypatch.setattr(lossagg.step, "check_process_group", lambda group, *_: group)
+    return _FakeGroup()
 
 
 @pytest.mark.parametrize(
@@ -218,7 +224,7 @@ def test_the_planner_gathers_sums_in_one_all_reduce_and_a_max_only_when_needed(m
 
     monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
     config = LossAggregationConfig(mode=mode, n_samples_per_prompt=2, global_batch_size=8, **lossagg.MODES[mode].example_settings)
-    StepPlan(config, COUNTS, group_index=torch.tensor([0, 0, 1, 1]), process_group=_FakeGroup())
+    StepPlan(config, COUNTS, group_index=torch.tensor([0, 0, 1, 1]), process_group=with_fake_group(monkeypatch))
     assert [c[0] for c in calls] == collectives and all(c[1] == torch.float64 for c in calls)
     if mode == "prompt_mean":  # N, T, then sizes and token sums of the 4 labels
         assert calls[0][2] == 2 + 2 * 4
@@ -238,19 +244,21 @@ STEP_PLAN_REFUSED = [
 def test_step_plan_refuses(case, kwargs, kind, message, monkeypatch):
     monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: pytest.fail("no collective before the arguments are checked"))
     with pytest.raises(kind, match=message):
-        StepPlan(PROMPT_MEAN_PAIRS, COUNTS, group_index=torch.tensor([0, 0, 1, 1]), process_group=_FakeGroup(), **kwargs)
+        StepPlan(PROMPT_MEAN_PAIRS, COUNTS, group_index=torch.tensor([0, 0, 1, 1]), process_group=with_fake_group(monkeypatch), **kwargs)
 
 
 def test_group_labels_from_the_config_are_bounded_and_named(monkeypatch):
     monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: pytest.fail("no collective before the arguments are checked"))
     config = LossAggregationConfig(mode="prompt_mean", n_samples_per_prompt=2, global_batch_size=2**40)
     with pytest.raises(ValueError, match=re.escape("num_group_labels (global_batch_size // n_samples_per_prompt of the config) must be <= 16777216")):
-        StepPlan(config, COUNTS, group_index=torch.tensor([0, 0, 1, 1]), process_group=_FakeGroup())
+        StepPlan(config, COUNTS, group_index=torch.tensor([0, 0, 1, 1]), process_group=with_fake_group(monkeypatch))
 
 
 def test_step_plan_accepts_numpy_label_counts(monkeypatch):
     monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: None)
-    plan = StepPlan(PROMPT_MEAN_PAIRS, COUNTS, group_index=torch.tensor([0, 0, 1, 1]), process_group=_FakeGroup(), num_group_labels=np.int64(3))
+    plan = StepPlan(
+        PROMPT_MEAN_PAIRS, COUNTS, group_index=torch.tensor([0, 0, 1, 1]), process_group=with_fake_group(monkeypatch), num_group_labels=np.int64(3)
+    )
     assert plan.totals.num_groups == 2 and plan.sample_denoms.tolist() == [2 * 3.0, 2 * 3.0, 2 * 9.0, 2 * 9.0]
 
 

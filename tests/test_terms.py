@@ -499,3 +499,17 @@ def test_routes_that_reduce_one_term_refuse_a_config_with_more():
         ):
             with pytest.raises(ValueError, match="reduces the PG term alone, unweighted, and the config asks for"):
                 route(config)
+
+
+def test_weights_that_require_grad_are_refused_naming_them():
+    """The loss is not differentiable in the samples' weights: given with requires_grad, they are
+    refused by name (never silently detached, leaving w.grad None)."""
+    values, mask, cu, groups = batch()
+    n = cu.numel() - 1
+    w = torch.rand(n, dtype=torch.float64, requires_grad=True)
+    for make in (
+        lambda: StepPlan.from_mask(LossAggregationConfig(weighting="mean"), mask, cu, sample_weights=w),
+        lambda: lossagg.DeferredPlan(LossAggregationConfig(weighting="mean"), n, sample_weights=w),
+    ):
+        with pytest.raises(ValueError, match=r"sample_weights require grad.*pass sample_weights.detach\(\)"):
+            make()

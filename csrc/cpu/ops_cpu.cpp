@@ -27,18 +27,26 @@ const Engine& engine() {
 // sum_s x[s] / d[s] in a fixed order: lane l takes s = l, l + kLanes, ...; lanes are
 // combined pairwise as in the engine's sums. Depends only on the input.
 // d may be float64 for float32 x: each d[s] is then rounded to acc_t as it is read, the one
-// rounding kernel_denoms does before reduce's call.
-template <typename acc_t, typename d_t>
+// rounding kernel_denoms does before reduce's call. Without kDivide, x holds the quotients
+// already (a weighted term's, weighted_quotient) and they are added in the same order.
+template <typename acc_t, typename d_t, bool kDivide = true>
 acc_t weighted_total(const acc_t* x, const d_t* d, int64_t n) {
+  const auto quotient = [&](int64_t s) {
+    if constexpr (kDivide) {
+      return x[s] / static_cast<acc_t>(d[s]);
+    } else {
+      return x[s];
+    }
+  };
   acc_t lane[kLanes] = {};
   int64_t s = 0;
   for (; s + kLanes <= n; s += kLanes) {
     for (int l = 0; l < kLanes; ++l) {
-      lane[l] += x[s + l] / static_cast<acc_t>(d[s + l]);
+      lane[l] += quotient(s + l);
     }
   }
   for (; s < n; ++s) {
-    lane[0] += x[s] / static_cast<acc_t>(d[s]);
+    lane[0] += quotient(s);
   }
   return combine_lanes(lane);
 }
@@ -143,10 +151,10 @@ Tensor reduce_backward(
 }
 
 // The whole loss of K terms: the engine's sums of the K values read where they lie, from one
-// read of the mask (each piece's mask stays in the cache while its K sums are made); then each
-// term's numerators times its weights (one rounding, as a weighted term's sums were scaled
-// before), J_k as reduce adds its quotients (weighted_total), and J = c_0 J_0 + c_1 J_1 + ...
-// in term order, each product in the accumulation dtype. With one term, coefficient 1 and no
+// read of the mask (each piece's mask stays in the cache while its K sums are made); then J_k as
+// reduce adds its quotients (weighted_total; a weighted term's quotients w·S / d computed by
+// weighted_quotient), and J = c_0 J_0 + c_1 J_1 + ... in term order, each product c_k J_k by
+// scaled_part (kernel_common.h: in float64, rounded once). With one term, coefficient 1 and no
 // weights, J has the bits of reduce.
 std::tuple<Tensor, Tensor> reduce_terms(
     std::vector<Tensor> values,
@@ -171,18 +179,21 @@ std::tuple<Tensor, Tensor> reduce_terms(
     std::vector<A> sums(static_cast<size_t>(k_terms * b));  // host scratch: no tensor to allocate
     A* s = sums.data();
     engine().segment_sums(args, s, nullptr);
-    if (weights.has_value()) {
-      const A* w = weights->const_data_ptr<A>();
-      for (int64_t i = 0; i < k_terms * b; ++i) {
-        s[i] = s[i] * w[i];
-      }
-    }
     const A* d = denoms.const_data_ptr<A>();
     A* part = parts.mutable_data_ptr<A>();
     A total = A(0);
     for (int64_t k = 0; k < k_terms; ++k) {
-      part[k] = weighted_total(s + k * b, d + k * b, b);
-      const A scaled = part[k] * static_cast<A>(coefficients[k]);
+      if (weights.has_value()) {  // the quotients w·S / d (weighted_quotient), then added as reduce adds its own
+        const A* w = weights->const_data_ptr<A>() + k * b;
+        A* x = s + k * b;
+        for (int64_t i = 0; i < b; ++i) {
+          x[i] = weighted_quotient(x[i], w[i], d[k * b + i]);
+        }
+        part[k] = weighted_total<A, A, false>(x, nullptr, b);
+      } else {
+        part[k] = weighted_total(s + k * b, d + k * b, b);
+      }
+      const A scaled = scaled_part(part[k], coefficients[k]);
       total = k == 0 ? scaled : total + scaled;
     }
     *out.mutable_data_ptr<A>() = total;
@@ -191,7 +202,7 @@ std::tuple<Tensor, Tensor> reduce_terms(
 }
 
 // d J / d values_k[t] = mask[t] * ((grad * c_k) / d[k, s]) * w[k, s], the coefficient of each
-// (term, sample) rounded as autograd rounds it through J's products and quotients, then
+// (term, sample) computed by term_grad (kernel_common.h: in float64, rounded once), then
 // broadcast to the tokens: K tensors of the mask's shape, each its own allocation (a term's
 // gradient is freed when that term's backward is done with it).
 std::vector<Tensor> reduce_terms_backward(
@@ -218,9 +229,8 @@ std::vector<Tensor> reduce_terms_backward(
     const A* w = weights.has_value() ? weights->const_data_ptr<A>() : nullptr;
     A* c = coef.mutable_data_ptr<A>();
     for (int64_t k = 0; k < k_terms; ++k) {
-      const A gk = g * static_cast<A>(coefficients[k]);
       for (int64_t s = 0; s < b; ++s) {
-        c[k * b + s] = w ? (gk / d[k * b + s]) * w[k * b + s] : gk / d[k * b + s];
+        c[k * b + s] = term_grad(g, coefficients[k], d[k * b + s], w ? w + k * b + s : nullptr);
       }
     }
   });

@@ -153,10 +153,10 @@ void launch_reduce_terms(
   for (int64_t k0 = 0; k0 < K; k0 += kMaxTermRows) {
     const int64_t n = std::min<int64_t>(kMaxTermRows, K - k0);
     TermRows<const scalar_t> chunk{};
-    TermCoefficients<acc_t> c{};
+    TermCoefficients c{};
     for (int64_t j = 0; j < n; ++j) {
       chunk.row[j] = rows[k0 + j];
-      c.c[j] = static_cast<acc_t>(coefficients[k0 + j]);
+      c.c[j] = coefficients[k0 + j];
     }
     TokenLayout part = layout;
     part.num_metrics = n;
@@ -184,10 +184,10 @@ void launch_reduce_terms_backward(
   const int64_t K = layout.num_metrics;
   for (int64_t k0 = 0; k0 < K; k0 += kMaxTermRows) {
     const int64_t n = std::min<int64_t>(kMaxTermRows, K - k0);
-    TermCoefficients<acc_t> c{};
+    TermCoefficients c{};
     TermRows<scalar_t> rows{};
     for (int64_t j = 0; j < n; ++j) {
-      c.c[j] = static_cast<acc_t>(coefficients[k0 + j]);
+      c.c[j] = coefficients[k0 + j];
       rows.row[j] = out[k0 + j];
     }
     TokenLayout part = layout;

@@ -516,16 +516,17 @@ __global__ void expand_tiles_kernel(
   }
 }
 
-// reduce_terms' last step, one block of kThreads threads, for the terms [k0, k0 + num_terms)
-// of a call (a chunk of at most kMaxTermRows). For each term k: x[s] = sums[k, s] (times
-// weights[k, s] when given), J_k = sum_s x[s] / denoms[k, s] in a fixed order (thread j takes
-// s = j, j + kThreads, ... in order, then the threads' partials are added as a fixed tree in
-// shared memory), parts[k] = J_k; then *result = c_k0 J_k0 (the first chunk) or *result + c_k
-// J_k, term after term. Deterministic; with an inconsistent cu_seqlens (bad_table, set by the
-// tiles; or a segment's own offsets, whose sum the fix-up made NaN) J_k and J are NaN.
-template <typename acc_t>
+// reduce_terms' totals, for the terms [k0, k0 + num_terms) of a call (a chunk of at most
+// kMaxTermRows). For each term k: q[s] = sums[k, s] / denoms[k, s] (with weights, w·S / d by
+// weighted_quotient), J_k = sum_s q[s] added in reduce's own order (the fix-up kernel's: blocks
+// of kSegmentsPerBlock samples, each block's quotients in sample order from 0, then the blocks'
+// totals in block order from 0), so that a term has the bits reduce gives its values;
+// parts[k] = J_k; then *result = c_k0 J_k0 (the first chunk) or *result + c_k J_k, term after
+// term (scaled_part). Thread j computes the totals of blocks j, j + kThreads, ...; thread 0 adds
+// them in order. Deterministic; with an inconsistent cu_seqlens (bad_table, set by the tiles;
+// or a segment's own offsets, whose sum the fix-up made NaN) J_k and J are NaN.
 struct TermCoefficients {
-  acc_t c[kMaxTermRows];
+  double c[kMaxTermRows];
 };
 
 template <typename acc_t>
@@ -533,40 +534,48 @@ __global__ void terms_total_kernel(
     const acc_t* __restrict__ sums,
     const acc_t* __restrict__ denoms,
     const acc_t* __restrict__ weights,
-    TermCoefficients<acc_t> coefficients,
+    TermCoefficients coefficients,
     int64_t k0,
     int64_t num_terms,
     int64_t num_segments,
     const unsigned int* __restrict__ bad_table,
     acc_t* __restrict__ parts,
     acc_t* __restrict__ result) {
-  __shared__ acc_t partial[kThreads];
+  __shared__ acc_t block_total[kThreads];
   const bool table_bad = *bad_table != 0u;
+  const int64_t needed = (num_segments + kSegmentsPerBlock - 1) / kSegmentsPerBlock;
+  const int64_t blocks = needed > 0 ? needed : 1;  // the fix-up's grid: one block when B == 0
   for (int64_t j = 0; j < num_terms; ++j) {
     const int64_t k = k0 + j;
     const acc_t* x = sums + k * num_segments;
     const acc_t* d = denoms + k * num_segments;
     const acc_t* w = weights != nullptr ? weights + k * num_segments : nullptr;
-    acc_t acc = acc_t(0);
-    for (int64_t s = threadIdx.x; s < num_segments; s += kThreads) {
-      const acc_t numerator = w != nullptr ? x[s] * w[s] : x[s];
-      acc += numerator / d[s];
-    }
-    partial[threadIdx.x] = acc;
-    __syncthreads();
-    for (int width = kThreads / 2; width > 0; width /= 2) {
-      if (static_cast<int>(threadIdx.x) < width) {
-        partial[threadIdx.x] += partial[threadIdx.x + width];
+    acc_t total = acc_t(0);
+    for (int64_t first = 0; first < blocks; first += kThreads) {
+      const int64_t b = first + threadIdx.x;
+      acc_t own = acc_t(0);
+      if (b < blocks) {
+        for (int i = 0; i < kSegmentsPerBlock; ++i) {
+          const int64_t s = b * kSegmentsPerBlock + i;
+          own += s < num_segments ? (w != nullptr ? weighted_quotient(x[s], w[s], d[s]) : x[s] / d[s]) : acc_t(0);
+        }
       }
+      block_total[threadIdx.x] = own;
       __syncthreads();
+      if (threadIdx.x == 0) {
+        const int64_t n = blocks - first < kThreads ? blocks - first : kThreads;
+        for (int64_t i = 0; i < n; ++i) {
+          total += block_total[i];
+        }
+      }
+      __syncthreads();  // block_total is reused by the next blocks
     }
     if (threadIdx.x == 0) {
-      const acc_t part = table_bad ? quiet_nan<acc_t>() : partial[0];
+      const acc_t part = table_bad ? quiet_nan<acc_t>() : total;
       parts[k] = part;
-      const acc_t scaled = part * coefficients.c[j];
+      const acc_t scaled = scaled_part(part, coefficients.c[j]);
       *result = k == 0 ? scaled : *result + scaled;
     }
-    __syncthreads();  // partial is reused by the next term
   }
 }
 
@@ -589,19 +598,18 @@ struct GradOverDenom {
 };
 
 // reduce_terms_backward, for the terms [k0, k0 + kMaxTermRows) of a call: ((grad * c_k) /
-// d[k, s]) * w[k, s] (no w: the quotient), the incoming gradient read on the device.
+// d[k, s]) * w[k, s] (no w: the quotient) by term_grad, the incoming gradient read on the device.
 template <typename acc_t>
 struct TermGrad {
   const acc_t* grad;
   const acc_t* denoms;   // [K, B]
   const acc_t* weights;  // [K, B] or null
-  TermCoefficients<acc_t> coefficients;
+  TermCoefficients coefficients;
   int64_t k0;
   int64_t num_segments;
   __device__ acc_t operator()(int64_t j, int64_t s) const {
     const int64_t i = (k0 + j) * num_segments + s;
-    const acc_t quotient = (*grad * coefficients.c[j]) / denoms[i];
-    return weights != nullptr ? quotient * weights[i] : quotient;
+    return term_grad(*grad, coefficients.c[j], denoms[i], weights != nullptr ? weights + i : nullptr);
   }
 };
 

@@ -95,6 +95,12 @@ def make_loss_func(
     dp_size = as_int("dp_size", dp_size, minimum=1)
     cp_size = as_int("cp_size", cp_size, minimum=1)
     deferred = isinstance(plan, DeferredPlan)
+    if not isinstance(plan, (StepPlan, DeferredPlan)):
+        raise TypeError(f"plan must be a lossagg.StepPlan or lossagg.DeferredPlan, got {type(plan).__name__}")
+    if keep is not None and not callable(keep):
+        raise TypeError(
+            f"keep must be a function keep(output_tensor, loss_mask) returning the micro-batch's final mask, got {type(keep).__name__} {keep!r}"
+        )
     if keep is not None and not deferred:
         raise TypeError(
             "keep= filters the mask inside the loss, after the forward: the counts are then known only as the step runs, which "

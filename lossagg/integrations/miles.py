@@ -214,7 +214,9 @@ def configure(args) -> LossAggregationConfig | None:
     the divisor, ``--n-samples-per-prompt`` < 1, ``--calculate-per-token-loss`` with a mode other than
     token_mean, which it is the legacy spelling of, a divisor-taking mode on the per-token path,
     prompt groups that cannot be whole in a step: ``global_batch_size % n_samples_per_prompt``),
-    a ``--loss-type`` that has no pg_loss, a pg_loss reducer already set to another function, and a
+    a ``--loss-type`` that has no pg_loss, a pg_loss reducer already set to another function, a
+    ``--train-backend`` other than megatron (miles' FSDP actor never calls the before-train-step
+    hook that plans each step), and a
     config file with ``terms`` or a ``weighting`` (the reducer serves pg_loss alone, unweighted).
     Safe to call again on the same args.
     """
@@ -234,6 +236,15 @@ def configure(args) -> LossAggregationConfig | None:
     if config.weighting != "none":
         why = "needs per-sample weights, which miles does not hand to its reducer: drop weighting"
         issues.append((CONFIG_FLAG, f"weighting={config.weighting} {why}"))
+    backend = getattr(args, "train_backend", "megatron")
+    if backend != "megatron":
+        issues.append(
+            (
+                "--train-backend",
+                f"--train-backend {backend}: miles-rl {MILES_VERSION}'s {backend} actor never calls --custom-megatron-before-train-step-hook-path, "
+                "through which lossagg plans each step's denominators: use --train-backend megatron",
+            )
+        )
     loss_type = getattr(args, "loss_type", "policy_loss")
     inner = getattr(args, "lossagg_inner_loss", None)
     if inner is None:  # first call

@@ -49,7 +49,7 @@ from lossagg.config import LossAggregationConfig
 from lossagg.dtypes import MASK_DTYPES, VALUE_DTYPES, VALUE_DTYPES_TEXT, values_dtype_error
 from lossagg.layout import token_counts
 from lossagg.messages import short_repr
-from lossagg.modes import MODES, divisor_for
+from lossagg.modes import MODES, divisor_for, mode_spellings
 from lossagg.ops import reduce
 from lossagg.step import StepPlan
 from lossagg.totals import DEFAULT_EMPTY_SAMPLES, EMPTY_SAMPLES, mode_totals
@@ -217,6 +217,23 @@ def _lossagg_denoms(loss_mask, mode, dp_size, batch_num_tokens, global_batch_siz
     return StepPlan.from_totals(config, counts, **totals).sample_denoms
 
 
+def _mode_name(loss_agg_mode: object) -> object:
+    """The mode ``loss_agg_mode`` names, spelled as the adapter looks it up: ``-`` and ``_`` count
+    as the same, case and surrounding spaces are ignored (lossagg.modes.mode_spellings, as the
+    config reads names); a lossagg mode's own name is looked up first (``token_mean`` is lossagg's,
+    ``token-mean`` verl's), then verl's names, then lossagg's with ``_`` for ``-``. Anything else
+    is returned as given (and refused)."""
+    if loss_agg_mode in VERL_MODES or not isinstance(loss_agg_mode, str):
+        return loss_agg_mode
+    spellings = mode_spellings(loss_agg_mode)
+    if spellings[0] in MODES:
+        return spellings[0]
+    for spelling in spellings:
+        if spelling in VERL_MODES:
+            return spelling
+    return next((spelling for spelling in spellings if spelling in MODES), loss_agg_mode)
+
+
 def _readable(name: str, t: torch.Tensor) -> torch.Tensor:
     """``t`` as lossagg's op reads it. An expanded view (verl's callers broadcast advantages or
     masks) is materialised: verl's own ``loss_mat * loss_mask`` is a full-size tensor too."""
@@ -245,7 +262,8 @@ def agg_loss(
     verl's modes (:data:`VERL_MODES`), where ``loss_mask`` is a weight (bool, integer or
     floating, finite and >= 0), or one of lossagg's (``group_index`` for ``prompt_mean``,
     ``empty_samples`` for how samples without a loss token count, the config's setting),
-    where it must be 0/1.
+    where it must be 0/1. ``-`` and ``_`` count as the same in either's names
+    (``seq_mean_token_mean`` is verl's ``seq-mean-token-mean``); ``token_mean`` is lossagg's.
     """
     as_tensor("loss_mat", loss_mat)
     as_tensor("loss_mask", loss_mask)
@@ -265,6 +283,7 @@ def agg_loss(
     loss_mask = _readable("loss_mask", loss_mask)
     dp_size = as_int("dp_size", dp_size, minimum=1)
     after = None
+    loss_agg_mode = _mode_name(loss_agg_mode)
     if loss_agg_mode in VERL_MODES:
         if empty_samples is not None:
             raise ValueError(

@@ -268,7 +268,7 @@ void run_terms_case(
       want_parts[k] += wk * ref[source[k] * c.B + s] / static_cast<double>(d[k * c.B + s]);
       part_scale[k] += std::fabs(wk) * ref_abs[source[k] * c.B + s] / static_cast<double>(d[k * c.B + s]);
     }
-    const double ck = static_cast<double>(static_cast<acc_t>(coefficients[k]));
+    const double ck = coefficients[k];  // as given: c_k J_k is computed in float64 (scaled_part)
     want += ck * want_parts[k];
     scale += std::fabs(ck) * part_scale[k];
   }
@@ -297,6 +297,19 @@ void run_terms_case(
            std::memcmp(all_parts[r].data(), all_parts[0].data(), all_parts[0].size() * sizeof(acc_t)) == 0;
   }
   expect(same, "reduce_terms: bitwise identical across block orders and reruns");
+  if (!weighted) {  // each term's J_k has the bits reduce gives its values (docs/ops.md): one order of additions
+    TokenLayout one = layout;
+    one.num_metrics = 1;
+    one.has_metric_dim = false;
+    bool as_reduce = true;
+    for (int64_t k = 0; k < K; ++k) {
+      acc_t alone = acc_t(12345);
+      HostDevice dev;
+      lossagg::cuda::launch_reduce<acc_t>(dev, one, seg, rows[k], in.mask.data, d.data() + k * c.B, &alone);
+      as_reduce = as_reduce && std::memcmp(&alone, &all_parts[0][k], sizeof(acc_t)) == 0;
+    }
+    expect(as_reduce, "reduce_terms: each term's J_k has the bits of reduce on its values");
+  }
 
   // the backward, into K buffers of their own
   const acc_t upstream = static_cast<acc_t>(0.75);
@@ -317,8 +330,7 @@ void run_terms_case(
   bool grad_ok = true;
   for (int64_t k = 0; k < K; ++k) {
     for (int64_t s = 0; s < c.B; ++s) {
-      const acc_t q = (upstream * static_cast<acc_t>(coefficients[k])) / d[k * c.B + s];
-      const acc_t coef = weighted ? q * w[k * c.B + s] : q;
+      const acc_t coef = lossagg::term_grad(upstream, coefficients[k], d[k * c.B + s], weighted ? &w[k * c.B + s] : nullptr);
       for (int64_t t = seg_begin(c, s); t < seg_end(c, s); ++t) {
         const double want_g = in.m64[t] == 0.0 ? 0.0 : to_double(static_cast<S>(static_cast<acc_t>(in.m64[t]) * coef));
         grad_ok = grad_ok && to_double(grads[k].data[t]) == want_g;
@@ -712,6 +724,33 @@ int main(int argc, char** argv) {
     std::vector<double> ref, abs;
     reference_sums(c, in.v64, in.m64, ref, abs);
     run_terms_case<float>(c, in, in.segments(c), in.layout(c), ref, abs, 99);
+  }
+
+  // The smallest case where an order of additions other than reduce's shows: x, 1, x in three
+  // one-token samples (x = half an ulp of 1), d = 1. reduce adds ((0 + x) + 1) + x = 1; a tree
+  // would add x + x first. Each term of reduce_terms must give reduce's 1 (docs/ops.md).
+  if (shard == 0) {
+    case_name = "reduce_terms adds a term as reduce adds it (x, 1, x)";
+    const auto one_term = [&]<typename A>(A x) {
+      const A values[3] = {x, A(1), x};
+      const BoolMask mask[3] = {{1}, {1}, {1}};
+      const int64_t cu[4] = {0, 1, 2, 3};
+      const A d[3] = {A(1), A(1), A(1)};
+      const double coefficient = 1.0;
+      const Segments seg{cu, true, 0};
+      const TokenLayout layout{true, 3, 3, 0, 1, false};
+      A alone = A(12345), part = A(12345), total = A(12345);
+      HostDevice dev;
+      lossagg::cuda::launch_reduce<A>(dev, layout, seg, values, mask, d, &alone);
+      const A* rows[1] = {values};
+      HostDevice dev2;
+      lossagg::cuda::launch_reduce_terms<A>(dev2, layout, seg, rows, mask, d, static_cast<const A*>(nullptr), &coefficient, &part, &total);
+      expect(
+          alone == A(1) && std::memcmp(&part, &alone, sizeof(A)) == 0 && std::memcmp(&total, &alone, sizeof(A)) == 0,
+          "reduce_terms: J_0 and J have reduce's bits on x, 1, x");
+    };
+    one_term(std::ldexp(1.0f, -24));
+    one_term(std::ldexp(1.0, -53));
   }
 
   std::printf("cuda_host shard %d/%d: %d passed, %d failed\n", shard, shards, passed, failed);

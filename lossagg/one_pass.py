@@ -1,4 +1,6 @@
-"""From a config and a batch to the loss: the user never writes a denominator formula.
+"""From a config and a batch to the loss: the user never writes a denominator formula. (The module is
+``one_pass``, not ``aggregate``: a submodule of that name would shadow the function
+``lossagg.aggregate`` on the package once imported.)
 
 :func:`aggregate` and every route it takes, in one file:
 
@@ -164,6 +166,9 @@ def _reduce_with_counts(values, mask, cu_seqlens, denoms_of, grad_mode=None):
     grad_mode = torch.is_grad_enabled() if grad_mode is None else grad_mode
     with torch.set_grad_enabled(grad_mode):
         d = denoms_of(counts)
+    if not isinstance(d, torch.Tensor):
+        b, got = sums.shape[0], type(d).__name__
+        raise TypeError(f"lossagg.reduce: sample_denoms (what denoms_of returned) must be a torch.Tensor of B = {b} denominators, got {got}")
     if grad_mode and isinstance(d, torch.Tensor) and d.requires_grad:
         _not_differentiable("reduce", sample_denoms=d)  # as plan-then-reduce refuses it: J's gradient flows to values only
     check_division_denoms(d, values.dtype)
