@@ -114,7 +114,6 @@ def __dir__():
 
 if TYPE_CHECKING:  # for type checkers and IDEs: every name of _EXPORTS, from its module (tests/test_import_graph.py)
     from lossagg._native import built_with_cuda, cpu_isa, device_checks_enabled, set_cpu_isa, set_device_checks  # noqa: F401
-    from lossagg.one_pass import aggregate  # noqa: F401
     from lossagg.config import ConfigError, LossAggregationConfig, add_loss_aggregation_args, config_from_args  # noqa: F401
     from lossagg.context_parallel import zigzag_local_cu_seqlens, zigzag_positions, zigzag_shard  # noqa: F401
     from lossagg.deferred import DeferredPlan, DeferredStep  # noqa: F401
@@ -123,6 +122,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: every name of _EXPORTS, from it
     from lossagg.layout import cu_seqlens_from_lengths, token_counts  # noqa: F401
     from lossagg.micro_batch import MicroBatch  # noqa: F401
     from lossagg.modes import ALIASES, MODES, REFUSED_NAMES, ModeSpec, ReferenceInputs, register_mode, unregister_mode  # noqa: F401
+    from lossagg.one_pass import aggregate  # noqa: F401
     from lossagg.ops import reduce, reduce_terms, segment_sum  # noqa: F401
     from lossagg.sequence import (  # noqa: F401
         SEQUENCE_OBJECTIVES,

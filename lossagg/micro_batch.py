@@ -35,9 +35,17 @@ _STRIDED = torch.strided
 def sample_positions(samples: Samples, n: int, device) -> torch.Tensor:
     """Positions among a rank's ``n`` samples (int64 on ``device``): integers in [0, n), a slice,
     or a bool selection of length n; each sample named at most once."""
+    return positions_and_run(samples, n, device)[0]
+
+
+def positions_and_run(samples: Samples, n: int, device) -> tuple[torch.Tensor, slice | None]:
+    """(:func:`sample_positions`, the same positions as a slice when they are one run of consecutive
+    samples, else None): a plan's tables are then cut as views, with no gather."""
     check_holds_data("samples", samples)
     if isinstance(samples, slice):
-        return torch.arange(n, device=device)[samples]
+        lo, hi, step = samples.indices(n)
+        run = slice(lo, max(hi, lo)) if step == 1 else None
+        return torch.arange(n, device=device)[samples], run
     if isinstance(samples, (int, bool)) or (isinstance(samples, torch.Tensor) and samples.dim() == 0):
         raise TypeError("samples must be a 1-D selection of this rank's samples (integer positions, a slice or a bool mask), got a scalar")
     try:
@@ -47,17 +55,21 @@ def sample_positions(samples: Samples, n: int, device) -> torch.Tensor:
     if pos.dim() != 1:
         raise ValueError(f"samples must be 1-D, got shape {tuple(pos.shape)}")
     if pos.numel() == 0 and pos.dtype != torch.bool:  # no samples (an empty list is float32 to torch)
-        return torch.zeros(0, dtype=torch.long, device=device)
+        return torch.zeros(0, dtype=torch.long, device=device), slice(0, 0)
     if pos.dtype == torch.bool:
         if pos.shape[0] != n:
             raise ValueError(f"samples as a bool selection must have one entry per sample of this rank ({n}), got {pos.shape[0]}")
-        return torch.nonzero(pos).flatten().to(device)
+        return torch.nonzero(pos).flatten().to(device), None
     if pos.is_floating_point() or pos.is_complex():
         raise TypeError(f"samples must hold integer positions, got dtype {pos.dtype}")
+    run = None
     if pos.numel() and pos.device.type == "cpu":  # positions on an accelerator are not read back (no host sync)
-        lo, hi = int(pos.min()), int(pos.max())
+        lo, hi = (int(x) for x in torch.aminmax(pos))
         if lo < 0 or hi >= n:
             raise ValueError(f"samples must be positions in [0, {n}) among this rank's samples, got values in [{lo}, {hi}]")
+        if pos.numel() == 1 or bool((pos[1:] > pos[:-1]).all()):  # increasing (the usual order): distinct
+            run = slice(lo, hi + 1) if hi - lo + 1 == pos.numel() else None
+            return pos.to(device=device, dtype=torch.long), run
         distinct, counts = torch.unique(pos, return_counts=True)
         if distinct.numel() != pos.numel():
             first = int(torch.nonzero(counts > 1)[0, 0])
@@ -65,7 +77,7 @@ def sample_positions(samples: Samples, n: int, device) -> torch.Tensor:
                 f"samples must name each sample of the micro-batch once, got position {int(distinct[first])} {int(counts[first])} times "
                 "(a sample counted twice would weigh twice in J)"
             )
-    return pos.to(device=device, dtype=torch.long)
+    return pos.to(device=device, dtype=torch.long), run
 
 
 def check_layout(selected: int, mask: torch.Tensor, cu_seqlens) -> None:

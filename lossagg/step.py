@@ -30,6 +30,7 @@ from lossagg.micro_batch import (
     Samples,
     check_layout,
     cut_from_step,
+    positions_and_run,
     reduce_metrics,
     reduce_micro_batch,
     sample_positions,
@@ -40,6 +41,12 @@ from lossagg.totals import mode_totals, plan_totals, read_totals
 from lossagg.validate import as_int, check_holds_data, check_process_group, check_sample_weights, check_token_counts
 
 GRADIENT_CONVENTIONS = ("sum", "mean", "micro_batch_mean", "megatron")
+_ALL = slice(None)
+_STRIDED = torch.strided
+
+
+def _holds_data(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.layout is _STRIDED and not t.is_meta
 
 
 class StepPlan:
@@ -221,23 +228,46 @@ class StepPlan:
         ``step_layout=True`` they are the layout of all this rank's samples instead, and the
         micro-batch is cut from it (its tokens at ``mb.tokens``; packed: consecutive samples).
         """
-        check_holds_data("mask", mask)
-        check_holds_data("cu_seqlens", cu_seqlens)
         if not isinstance(mask, torch.Tensor):
             raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
-        whole = isinstance(samples, slice) and samples == slice(None)
-        positions = self._positions(samples)
+        if mask.layout is not _STRIDED or mask.is_meta or (cu_seqlens is not None and not _holds_data(cu_seqlens)):
+            check_holds_data("mask", mask)
+            check_holds_data("cu_seqlens", cu_seqlens)
+        whole = type(samples) is slice and samples == _ALL
+        if whole:
+            positions, run = self._all_positions, None
+        elif type(samples) is slice:  # views of the plan's positions and tables
+            lo, hi, step = samples.indices(self.token_counts.shape[0])
+            positions, run = self._all_positions[samples], (slice(lo, max(hi, lo)) if step == 1 else None)
+        else:
+            positions, run = positions_and_run(samples, self.token_counts.shape[0], self.device)
         tokens = None
         if step_layout:
             tokens, mask, cu_seqlens = cut_from_step(positions, mask, cu_seqlens)
         check_layout(positions.shape[0], mask, cu_seqlens)
         names, _, _, coefficients = self._term_table
-        tables = {}
-        for acc, (d, w) in self._kernel_tables.items():
-            if not whole:
-                d, w = d[:, positions], None if w is None else w[:, positions]
-            tables[acc] = (d.to(mask.device), None if w is None else w.to(mask.device))
+        if whole:  # the plan's own tables, moved once per device
+            tables = self._whole_tables(mask.device)
+        else:
+            tables = {}
+            cut = positions if run is None else run  # a run of consecutive samples: views, no gather
+            for acc, (d, w) in self._kernel_tables.items():
+                d, w = d[:, cut], None if w is None else w[:, cut]
+                if d.device != mask.device:
+                    d, w = d.to(mask.device), None if w is None else w.to(mask.device)
+                tables[acc] = (d, w)
         return MicroBatch(self, names, coefficients, positions, mask, cu_seqlens, tables, tokens)
+
+    @functools.cached_property
+    def _all_positions(self) -> torch.Tensor:
+        return torch.arange(self.token_counts.shape[0], device=self.device)
+
+    def _whole_tables(self, device) -> dict:
+        """:attr:`_kernel_tables` on ``device`` (each moved once per plan)."""
+        cache = self.__dict__.setdefault("_tables_on", {})
+        if device not in cache:
+            cache[device] = {acc: (d.to(device), None if w is None else w.to(device)) for acc, (d, w) in self._kernel_tables.items()}
+        return cache[device]
 
     def _as_micro_batch(self, micro_batch, samples, cu_seqlens, what: str) -> MicroBatch:
         """The micro-batch a call names: a :class:`MicroBatch` of this plan, or (mask, samples, cu_seqlens)."""

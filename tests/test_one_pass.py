@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 import lossagg
 from lossagg import LossAggregationConfig, StepPlan
-from lossagg.one_pass import reduce_with_counts
 from lossagg.modes import MODES
+from lossagg.one_pass import reduce_with_counts
 from lossagg.ops import _aggregate_composite
 from lossagg.testing import reference_loss
 
