@@ -191,7 +191,8 @@ inline Tensor kernel_term_table(const Tensor& table, ScalarType values_dtype) {
 }
 
 inline TokenCall segment_sum_backward_call(const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, ScalarType values_dtype) {
-  return make_call(check_segment_sum_backward_inputs(grad, mask, cu_seqlens, values_dtype), std::nullopt, mask, cu_seqlens, acc_scalar_type(values_dtype));
+  return make_call(
+      check_segment_sum_backward_inputs(grad, mask, cu_seqlens, values_dtype), std::nullopt, mask, cu_seqlens, acc_scalar_type(values_dtype));
 }
 
 inline TokenCall reduce_backward_call(
