@@ -532,6 +532,8 @@ def _term_coefficients(coefficients, k: int) -> list[float]:
         return [1.0] * k
     if isinstance(coefficients, torch.Tensor) or not isinstance(coefficients, (list, tuple)):
         _fail(TypeError, "reduce_terms", f"coefficients must be a list of K = {k} numbers, got {type(coefficients).__name__}")
+    if all(type(c) is float for c in coefficients):  # the usual call
+        return list(coefficients)
     out = []
     for i, c in enumerate(coefficients):
         number = plain_number(c)  # a Python or NumPy number, or a 0-dim tensor

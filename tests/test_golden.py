@@ -88,15 +88,17 @@ def test_denominator_program_routes_match_the_recording(isa, threads):
     assert not stale, f"listed as changed but equal to the recording: {stale}"
 
 
-def test_micro_batch_reductions_match_the_recording():
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("isa", ISAS)
+def test_micro_batch_reductions_match_the_recording(isa, threads):
     """Every micro-batch reduction of both plans (one tensor, terms, parts, weights, several dtypes,
     metrics, a DeferredPlan's close) keeps the bits recorded through the five entrances of before
-    they became one call (tests/golden_micro_batch.py)."""
+    they became one call (tests/golden_micro_batch.py), on every instruction set and thread count."""
     import golden_micro_batch
 
     with open(golden_micro_batch.GOLDEN_PATH) as f:
         recorded = json.load(f)["cases"]
-    now = golden_micro_batch.corpus()
+    now = run_on(isa, threads, golden_micro_batch.corpus)
     kept = {k for k in recorded if not golden_micro_batch.changed(k)}
     assert kept == {k for k in now if not golden_micro_batch.changed(k)}
     differ = [k for k in kept if now[k] != recorded[k]]
