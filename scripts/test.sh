@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
 # The test command: set-up (build), the C++ tests (ctest, against the library setup.py
 # built), the configuration tests under the oldest supported Python, the peer packages
-# (installed once, only when absent), and the pytest suite. Fails if pytest collects no
-# tests.
+# (installed once, only when absent; in the background while the C++ and configuration tests
+# run), and the pytest suite. Fails if pytest collects no tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
 bash scripts/setup.sh || exit 1
 
-bash scripts/ctest.sh || exit 1
+# the peers install (mostly downloads and unpacking) while the C++ tests build and run; its lines
+# are printed once it is done
+mkdir -p build/logs
+bash scripts/install_peers.sh > build/logs/peers-summary.txt 2>&1 &
+peers=$!
 
-bash scripts/test_min_python.sh || exit 1
+bash scripts/ctest.sh || { wait "$peers"; exit 1; }
 
-bash scripts/install_peers.sh
+bash scripts/test_min_python.sh || { wait "$peers"; exit 1; }
+
+wait "$peers"
+cat build/logs/peers-summary.txt
 
 # two workers when pytest-xdist is there; the multi-process engine tests share one of them
 # (xdist_group "engines") while the other runs the rest
