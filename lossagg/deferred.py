@@ -42,6 +42,7 @@ from lossagg.micro_batch import (
     Samples,
     check_layout,
     cut_from_step,
+    given_micro_batch,
     reduce_metrics,
     reduce_micro_batch,
     sample_positions,
@@ -403,18 +404,6 @@ class DeferredPlan:
         d = spec.denoms(DenomInputs(kept, read, None if divisor is None else float(divisor)))
         return check_denoms(d, what, tuple(kept.shape), {k: v for k, v in read.items() if isinstance(v, float)}, kept.device)
 
-    def _as_micro_batch(self, micro_batch, samples, cu_seqlens, what: str) -> MicroBatch | None:
-        """A :class:`MicroBatch` of this plan as given, or None for (mask, samples, cu_seqlens)."""
-        if isinstance(micro_batch, MicroBatch):
-            if samples is not None or cu_seqlens is not None:
-                raise TypeError(f"{what}: a MicroBatch already holds its samples and layout; pass it alone, without samples or cu_seqlens")
-            if micro_batch.owner is not self:
-                raise ValueError(f"{what}: the MicroBatch was made by another plan (plan.micro_batch of this step's plan makes one)")
-            return micro_batch
-        if samples is None:
-            raise TypeError(f"{what}: pass a MicroBatch (plan.micro_batch(samples, final_mask, cu_seqlens)) or mask, samples and cu_seqlens")
-        return None
-
     def loss(
         self,
         values: torch.Tensor | Mapping[str, torch.Tensor],
@@ -429,7 +418,7 @@ class DeferredPlan:
         step's. Arguments and result as for :meth:`lossagg.StepPlan.loss` (the same reduction,
         lossagg/micro_batch.py); given (mask, samples, cu_seqlens) instead of a
         :class:`lossagg.MicroBatch`, the micro-batch is made here, and forgotten if the loss fails."""
-        mb = self._as_micro_batch(micro_batch, samples, cu_seqlens, "DeferredPlan.loss")
+        mb = given_micro_batch(self, micro_batch, samples, cu_seqlens, "DeferredPlan.loss")
         if mb is not None:
             self._check_open("loss")
             return reduce_micro_batch(values, mb, parts=parts, what="DeferredPlan.loss")
@@ -459,7 +448,7 @@ class DeferredPlan:
         holds the step's values (summed over the ranks at :meth:`close`: every rank reports the
         same metric names)."""
         self._check_open("metrics")
-        mb = self._as_micro_batch(micro_batch, samples, cu_seqlens, "DeferredPlan.metrics")
+        mb = given_micro_batch(self, micro_batch, samples, cu_seqlens, "DeferredPlan.metrics")
         if mb is None:
             mask = micro_batch
             check_holds_data("mask", mask)

@@ -168,14 +168,27 @@ class MicroBatch:
         return f"MicroBatch({self.num_samples} samples, {layout} {tuple(self.mask.shape)}, terms {', '.join(self.names)})"
 
 
+def given_micro_batch(plan, micro_batch, samples, cu_seqlens, what: str) -> MicroBatch | None:
+    """The :class:`MicroBatch` a call of ``plan`` names (checked: the plan's own, alone), or None when
+    the call names the micro-batch by its mask, samples and cu_seqlens instead."""
+    if isinstance(micro_batch, MicroBatch):
+        if samples is not None or cu_seqlens is not None:
+            raise TypeError(f"{what}: a MicroBatch already holds its samples and layout; pass it alone, without samples or cu_seqlens")
+        if micro_batch.owner is not plan:
+            raise ValueError(f"{what}: the MicroBatch was made by another plan (plan.micro_batch of this step's plan makes one)")
+        return micro_batch
+    if samples is None:
+        raise TypeError(f"{what}: pass a MicroBatch (plan.micro_batch(samples, mask, cu_seqlens)) or mask, samples and cu_seqlens")
+    return None
+
+
 class MicroBatchLog:
-    """What a :class:`lossagg.DeferredPlan` keeps of one micro-batch until ``close()``: its samples,
-    the terms' ``J_k`` its loss returned (None until it runs), and its metrics by name."""
+    """What a :class:`lossagg.DeferredPlan` keeps of one micro-batch until ``close()``: its samples
+    and the terms' ``J_k`` its loss returned (None until it runs; set by the loss, compiled or not)."""
 
     def __init__(self, samples: torch.Tensor):
         self.samples = samples
         self.parts: Any = None
-        self.metrics: dict[str, torch.Tensor] = {}
 
 
 # --------------------------------------------------------------------------------- the reduction
@@ -222,9 +235,7 @@ def _labels(names: tuple[str, ...]) -> tuple[str, ...]:
 
 def _check_values(names, seq, mb: MicroBatch, what: str) -> None:
     """Each term's values named as the user passed them: a tensor holding data with the token shape of the mask."""
-    single = len(names) == 1
-    for n, t in zip(names, seq, strict=True):
-        label = "values" if single else f"values[{n!r}]"
+    for label, t in zip(_labels(names), seq, strict=True):
         check_holds_data(label, t)
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(mb.mask.shape):
             got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__

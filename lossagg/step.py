@@ -30,6 +30,7 @@ from lossagg.micro_batch import (
     Samples,
     check_layout,
     cut_from_step,
+    given_micro_batch,
     positions_and_run,
     reduce_metrics,
     reduce_micro_batch,
@@ -271,15 +272,8 @@ class StepPlan:
 
     def _as_micro_batch(self, micro_batch, samples, cu_seqlens, what: str) -> MicroBatch:
         """The micro-batch a call names: a :class:`MicroBatch` of this plan, or (mask, samples, cu_seqlens)."""
-        if isinstance(micro_batch, MicroBatch):
-            if samples is not None or cu_seqlens is not None:
-                raise TypeError(f"{what}: a MicroBatch already holds its samples and layout; pass it alone, without samples or cu_seqlens")
-            if micro_batch.owner is not self:
-                raise ValueError(f"{what}: the MicroBatch was made by another plan (plan.micro_batch of this step's plan makes one)")
-            return micro_batch
-        if samples is None:
-            raise TypeError(f"{what}: pass a MicroBatch (plan.micro_batch(samples, mask, cu_seqlens)) or mask, samples and cu_seqlens")
-        return self.micro_batch(samples, micro_batch, cu_seqlens)
+        mb = given_micro_batch(self, micro_batch, samples, cu_seqlens, what)
+        return mb if mb is not None else self.micro_batch(samples, micro_batch, cu_seqlens)
 
     def loss(
         self,
