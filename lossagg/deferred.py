@@ -418,9 +418,9 @@ class DeferredPlan:
         step's. Arguments and result as for :meth:`lossagg.StepPlan.loss` (the same reduction,
         lossagg/micro_batch.py); given (mask, samples, cu_seqlens) instead of a
         :class:`lossagg.MicroBatch`, the micro-batch is made here, and forgotten if the loss fails."""
+        self._check_open("loss")
         mb = given_micro_batch(self, micro_batch, samples, cu_seqlens, "DeferredPlan.loss")
         if mb is not None:
-            self._check_open("loss")
             return reduce_micro_batch(values, mb, parts=parts, what="DeferredPlan.loss")
         mb = self._micro_batch(samples, micro_batch, cu_seqlens, False)
         try:
