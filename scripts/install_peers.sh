@@ -16,7 +16,7 @@
 #   a directory of its own that only the processes testing miles put first on sys.path
 #   (tests/miles_peer.py); what `miles.utils.arguments` and `miles.backends.megatron_utils.model`
 #   import, pinned, with --no-deps into build/peers/miles-deps beside it.
-# A failure leaves that peer's tests skipped with the reason, never failed. pip's output is in
+# A failure leaves that peer's tests skipped with the reason, never failed (slime's fail under CI). pip's output is in
 # build/logs/peers-*.log: installing verl with --no-deps makes pip's resolver list the
 # dependencies verl declares and the tests do not need, which is expected, not an error.
 set -uo pipefail
@@ -88,3 +88,8 @@ else
     echo "peers: miles-rl 0.0.2 could not be installed or imported (pip's output: $log): its tests will be skipped"
   fi
 fi
+
+# slime (THUDM/slime 624b824): not on the registry; its source comes with the project's peers
+# (../shared/peers/) and its import-time needs go into a directory of its own (scripts/install_slime.sh,
+# tests/slime_peer.py). After megatron-core, which slime imports. Its tests fail under CI when it is missing.
+echo "peers: $(bash scripts/install_slime.sh)"

@@ -27,7 +27,7 @@ import sys
 
 import pytest
 import torch
-from stand_ins import StandInMisuse, TorchForSchedules
+from stand_ins import install_megatron_core_stand_ins
 from worlds import report, run_world
 
 import lossagg
@@ -52,30 +52,7 @@ def _caller_file(depth: int = 2) -> str:
 
 def install_stand_ins():
     """The three narrow CUDA stand-ins (see the module docstring); returns their use counts."""
-    import megatron.core.pipeline_parallel.schedules as schedules
-
-    used = {"current_device": 0, "current_stream": 0, "zeros": 0}
-
-    def current_device():
-        if not _caller_file().endswith("megatron/core/distributed/param_and_grad_buffer.py"):
-            raise StandInMisuse(f"torch.cuda.current_device stand-in called from {_caller_file()}")
-        used["current_device"] += 1
-        return "cpu"
-
-    class _NoEvents:
-        def wait_event(self, event):
-            raise StandInMisuse("a CUDA-graph event to wait on: not expected on CPU")
-
-    def current_stream(*args, **kwargs):
-        if not _caller_file().endswith("megatron/core/distributed/param_and_grad_buffer.py"):
-            raise StandInMisuse(f"torch.cuda.current_stream stand-in called from {_caller_file()}")
-        used["current_stream"] += 1
-        return _NoEvents()
-
-    torch.cuda.current_device = current_device
-    torch.cuda.current_stream = current_stream
-    schedules.torch = TorchForSchedules(used)
-    return used
+    return install_megatron_core_stand_ins()
 
 
 # ------------------------------------------------------------------------- the step

@@ -49,9 +49,9 @@ from importlib import import_module
 
 import torch
 
-from lossagg.config import ConfigError, LossAggregationConfig, config_from_args
-from lossagg.config.flags import FLAGS
-from lossagg.modes import MODES, mode_spec
+from lossagg.config import ConfigError, LossAggregationConfig
+from lossagg.integrations import launch
+from lossagg.modes import mode_spec
 from lossagg.ops import reduce
 from lossagg.step import StepPlan
 
@@ -63,50 +63,21 @@ HOOKS = {
     "custom_loss_function_path": f"{__name__}.loss_function",
     "custom_pg_loss_reducer_function_path": f"{__name__}.pg_loss_reducer",
 }
-#: lossagg's own flags beside ``lossagg.config.FLAGS``.
-CONFIG_FLAG = "--loss-aggregation-config"
+CONFIG_FLAG = launch.CONFIG_FLAG
 #: The flags that switch lossagg on (any one of them given).
-LOSSAGG_FLAGS = ("--loss-aggregation", "--loss-aggregation-divisor", "--loss-aggregation-empty-samples", CONFIG_FLAG)
-
-
-def _dest(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_")
-
-
-def _flag_given(args, flag: str) -> bool:
-    return getattr(args, _dest(flag), None) is not None
+LOSSAGG_FLAGS = launch.SWITCHES
 
 
 # ----------------------------------------------------------------------- launch
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """lossagg's flags, for ``parse_args(add_custom_arguments=...)``. miles adds a launcher's flags
-    before its own, so the flags miles defines (``--calculate-per-token-loss``,
-    ``--n-samples-per-prompt``, ``--global-batch-size``) are left to miles."""
-    existing = set(parser._option_string_actions)  # noqa: SLF001 - argparse has no public accessor
-    group = parser.add_argument_group("loss aggregation (lossagg)")
-    for f in FLAGS:
-        # the flags of LOSSAGG_FLAGS only: the reducer serves pg_loss, so a term's flag has nothing to wire here
-        if f.flag in LOSSAGG_FLAGS and f.flag not in existing:
-            kwargs = dict(f.kwargs)
-            if f.setting == "mode":
-                kwargs["help"] = f"{', '.join(MODES)} (default: miles' own reducer, sample_mean; docs/modes.md); or a migration name, docs/config.md"
-            group.add_argument(f.flag, dest=f.dest, **kwargs)
-    if CONFIG_FLAG not in existing:
-        group.add_argument(
-            CONFIG_FLAG,
-            dest=_dest(CONFIG_FLAG),
-            default=None,
-            metavar="FILE",
-            help="a lossagg config file (JSON, YAML or TOML; docs/config.md) in place of the --loss-aggregation* flags",
-        )
-    return parser
+    """lossagg's flags, for ``parse_args(add_custom_arguments=...)`` (:func:`lossagg.integrations.launch.add_arguments`)."""
+    return launch.add_arguments(parser, "miles", LOSSAGG_FLAGS)
 
 
 def parse_args(add_custom_arguments: Callable | None = None):
     """miles' ``parse_args`` with lossagg's flags, then :func:`configure`.
 
     A refused setting ends the launch as argparse does: ``error: ...`` on stderr, exit status 2.
-    (slime is not served: its internals differ, docs/integration.md, "miles".)
     """
     trainer_parse_args = import_module("miles.utils.arguments").parse_args  # the peer, imported only here
 
@@ -116,7 +87,7 @@ def parse_args(add_custom_arguments: Callable | None = None):
         return add_arguments(parser)
 
     try:
-        _check_before_miles(sys.argv[1:])
+        launch.check_before_trainer(sys.argv[1:], LOSSAGG_FLAGS)
         args = trainer_parse_args(add_custom_arguments=add)
         configure(args)
     except ConfigError as exc:
@@ -125,85 +96,13 @@ def parse_args(add_custom_arguments: Callable | None = None):
     return args
 
 
-def _check_before_miles(argv: list[str]) -> None:
-    """What miles' own parse_args would trip over before lossagg sees it, on a launch with a lossagg flag:
-    ``--n-samples-per-prompt`` < 1 (miles derives ``global_batch_size`` from it, and Megatron asserts
-    that it is > 0)."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--n-samples-per-prompt", type=int, default=None)
-    add_arguments(pre)
-    try:
-        known, _ = pre.parse_known_args(argv)
-    except SystemExit:  # a malformed value: miles' parser reports it
-        return
-    if not any(_flag_given(known, f) for f in LOSSAGG_FLAGS):
-        return
-    n = known.n_samples_per_prompt
-    if n is not None and n < 1:
-        raise ConfigError([("--n-samples-per-prompt", f"samples per prompt group must be >= 1, got {n}")], "command line")
-
-
 def config_of(args) -> LossAggregationConfig | None:
     """The lossagg config of a parsed miles launch, or None when no lossagg flag was given.
 
     The checks of :func:`configure` that read only the settings (not the hooks); raises
     :class:`lossagg.ConfigError` naming the flags.
     """
-    if not any(_flag_given(args, f) for f in LOSSAGG_FLAGS):
-        return None
-    issues: list[tuple[str, str]] = []
-    n = getattr(args, "n_samples_per_prompt", None)
-    gbs = getattr(args, "global_batch_size", None)
-    per_token = getattr(args, "calculate_per_token_loss", False)
-    if _flag_given(args, CONFIG_FLAG):
-        given = [f for f in LOSSAGG_FLAGS if f != CONFIG_FLAG and _flag_given(args, f)]
-        if given:
-            raise ConfigError(
-                [
-                    (
-                        CONFIG_FLAG,
-                        f"{CONFIG_FLAG} {getattr(args, _dest(CONFIG_FLAG))} and {', '.join(given)} both given: put every setting in one place",
-                    )
-                ],
-                "command line",
-            )
-        path = getattr(args, _dest(CONFIG_FLAG))
-        file_config = LossAggregationConfig.from_file(path)
-        data = {k: getattr(file_config, k) for k in file_config.model_fields_set}
-        for setting, flag, value in (
-            ("n_samples_per_prompt", "--n-samples-per-prompt", n),
-            ("global_batch_size", "--global-batch-size", gbs),
-        ):
-            if setting in data and value is not None and data[setting] != value:
-                issues.append((flag, f"{path} sets {setting}: {data[setting]}, the launch has {flag} {value} (after miles derived it)"))
-        if issues:
-            raise ConfigError(issues, "command line")
-        data.update(n_samples_per_prompt=n, global_batch_size=gbs)
-        if per_token:
-            data["calculate_per_token_loss"] = True
-        try:
-            return LossAggregationConfig.from_dict({k: v for k, v in data.items() if v is not None}, source=f"{path} with the launch's flags")
-        except ConfigError as exc:
-            flag_of = {
-                "calculate_per_token_loss": "--calculate-per-token-loss",
-                "n_samples_per_prompt": "--n-samples-per-prompt",
-                "global_batch_size": "--global-batch-size",
-            }
-            raise ConfigError([(flag_of.get(p, p), m) for p, m in exc.issues], exc.source) from None
-    try:
-        return config_from_args(args)
-    except ConfigError as exc:
-        raise ConfigError([(p, m + _derived_note(args) if p == "--global-batch-size" else m) for p, m in exc.issues], exc.source) from None
-
-
-def _derived_note(args) -> str:
-    steps = getattr(args, "num_steps_per_rollout", None)
-    if steps is None:
-        return ""
-    return (
-        f" (miles derived --global-batch-size {args.global_batch_size} = --rollout-batch-size {args.rollout_batch_size} × "
-        f"--n-samples-per-prompt {args.n_samples_per_prompt} // --num-steps-per-rollout {steps})"
-    )
+    return launch.config_of(args, "miles", LOSSAGG_FLAGS)
 
 
 def configure(args) -> LossAggregationConfig | None:

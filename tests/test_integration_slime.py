@@ -1,0 +1,639 @@
+"""lossagg.integrations.slime inside slime's own training step (THUDM/slime at 624b824), on CPU (gloo).
+
+The worlds run slime's ``train()`` (``slime.backends.megatron_utils.model``) over a rollout of two
+steps: its ``train_one_step``, its data iterator and ``get_batch`` (zigzag CP shards), its
+``loss_function`` and ``policy_loss_function`` (its reducers, TIS and outer scaling), Megatron's
+schedule, ``DistributedDataParallel`` and ``finalize_model_grads``. The rollout data of each DP rank is
+what slime's rollout side hands it: the schedule from slime's own ``build_dp_schedule`` (static or
+dynamic micro-batches, unequal sample counts per rank), fan-out rollouts (one rollout emitting 1-3
+training samples under one ``rollout_id``, as slime's compact rollouts do), slime's
+``rollout_mask_sums``, tensors as slime's ``tensorize_rollout_data_for_training`` and its actor leave
+them; then the postprocess hook and ``train()``, in the actor's order. The launches come from slime's own
+``parse_args`` (``--debug-train-only``), through ``lossagg.integrations.slime.parse_args`` or slime's alone.
+
+The model is float32 (slime asserts float32 logits). The optimizer is a recorder: each step's
+``main_grad`` must equal the gradient of the float64 reference J of that step's rollouts (unsplit) to
+2e-5 of the largest gradient entry: the float32 forward rounds each logit, log-prob and entropy at
+~6e-8 relative and the step sums ~100 tokens' gradients in float32, which stays below 1e-6; the
+mode errors the test must catch are O(1e-1) (a mutated reference, slime's per-rollout default where
+the mode is prompt_mean, is checked to fail by more than 100 times the tolerance).
+
+Stand-ins: slime's device calls go to a CPU accelerator through slime's public
+``slime.utils.accelerator.set_accelerator``; Megatron's CUDA calls on the way
+(``torch.cuda.current_device`` in the grad buffers, ``torch.zeros(..., device="cuda")`` in the schedule)
+are served on the CPU, each only from the file that makes it (tests/stand_ins.py).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import slime_peer
+import torch
+from stand_ins import install_megatron_core_stand_ins
+from worlds import report, run_world
+
+import lossagg
+from lossagg.modes import default_term_mode
+
+pytestmark = pytest.mark.xdist_group("slime")
+
+N_PER_PROMPT, PROMPTS, STEPS = 2, 6, 2
+VOCAB, HIDDEN, PROMPT_LEN = 7, 4, 3
+ENTROPY_COEF, KL_COEF = 0.1, 0.05
+TOLERANCE = 2e-5
+
+BASE_ARGV = [
+    "train.py",
+    "--debug-train-only",
+    "--rollout-batch-size", str(PROMPTS),
+    "--n-samples-per-prompt", str(N_PER_PROMPT),
+    "--num-steps-per-rollout", str(STEPS),
+    "--num-rollout", "1",
+    "--actor-num-nodes", "1",
+    "--actor-num-gpus-per-node", "1",
+    "--num-layers", "1",
+    "--hidden-size", "8",
+    "--num-attention-heads", "1",
+    "--micro-batch-size", "1",
+    "--seq-length", "64",
+    "--max-position-embeddings", "64",
+    "--eps-clip", "0.2",
+]  # fmt: skip
+#: entropy and KL on; slime checks that --ref-load exists when KL is on (the reference log-probs here come with the rollout)
+TERMS = [
+    "--entropy-coef",
+    str(ENTROPY_COEF),
+    "--use-kl-loss",
+    "--kl-loss-coef",
+    str(KL_COEF),
+    "--kl-loss-type",
+    "k2",
+    "--ref-load",
+    os.path.dirname(__file__),
+]
+TIS = ["--use-tis", "--tis-clip", "1.3", "--tis-clip-low", "0.8", "--custom-tis-function-path", "test_integration_slime.rejecting_tis_function"]
+
+#: name -> (extra flags, lossagg config of the reference (None: slime's own reducer), {term: mode} of the reference)
+CASES = {
+    "slime_default": (TERMS, None, {}),
+    "slime_per_token": (["--calculate-per-token-loss"], None, {}),
+    "sample_mean": (["--loss-aggregation", "sample_mean"], {"mode": "sample_mean"}, {}),
+    "prompt_mean": (["--loss-aggregation", "prompt_mean"], {"mode": "prompt_mean"}, {}),
+    "token_mean": (["--loss-aggregation", "token_mean"], {"mode": "token_mean"}, {}),
+    "legacy_per_token": (["--loss-aggregation", "token_mean", "--calculate-per-token-loss"], {"mode": "token_mean"}, {}),
+    "constant": (["--loss-aggregation", "constant", "--loss-aggregation-divisor", "6"], {"mode": "constant", "divisor": 6.0}, {}),
+    "max_length": (["--loss-aggregation", "max_length"], {"mode": "max_length"}, {}),
+    "prompt_mean_skip": (
+        ["--loss-aggregation", "prompt_mean", "--loss-aggregation-empty-samples", "skip"],
+        {"mode": "prompt_mean", "empty_samples": "skip"},
+        {},
+    ),
+    "sample_mean_default_terms": (["--loss-aggregation", "sample_mean", *TERMS], {"mode": "sample_mean"}, {}),
+    "token_mean_default_terms": (["--loss-aggregation", "token_mean", *TERMS], {"mode": "token_mean"}, {}),
+    "prompt_mean_terms": (
+        ["--loss-aggregation", "prompt_mean", *TERMS]
+        + ["--loss-aggregation-term", f"entropy:{-ENTROPY_COEF}:token_mean", "--loss-aggregation-term", f"kl:{KL_COEF}:max_length"],
+        {"mode": "prompt_mean"},
+        {"entropy": "token_mean", "kl": "max_length"},
+    ),
+    "prompt_mean_tis": (["--loss-aggregation", "prompt_mean", "--entropy-coef", str(ENTROPY_COEF), *TIS], {"mode": "prompt_mean"}, {}),
+    "user_postprocess": (
+        ["--loss-aggregation", "prompt_mean", "--rollout-data-postprocess-path", "test_integration_slime.user_postprocess"],
+        {"mode": "prompt_mean"},
+        {},
+    ),
+    "prompt_mean_dynamic": (
+        ["--loss-aggregation", "prompt_mean", *TERMS, "--loss-aggregation-term", f"kl:{KL_COEF}:token_mean"]
+        + ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "14"],
+        {"mode": "prompt_mean"},
+        {"kl": "token_mean"},
+    ),
+}
+
+PARSE = (
+    slime_peer.TYPING
+    + r"""
+import pickle, sys
+from lossagg.integrations import slime as adapter
+from slime.utils.arguments import parse_args as slime_parse_args
+out = {}
+for name, (through_lossagg, argv) in pickle.loads(bytes.fromhex(sys.argv[1])).items():
+    sys.argv = argv
+    sys.stderr.write(f"@@launch {name}\n")
+    sys.stderr.flush()
+    try:
+        args = adapter.parse_args() if through_lossagg else slime_parse_args()
+    except SystemExit as exc:
+        out[name] = ("exit", exc.code)
+    else:
+        out[name] = ("args", pickle.dumps(args))
+sys.stdout.buffer.write(b"ARGS" + pickle.dumps(out))
+"""
+)
+
+
+def need_slime():
+    why = slime_peer.unavailable()
+    if why:
+        # CI installs slime (scripts/install_slime.sh): a missing slime there is a failure, never a skip
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(why)
+
+
+def parse_launches(launches: dict[str, tuple[bool, list[str]]], timeout: float = 600) -> dict[str, tuple[str, object, str]]:
+    """Each launch's argument parsing by slime's own parse_args (through lossagg's when the bool is true), in
+    one subprocess that has slime on its path: name -> ("args", pickled Namespace, stderr) or ("exit", status, stderr)."""
+    done = subprocess.run([sys.executable, "-c", PARSE, pickle.dumps(launches).hex()], env=slime_peer.env(), capture_output=True, timeout=timeout)
+    stderr = done.stderr.decode(errors="replace")
+    assert done.returncode == 0 and b"ARGS" in done.stdout, stderr[-3000:]
+    parsed = pickle.loads(done.stdout[done.stdout.index(b"ARGS") + 4 :])
+    errs = {}
+    for chunk in stderr.split("@@launch ")[1:]:
+        name, _, text = chunk.partition("\n")
+        errs[name] = text
+    return {name: (kind, value, errs.get(name, "")) for name, (kind, value) in parsed.items()}
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    need_slime()
+    parsed = parse_launches({name: (config is not None, BASE_ARGV + flags) for name, (flags, config, _) in CASES.items()})
+    out = {}
+    for name, (kind, value, stderr) in parsed.items():
+        assert kind == "args", f"{name}: the launch exited with {value}: {stderr[-3000:]}"
+        out[name] = value
+    path = tmp_path_factory.mktemp("slime") / "launches.pkl"
+    path.write_bytes(pickle.dumps(out))
+    return str(path)
+
+
+# ----------------------------------------------------------------------- stand-ins
+def _caller(depth: int = 2) -> str:
+    return sys._getframe(depth).f_code.co_filename.replace(os.sep, "/")
+
+
+def install_stand_ins():
+    from slime.utils import accelerator
+    from slime.utils.accelerator.base import Accelerator
+
+    used = install_megatron_core_stand_ins()
+    used["accelerator"] = 0
+
+    class CPUAccelerator(Accelerator):
+        """slime's accelerator contract on the CPU (slime.utils.accelerator.set_accelerator, public for tests)."""
+
+        name, device_type, communication_backend_name = "cpu", "cpu", "gloo"
+
+        def is_available(self):
+            return True
+
+        def device(self, index=None):
+            used["accelerator"] += 1
+            return torch.device("cpu")
+
+        def device_name(self, index=None):
+            return "cpu"
+
+        def set_device(self, index):
+            pass
+
+        def current_device(self):
+            used["accelerator"] += 1
+            return "cpu"
+
+        def device_count(self):
+            return 1
+
+        def synchronize(self, device=None):
+            pass
+
+        def current_stream(self, device=None):
+            return None
+
+        def empty_cache(self):
+            pass
+
+        def mem_get_info(self, device=None):
+            return (1, 1)
+
+        def memory_allocated(self, device=None):
+            return 0
+
+        def memory_reserved(self, device=None):
+            return 0
+
+    accelerator.set_accelerator(CPUAccelerator())
+    return used
+
+
+# --------------------------------------------------------------------- the rollout
+def make_rollout(seed=0):
+    """Every training sample of the rollout, in rollout order: rollout r (prompt group r // n) emits
+    1 + r % 3 training samples sharing its rollout_id and sample index (slime's compact fan-out)."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for r in range(PROMPTS * N_PER_PROMPT):
+        group = r // N_PER_PROMPT
+        prompt = torch.tensor([(group * 3 + k) % VOCAB for k in range(PROMPT_LEN)], dtype=torch.long)
+        for _ in range(1 + r % 3):
+            n = int(torch.randint(2, 10, (1,), generator=g))
+            response = torch.randint(0, VOCAB, (n,), generator=g)
+            mask = (torch.rand(n, generator=g) < 0.8).to(torch.int)
+            if r == 4:
+                mask.zero_()  # an empty rollout (its two training samples have no loss token)
+            samples.append(
+                dict(
+                    tokens=torch.cat([prompt, response]),
+                    response_length=n,
+                    loss_mask=mask,
+                    old_log_prob=-torch.rand(n, generator=g, dtype=torch.float64) * 2,
+                    rollout_log_prob=-torch.rand(n, generator=g, dtype=torch.float64) * 2,
+                    ref_log_prob=-torch.rand(n, generator=g, dtype=torch.float64) * 2,
+                    advantage=torch.full((n,), float(torch.randn(1, generator=g, dtype=torch.float64)), dtype=torch.float64),
+                    index=r,
+                    rollout_id=r,
+                )
+            )
+    return samples
+
+
+def user_postprocess(args, rollout_id, rollout_data):
+    """A user's ``--rollout-data-postprocess-path`` that filters tokens: the first response token of every
+    training sample leaves the loss mask (in place), before lossagg plans the steps."""
+    for m in rollout_data["loss_masks"]:
+        m[0] = 0
+
+
+def postprocessed(samples):
+    """The rollout as :func:`user_postprocess` leaves it."""
+    out = []
+    for s in samples:
+        mask = s["loss_mask"].clone()
+        mask[0] = 0
+        out.append({**s, "loss_mask": mask})
+    return out
+
+
+def rejected(response_length: int) -> torch.Tensor:
+    """The tokens the test's rejection sampling drops: every third of the response."""
+    out = torch.zeros(response_length, dtype=torch.bool)
+    out[::3] = True
+    return out
+
+
+def rejecting_tis_function(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kwargs):
+    """A TIS/RS function in slime's signature (``--custom-tis-function-path``): truncated importance
+    weights on pg_loss, and modified masks (every third response token dropped)."""
+    weights = torch.clamp(torch.exp(torch.cat(train_log_probs) - torch.cat(rollout_log_probs)), min=args.tis_clip_low, max=args.tis_clip)
+    modified = [m * (~rejected(m.numel())).to(m.dtype) for m in loss_masks]
+    return pg_loss * weights, modified, {}
+
+
+class ToyLM(torch.nn.Module):
+    """Logits of each token from its own embedding (no attention, so a CP shard needs no exchange)."""
+
+    def __init__(self, config=None, dtype=torch.float32):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.config = config
+        if config is not None:
+            from megatron.core.enums import ModelType
+
+            self.model_type = ModelType.encoder_or_decoder
+        self.embed = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=g, dtype=torch.float64).to(dtype))
+        self.head = torch.nn.Parameter((torch.randn(HIDDEN, VOCAB, generator=g, dtype=torch.float64) * 0.5).to(dtype))
+
+    def set_input_tensor(self, input_tensor):
+        """One pipeline stage: nothing comes."""
+
+    def forward(self, input_ids, *args, **kwargs):
+        return self.embed[input_ids] @ self.head
+
+
+def step_rollouts(samples, step):
+    gbs = PROMPTS * N_PER_PROMPT // STEPS
+    return [s for s in samples if step * gbs <= s["rollout_id"] < (step + 1) * gbs]
+
+
+def reference_j(case, samples, step, args, *, mutated=False):
+    """The step's float64 J (unsplit), over rollouts: pg_loss on the mode (or slime's default reducer),
+    entropy and KL on their own modes (or the default reducer), from a float64 copy of the model."""
+    from lossagg.testing import reference_loss
+
+    _, case_config, term_modes = CASES[case]
+    if mutated:  # slime's per-rollout default where the case has its mode
+        case_config, term_modes = None, {}
+    chosen = step_rollouts(postprocessed(samples) if case == "user_postprocess" else samples, step)
+    model = ToyLM(dtype=torch.float64)
+    per_token = bool(args.calculate_per_token_loss)
+    tis = bool(args.use_tis)
+    values = {"pg": [], "entropy": [], "kl": []}
+    masks, kept, lengths, rollout_of = [], [], [], []
+    for s in chosen:
+        logits = model(s["tokens"])
+        n = s["response_length"]
+        logp_all = torch.log_softmax(logits[-n - 1 : -1], -1)
+        lp = logp_all.gather(-1, s["tokens"][-n:, None]).squeeze(-1)
+        ratio = torch.exp(lp - s["old_log_prob"])
+        a = s["advantage"]
+        pg = torch.maximum(-ratio * a, -ratio.clamp(1 - args.eps_clip, 1 + args.eps_clip_high) * a)
+        m = s["loss_mask"].bool()
+        if tis:
+            pg = pg * torch.clamp(torch.exp(s["old_log_prob"] - s["rollout_log_prob"]), min=args.tis_clip_low, max=args.tis_clip)
+            kept.append(m & ~rejected(n))
+        values["pg"].append(pg)
+        values["entropy"].append(-(logp_all.exp() * logp_all).sum(-1))
+        values["kl"].append((lp - s["ref_log_prob"]) ** 2 / 2)  # k2
+        masks.append(m)
+        lengths.append(n)
+        rollout_of.append(s["rollout_id"])
+    # a rollout is one lossagg sample: its training samples' tokens side by side
+    ids = sorted(set(rollout_of))
+    order = [j for r in ids for j in range(len(chosen)) if rollout_of[j] == r]
+    cu = lossagg.cu_seqlens_from_lengths(torch.tensor([sum(lengths[j] for j in order if rollout_of[j] == r) for r in ids]), dtype=torch.int64)
+    groups = torch.tensor([r // N_PER_PROMPT for r in ids])
+    groups = torch.unique(groups, return_inverse=True)[1]
+    mask = torch.cat([masks[j] for j in order])
+    numerator = torch.cat([kept[j] for j in order]) if tis else mask
+    cat = {k: torch.cat([v[j] for j in order]) for k, v in values.items()}
+    rollout_tokens = torch.tensor([float(mask[cu[i] : cu[i + 1]].sum()) for i in range(len(ids))], dtype=torch.float64)
+    sample_tokens = torch.tensor([float(m.sum()) for m in masks], dtype=torch.float64)
+
+    def slime_default(x, num):
+        sums = torch.stack([(x[cu[i] : cu[i + 1]] * num[cu[i] : cu[i + 1]]).sum() for i in range(len(ids))])
+        if per_token:
+            return sums.sum() / sample_tokens.clamp(min=1).sum()  # slime's per-token path: Σ max(M[j], 1) over training samples
+        return (sums / rollout_tokens.clamp(min=1)).sum() / len(ids)
+
+    if case_config is None:
+        j = slime_default(cat["pg"], numerator)
+        reducers = {}
+    else:
+        config = lossagg.LossAggregationConfig(n_samples_per_prompt=N_PER_PROMPT, **case_config)
+        j = reference_loss(config, cat["pg"], numerator, cu, groups, **({"rollout_mask": mask} if tis else {}))
+        default = default_term_mode(config.mode)
+        reducers = {
+            k: lossagg.LossAggregationConfig(n_samples_per_prompt=N_PER_PROMPT, mode=term_modes.get(k, default), empty_samples=config.empty_samples)
+            for k in ("entropy", "kl")
+        }
+    for k, coef in (("entropy", -float(args.entropy_coef)), ("kl", float(args.kl_loss_coef) if args.use_kl_loss else 0.0)):
+        if coef == 0.0:
+            continue
+        if k not in reducers or tis:  # slime's own reducer (rebuilt inside policy_loss_function under TIS: modified masks, rollout totals)
+            term = slime_default(cat[k], numerator)
+        else:
+            term = reference_loss(reducers[k], cat[k], mask, cu, groups)
+        j = j + coef * term
+    return j, model, float(sample_tokens.clamp(min=1).sum())
+
+
+def reference_grads(case, samples, step, args, *, mutated=False):
+    j, model, reported = reference_j(case, samples, step, args, mutated=mutated)
+    j.backward()
+    return [model.embed.grad, model.head.grad]
+
+
+class RecordingOptimizer:
+    """What slime's train_one_step calls of an optimizer; step() records every parameter's main_grad."""
+
+    def __init__(self, module):
+        self.module = module
+        self.grads = []
+        self.param_groups = [{"lr": 0.0}]
+
+    def scale_loss(self, loss):
+        return loss
+
+    def zero_grad(self):
+        pass
+
+    def prepare_grads(self):
+        return False
+
+    def get_grad_norm(self):
+        return 0.0
+
+    def step(self):
+        self.grads.append([p.main_grad.detach().clone() for p in (self.module.embed, self.module.head)])
+        return True, 0.0, None
+
+
+class Scheduler:
+    def step(self, increment):
+        pass
+
+    def get_lr(self, param_group):
+        return param_group["lr"]
+
+
+def rank_rollout(samples, dp_rank, dp, cp, args):
+    """This DP rank's rollout data as slime's rollout side and actor hand it to train(): slime's own
+    schedule (build_dp_schedule), its per-rank packaging and tensors, CP-local log-probs."""
+    from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
+    from slime.observability.rollout_data_utils import tensorize_rollout_data_for_training
+    from slime.utils.dp_schedule import build_dp_schedule
+
+    total_lengths = [int(s["tokens"].numel()) for s in samples]
+    parallel = {"dp_size": dp, "cp_size": cp, "vpp_size": 1, "microbatch_group_size_per_vp_stage": 1}
+    rollout_ids = [s["rollout_id"] for s in samples]
+    partitions, schedule, num_microbatches, batch_sizes = build_dp_schedule(
+        args, parallel, total_lengths, global_batch_size=args.global_batch_size, rollout_indices=rollout_ids
+    )
+    totals = {}
+    for s in samples:  # slime's rollout_mask_sums: each rollout's mask total, per training sample
+        totals[s["rollout_id"]] = totals.get(s["rollout_id"], 0) + int(s["loss_mask"].sum())
+    part = partitions[dp_rank]
+    mine = [samples[j] for j in part]
+    data = {
+        "partition": part,
+        "tokens": [s["tokens"].tolist() for s in mine],
+        "response_lengths": [s["response_length"] for s in mine],
+        "loss_masks": [s["loss_mask"].tolist() for s in mine],
+        "sample_indices": [s["index"] for s in mine],
+        "rollout_ids": [s["rollout_id"] for s in mine],
+        "rollout_mask_sums": [totals[s["rollout_id"]] for s in mine],
+        "rollout_log_probs": [s["rollout_log_prob"].tolist() for s in mine],
+    }
+    tensorize_rollout_data_for_training(data)
+    data["total_lengths"] = [total_lengths[j] for j in part]
+    data["global_batch_sizes"] = batch_sizes
+    data["num_microbatches"] = num_microbatches
+    data["micro_batch_indices"] = schedule[dp_rank]
+    # what the actor's _get_rollout_data and the log-prob / advantage passes leave
+    data["tokens"] = [t.to(torch.long) for t in data["tokens"]]
+    data["loss_masks"] = [t.to(torch.int) for t in data["loss_masks"]]
+    data["rollout_mask_sums"] = data["rollout_mask_sums"].to(torch.float32)
+    local = [(s, t, r) for s, t, r in zip(mine, data["total_lengths"], data["response_lengths"], strict=True)]
+    for key, field in (
+        ("rollout_log_probs", "rollout_log_prob"),
+        ("log_probs", "old_log_prob"),
+        ("ref_log_probs", "ref_log_prob"),
+        ("advantages", "advantage"),
+    ):
+        data[key] = [slice_log_prob_with_cp(s[field], t, r).to(torch.float32) for s, t, r in local]
+    return data
+
+
+# ------------------------------------------------------------------------ the world
+def worker(rank, world, layouts, launches_path, init_file, results_dir):
+    slime_peer.enter()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    failures, ran = [], 0
+    try:
+        used = install_stand_ins()
+        from megatron.core import parallel_state as mpu
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.transformer import TransformerConfig
+        from megatron.training.global_vars import set_args
+        from slime.backends.megatron_utils import model as slime_model
+        from slime.backends.megatron_utils.data import get_data_iterator
+        from slime.utils.misc import load_function
+
+        launches = pickle.loads(open(launches_path, "rb").read())
+        samples = make_rollout()
+        for cp in layouts:
+            dp = world // cp
+            mpu.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=cp)
+            dp_rank = mpu.get_data_parallel_rank()
+            for name in CASES:
+                args = pickle.loads(launches[name])
+                args.world_size, args.rank = world, rank
+                args.context_parallel_size, args.data_parallel_size = cp, dp
+                args.bf16 = False
+                set_args(args)
+                tconfig = TransformerConfig(
+                    num_layers=1,
+                    hidden_size=8,
+                    num_attention_heads=1,
+                    context_parallel_size=cp,
+                    calculate_per_token_loss=args.calculate_per_token_loss,
+                    params_dtype=torch.float32,
+                )
+                ddp_config = DistributedDataParallelConfig(
+                    overlap_grad_reduce=False, grad_reduce_in_fp32=True, use_distributed_optimizer=False, bucket_size=None
+                )
+                module = ToyLM(tconfig)
+                model = DistributedDataParallel(tconfig, ddp_config, module)
+                optimizer = RecordingOptimizer(module)
+                rollout = rank_rollout(samples, dp_rank, dp, cp, args)
+                data_iterator = get_data_iterator(rollout)
+                if args.rollout_data_postprocess_path is not None:  # as the actor's train_actor does, before train()
+                    load_function(args.rollout_data_postprocess_path)(args, 0, rollout)
+                slime_model.train(0, [model], optimizer, Scheduler(), data_iterator, rollout["num_microbatches"], rollout["global_batch_sizes"])
+                counts = torch.tensor([len(rollout["partition"])])
+                if dp > 1:
+                    all_counts = [torch.zeros_like(counts) for _ in range(dp)]
+                    dist.all_gather(all_counts, counts, group=mpu.get_data_parallel_group())
+                    if name == "prompt_mean_dynamic" and len({int(c) for c in all_counts}) == 1:
+                        failures.append(
+                            f"dp={dp} cp={cp}: the dynamic case gave every DP rank the same sample count; it no longer tests unequal ones"
+                        )
+                for step in range(STEPS):
+                    expected = reference_grads(name, samples, step, args)
+                    ran += 1
+                    for g, e, pname in zip(optimizer.grads[step], expected, ("embed", "head"), strict=True):
+                        err = float((g.double() - e).abs().max() / e.abs().max().clamp(min=1e-300))
+                        if not err <= TOLERANCE:
+                            failures.append(f"dp={dp} cp={cp} rank={rank} case={name} step={step} {pname}: relative error {err:.3g}")
+                    if name == "prompt_mean":  # the mutated reference must fail
+                        wrong = reference_grads(name, samples, step, args, mutated=True)
+                        err = max(float((g.double() - e).abs().max() / e.abs().max()) for g, e in zip(optimizer.grads[step], wrong, strict=True))
+                        if not err > 100 * TOLERANCE:
+                            failures.append(f"dp={dp} cp={cp} step={step}: slime's default reference matches prompt_mean's gradient ({err:.3g})")
+            mpu.destroy_model_parallel()
+        if not used["current_device"] or not used["zeros"] or not used["accelerator"]:
+            failures.append(f"rank {rank}: a stand-in was never used ({used}); the test no longer exercises what it says")
+    except Exception as exc:  # reported by the parent with the rank
+        import traceback
+
+        failures.append(f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    report(results_dir, rank, ran, failures)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world,layouts", [(1, (1,)), (2, (1, 2)), (4, (2,))], ids=["dp1cp1", "dp2cp1+dp1cp2", "dp2cp2"])
+def test_slime_train_step_gives_the_gradient_of_j(world, layouts, launches, tmp_path):
+    failures, runs = run_world(worker, world, (layouts, launches), tmp_path)
+    assert not failures, "\n".join(failures)[:8000]
+    assert runs == world * len(layouts) * len(CASES) * STEPS
+
+
+# ----------------------------------------------------------------- slime's own parse_args
+def _without(argv, flag):
+    i = argv.index(flag)
+    return argv[:i] + argv[i + 2 :]
+
+
+def test_launch_checks_through_slime_parse_args(tmp_path):
+    """The refusals a launch needs, each naming the flag, on slime's own parse_args (after it derives
+    global_batch_size); with no lossagg flag the launch is slime's own, attribute for attribute."""
+    need_slime()
+    weighted = tmp_path / "weighted.json"
+    weighted.write_text('{"mode": "prompt_mean", "weighting": "multiply"}')
+    prompt = ["--loss-aggregation", "prompt_mean"]
+    entropy = ["--entropy-coef", str(ENTROPY_COEF)]
+    bad_batch = _without(_without(BASE_ARGV, "--n-samples-per-prompt"), "--num-steps-per-rollout")
+    bad_batch += ["--n-samples-per-prompt", "4", "--num-steps-per-rollout", "7", *prompt]
+    launches = {
+        "seed_step_of_3": (True, bad_batch),
+        "zero_per_prompt": (True, _without(BASE_ARGV, "--n-samples-per-prompt") + ["--n-samples-per-prompt", "0", *prompt]),
+        "legacy_flag_contradicted": (True, BASE_ARGV + ["--loss-aggregation", "sample_mean", "--calculate-per-token-loss"]),
+        "unknown_mode": (True, BASE_ARGV + ["--loss-aggregation", "seq_meen"]),
+        "term_coefficient": (True, BASE_ARGV + [*prompt, *entropy, "--loss-aggregation-term", "entropy:-0.2:token_mean"]),
+        "term_unknown": (True, BASE_ARGV + [*prompt, "--loss-aggregation-term", "nll:1.0"]),
+        "kl_without_kl_loss": (True, BASE_ARGV + [*prompt, "--loss-aggregation-term", "kl:0.05"]),
+        "terms_under_tis": (True, BASE_ARGV + [*prompt, *entropy, *TIS, "--loss-aggregation-term", f"entropy:{-ENTROPY_COEF}:token_mean"]),
+        "token_mean_tis_entropy": (True, BASE_ARGV + ["--loss-aggregation", "token_mean", *entropy, *TIS]),
+        "skip_tis_entropy": (True, BASE_ARGV + [*prompt, "--loss-aggregation-empty-samples", "skip", *entropy, *TIS]),
+        "sft_loss": (True, BASE_ARGV + [*prompt, "--loss-type", "sft_loss"]),
+        "two_pg_reducers": (True, BASE_ARGV + [*prompt, "--custom-pg-loss-reducer-function-path", "my.reducer"]),
+        "weighting": (True, BASE_ARGV + ["--loss-aggregation-config", str(weighted)]),
+        "no_flag_through_lossagg": (True, BASE_ARGV),
+        "no_flag_slime": (False, BASE_ARGV),
+        "user_postprocess": (True, BASE_ARGV + [*prompt, "--rollout-data-postprocess-path", "test_integration_slime.user_postprocess"]),
+        "term_flag_alone": (True, BASE_ARGV + [*entropy, "--loss-aggregation-term", f"entropy:{-ENTROPY_COEF}:token_mean"]),
+        "tis_entropy_served": (True, BASE_ARGV + [*prompt, *entropy, *TIS]),
+    }
+    got = parse_launches(launches)
+    refused = {
+        "seed_step_of_3": ["--global-batch-size", "(3)", "--num-steps-per-rollout 7"],
+        "zero_per_prompt": ["--n-samples-per-prompt", "got 0"],
+        "legacy_flag_contradicted": ["--calculate-per-token-loss", "mode=sample_mean"],
+        "unknown_mode": ["--loss-aggregation", "seq_meen"],
+        "term_coefficient": ["--loss-aggregation-term", "'entropy'", "-0.2", "--entropy-coef"],
+        "term_unknown": ["--loss-aggregation-term", "'nll'"],
+        "kl_without_kl_loss": ["--loss-aggregation-term", "--use-kl-loss"],
+        "terms_under_tis": ["--use-tis", "entropy"],
+        "token_mean_tis_entropy": ["--use-tis", "token_mean"],
+        "skip_tis_entropy": ["--loss-aggregation-empty-samples", "--use-tis"],
+        "sft_loss": ["--loss-type", "sft_loss"],
+        "two_pg_reducers": ["--custom-pg-loss-reducer-function-path", "my.reducer"],
+        "weighting": ["--loss-aggregation-config", "weighting"],
+    }
+    for name, needles in refused.items():
+        kind, value, stderr = got[name]
+        assert (kind, value) == ("exit", 2), f"{name}: expected exit status 2, got {kind if kind == 'args' else value}: {stderr[-1500:]}"
+        line = next((ln for ln in stderr.splitlines() if ln.startswith("error: ")), "")
+        assert all(n in line for n in needles), f"{name}: {line!r} should name {needles}"
+        assert "Traceback" not in stderr, f"{name}: a traceback on the launch: {stderr[-2000:]}"
+    plain, through = (pickle.loads(got[k][1]) for k in ("no_flag_slime", "no_flag_through_lossagg"))
+    own = {"loss_aggregation", "loss_aggregation_divisor", "loss_aggregation_empty_samples", "loss_aggregation_config", "loss_aggregation_term"}
+    assert set(vars(through)) - set(vars(plain)) == own
+    differ = {k for k in vars(plain) if vars(plain)[k] != vars(through)[k]}
+    assert not differ, f"with no lossagg flag the launch must be slime's own, attribute for attribute; differ: {sorted(differ)}"
+    assert all(vars(through)[k] is None for k in own)
+    user = pickle.loads(got["user_postprocess"][1])
+    assert user.rollout_data_postprocess_path == "lossagg.integrations.slime.rollout_data_postprocess"
+    assert user.lossagg_user_rollout_data_postprocess_path == "test_integration_slime.user_postprocess"
+    alone = pickle.loads(got["term_flag_alone"][1])
+    assert alone.lossagg_config["mode"] == "sample_mean" and alone.lossagg_config["terms"]["entropy"]["mode"] == "token_mean"
+    assert alone.loss_type == "custom_loss" and alone.custom_pg_loss_reducer_function_path == "lossagg.integrations.slime.pg_loss_reducer"
+    assert pickle.loads(got["tis_entropy_served"][1]).use_tis
