@@ -8,7 +8,7 @@ One line in the launcher (miles' ``train.py``)::
 
 Then ``--loss-aggregation MODE`` (any mode of ``lossagg.MODES``, the seed's four among them),
 ``--loss-aggregation-divisor``, ``--loss-aggregation-empty-samples`` and
-``--loss-aggregation-config FILE`` are flags of the launch. :func:`parse_args` runs miles' own
+``--loss-aggregation-config FILE`` are flags of the seed. :func:`parse_args` runs miles' own
 ``parse_args`` (with these flags added to any ``add_custom_arguments`` of the user's), then
 :func:`configure`, which checks the settings against miles' derived ones (``global_batch_size``
 after ``--num-steps-per-rollout``, ``--calculate-per-token-loss``, ``--n-samples-per-prompt``)
@@ -50,7 +50,7 @@ from importlib import import_module
 import torch
 
 from lossagg.config import ConfigError, LossAggregationConfig
-from lossagg.integrations import launch
+from lossagg.integrations import seed
 from lossagg.modes import mode_spec
 from lossagg.ops import reduce
 from lossagg.step import StepPlan
@@ -63,15 +63,15 @@ HOOKS = {
     "custom_loss_function_path": f"{__name__}.loss_function",
     "custom_pg_loss_reducer_function_path": f"{__name__}.pg_loss_reducer",
 }
-CONFIG_FLAG = launch.CONFIG_FLAG
+CONFIG_FLAG = seed.CONFIG_FLAG
 #: The flags that switch lossagg on (any one of them given).
-LOSSAGG_FLAGS = launch.SWITCHES
+LOSSAGG_FLAGS = seed.SWITCHES
 
 
 # ----------------------------------------------------------------------- launch
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """lossagg's flags, for ``parse_args(add_custom_arguments=...)`` (:func:`lossagg.integrations.launch.add_arguments`)."""
-    return launch.add_arguments(parser, "miles", LOSSAGG_FLAGS)
+    """lossagg's flags, for ``parse_args(add_custom_arguments=...)`` (:func:`lossagg.integrations.seed.add_arguments`)."""
+    return seed.add_arguments(parser, "miles", LOSSAGG_FLAGS)
 
 
 def parse_args(add_custom_arguments: Callable | None = None):
@@ -87,7 +87,7 @@ def parse_args(add_custom_arguments: Callable | None = None):
         return add_arguments(parser)
 
     try:
-        launch.check_before_trainer(sys.argv[1:], LOSSAGG_FLAGS)
+        seed.check_before_trainer(sys.argv[1:], LOSSAGG_FLAGS)
         args = trainer_parse_args(add_custom_arguments=add)
         configure(args)
     except ConfigError as exc:
@@ -102,7 +102,7 @@ def config_of(args) -> LossAggregationConfig | None:
     The checks of :func:`configure` that read only the settings (not the hooks); raises
     :class:`lossagg.ConfigError` naming the flags.
     """
-    return launch.config_of(args, "miles", LOSSAGG_FLAGS)
+    return seed.config_of(args, "miles", LOSSAGG_FLAGS)
 
 
 def configure(args) -> LossAggregationConfig | None:

@@ -9,7 +9,7 @@ One line in the launcher (slime's ``train.py``)::
 
 Then ``--loss-aggregation MODE`` (any mode of ``lossagg.MODES``), ``--loss-aggregation-divisor``,
 ``--loss-aggregation-empty-samples``, ``--loss-aggregation-term NAME:COEF[:MODE[:L]]`` and
-``--loss-aggregation-config FILE`` are flags of the launch. :func:`parse_args` runs slime's own
+``--loss-aggregation-config FILE`` are flags of the seed. :func:`parse_args` runs slime's own
 ``parse_args`` (with these flags added to the user's ``add_custom_arguments``), then
 :func:`configure`, which checks the settings against slime's derived ones and wires three hooks:
 
@@ -20,7 +20,7 @@ Then ``--loss-aggregation MODE`` (any mode of ``lossagg.MODES``), ``--loss-aggre
   :class:`lossagg.StepPlan` per step.
 * ``--loss-type custom_loss`` with ``--custom-loss-function-path`` -> :func:`loss_function`: runs
   slime's ``policy_loss_function`` (or the user's custom loss) unchanged, handing it the
-  reducer of this micro-batch (:class:`SlimeReducer`) in place of slime's ``sum_of_sample_mean``.
+  reducer of this micro-batch (:class:`lossagg.integrations.seed.TermReducer`) in place of slime's ``sum_of_sample_mean``.
 * ``--custom-pg-loss-reducer-function-path`` -> :func:`pg_loss_reducer`: pg_loss on the mode.
 
 **A sample is a rollout.** slime's unit is the rollout (``rollout_ids``): one execution of one of
@@ -68,9 +68,8 @@ from importlib import import_module
 import torch
 
 from lossagg.config import ConfigError, LossAggregationConfig
-from lossagg.integrations import launch
-from lossagg.modes import default_term_mode, mode_spec
-from lossagg.ops import reduce
+from lossagg.integrations import seed
+from lossagg.modes import mode_spec
 from lossagg.step import StepPlan
 
 SLIME_COMMIT = "624b824"  # the slime commit this adapter was read against and is tested with (2026-08-21)
@@ -82,22 +81,17 @@ HOOKS = {
     "custom_pg_loss_reducer_function_path": f"{__name__}.pg_loss_reducer",
 }
 #: The flags of a slime launch that switch lossagg on.
-LOSSAGG_FLAGS = (*launch.SWITCHES, launch.TERM_FLAG)
-#: slime's terms of ``policy_loss_function`` by lossagg term name: the flags of their coefficient.
-TERMS = {"entropy": "--entropy-coef", "kl": "--kl-loss-coef"}
-#: The order in which slime's ``policy_loss_function`` (at :data:`SLIME_COMMIT`, without TIS) calls the
-#: reducer it is handed: the metrics pg_clipfrac and ppo_kl, entropy, then KL under --use-kl-loss;
-#: later calls are metrics. Checked after each call against what the function reports.
-POLICY_LOSS_CALLS = ("pg_clipfrac", "ppo_kl", "entropy", "kl")
-#: What policy_loss_function reports each of those under.
-REPORTED = {"pg_clipfrac": "pg_clipfrac", "ppo_kl": "ppo_kl", "entropy": "entropy_loss", "kl": "kl_loss"}
-METRIC = "metric"
+LOSSAGG_FLAGS = (*seed.SWITCHES, seed.TERM_FLAG)
+TERMS = seed.TERMS
+METRIC = seed.METRIC
+#: What slime's rebuilt reducer (under TIS) divides by, for the refusals.
+REBUILT = "each training sample by its rollout's mask total, rollout_mask_sums"
 
 
 # ----------------------------------------------------------------------- launch
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """lossagg's flags, for slime's ``parse_args(add_custom_arguments=...)``."""
-    return launch.add_arguments(parser, "slime", LOSSAGG_FLAGS)
+    return seed.add_arguments(parser, "slime", LOSSAGG_FLAGS)
 
 
 def parse_args(add_custom_arguments: Callable | None = None):
@@ -113,7 +107,7 @@ def parse_args(add_custom_arguments: Callable | None = None):
         return add_arguments(parser)
 
     try:
-        launch.check_before_trainer(sys.argv[1:], LOSSAGG_FLAGS)
+        seed.check_before_trainer(sys.argv[1:], LOSSAGG_FLAGS)
         args = trainer_parse_args(add_custom_arguments=add)
         configure(args)
     except ConfigError as exc:
@@ -124,50 +118,7 @@ def parse_args(add_custom_arguments: Callable | None = None):
 
 def config_of(args) -> LossAggregationConfig | None:
     """The lossagg config of a parsed slime launch, or None when no lossagg flag was given."""
-    return launch.config_of(args, "slime", LOSSAGG_FLAGS)
-
-
-def _term_issues(args, config: LossAggregationConfig, inner: str) -> list[tuple[str, str]]:
-    """The config's terms against the loss slime runs (policy_loss: entropy and KL, with slime's coefficients)."""
-    issues: list[tuple[str, str]] = []
-    if inner != "policy_loss":
-        return issues  # a custom loss reduces its terms through reducer.term(name): they are its own
-    flags = (("--use-tis", "use_tis"), ("--get-mismatch-metrics", "get_mismatch_metrics"))
-    tis = next((flag for flag, dest in flags if getattr(args, dest, False)), None)
-    if tis and config.terms:
-        why = f"{tis} makes slime {SLIME_COMMIT} rebuild its reducer inside policy_loss_function (from the modified masks)"
-        issues.append((tis, f"{why}, so entropy and KL no longer reach lossagg's: the config's terms ({', '.join(config.terms)}) cannot be served"))
-    elif tis and (getattr(args, "entropy_coef", 0.0) or getattr(args, "use_kl_loss", False)):
-        # slime's rebuilt reducer is lossagg's default reducer only over rollouts, with empty rollouts counted, on the per-sample path
-        why = f"{tis} with entropy or KL on: slime rebuilds their reducer inside policy_loss_function"
-        if config.calculate_per_token_loss or default_term_mode(config.mode) != "sample_mean":
-            issues.append((tis, f"{why}, dividing by Σ max(M[j], 1) over training samples, not token_mean's c(T): drop the terms or {tis}"))
-        elif config.empty_samples == "skip":
-            issues.append(("--loss-aggregation-empty-samples", f"{why}, which counts every rollout in N (empty_samples=count), not skip"))
-    for name, term in config.terms.items():
-        if name not in TERMS:
-            issues.append(
-                (
-                    launch.TERM_FLAG,
-                    f"term {name!r}: slime's policy_loss_function reduces the terms {', '.join(TERMS)} besides pg_loss; name one of them, "
-                    "or reduce your own term in a custom loss (--custom-loss-function-path) through reducer.term(name)",
-                )
-            )
-            continue
-        if name == "kl" and not getattr(args, "use_kl_loss", False):
-            issues.append((launch.TERM_FLAG, "term 'kl': slime adds its KL term under --use-kl-loss only, which this launch has not"))
-            continue
-        slime_coef = -float(args.entropy_coef) if name == "entropy" else float(args.kl_loss_coef)
-        if float(term.coefficient) != slime_coef:
-            how = "-entropy_coef" if name == "entropy" else "kl_loss_coef"
-            issues.append(
-                (
-                    launch.TERM_FLAG,
-                    f"term {name!r} has coefficient {term.coefficient}, slime applies {how} = {slime_coef} ({TERMS[name]} "
-                    f"{getattr(args, TERMS[name].lstrip('-').replace('-', '_'))}): make them agree",
-                )
-            )
-    return issues
+    return seed.config_of(args, "slime", LOSSAGG_FLAGS)
 
 
 def configure(args) -> LossAggregationConfig | None:
@@ -188,7 +139,7 @@ def configure(args) -> LossAggregationConfig | None:
     issues: list[tuple[str, str]] = []
     if config.weighting != "none":
         issues.append(
-            (launch.CONFIG_FLAG, f"weighting={config.weighting} needs per-sample weights, which slime does not hand to its reducer: drop weighting")
+            (seed.CONFIG_FLAG, f"weighting={config.weighting} needs per-sample weights, which slime does not hand to its reducer: drop weighting")
         )
     backend = getattr(args, "train_backend", "megatron")
     if backend != "megatron":
@@ -227,7 +178,7 @@ def configure(args) -> LossAggregationConfig | None:
                 )
             )
     if inner is not None:
-        issues += _term_issues(args, config, inner)
+        issues += seed.term_issues(args, config, inner, f"slime {SLIME_COMMIT}", REBUILT)
     if issues:
         raise ConfigError(issues, "command line")
     if getattr(args, "lossagg_inner_loss", None) is None:
@@ -446,64 +397,7 @@ def _load(path: str):
 
 
 # ------------------------------------------------------------- the micro-batch
-class SlimeReducer:
-    """The reducer of one micro-batch, handed to slime's loss in place of ``sum_of_sample_mean``.
-
-    ``reducer(x)`` reduces ``x`` (this CP rank's per-token values of the micro-batch's samples,
-    concatenated as slime lays them out) by the default reducer; ``reducer.term(name)(x)`` by the
-    term's own mode (``"pg"`` or a term of the config). Each returns the micro-batch's share of the
-    term's ``J_k`` times slime's outer divisor (module docstring). Under a schedule (slime's
-    ``policy_loss_function``), the n-th plain call reduces the n-th term of the schedule.
-    """
-
-    def __init__(self, rollout: SlimeRollout, step: int, rows: list[int], total_lengths, response_lengths, loss_masks, schedule=()):
-        self.rollout = rollout
-        self.step = step
-        self.rows = rows
-        self.scale = rollout.scales[step] if step >= 0 else 1
-        self._layout = _local_layout(total_lengths, response_lengths, loss_masks)
-        self.schedule = tuple(schedule)
-        self.calls: list[tuple[str, torch.Tensor]] = []
-
-    def term(self, name: str, loss_masks=None) -> Callable[[torch.Tensor], torch.Tensor]:
-        if name not in self.rollout.denoms:
-            raise KeyError(f"lossagg: no term {name!r} in the config; its terms: {', '.join(n for n in self.rollout.denoms if n != METRIC)}")
-        d = self.rollout.denoms[name][self.rows]
-        mask, cu_seqlens = self._layout if loss_masks is None else _local_layout(*loss_masks)
-
-        def reduce_term(x: torch.Tensor) -> torch.Tensor:
-            if x.dim() != 1 or x.shape[0] != int(cu_seqlens[-1]):
-                raise ValueError(
-                    f"lossagg: {name} holds {tuple(x.shape)} values, this CP rank's response tokens of the micro-batch are {int(cu_seqlens[-1])}"
-                )
-            share = reduce(x, mask.to(x.device), cu_seqlens=cu_seqlens.to(x.device), sample_denoms=d.to(x.device))
-            return share * self.scale
-
-        return reduce_term
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        n = len(self.calls)
-        name = self.schedule[n] if n < len(self.schedule) else METRIC
-        out = self.term(name if name in self.rollout.denoms else METRIC)(x)
-        self.calls.append((name, out))
-        return out
-
-    def check_reported(self, reported) -> None:
-        """Each scheduled call's result against what the loss reports under its name: the schedule is the loss's own order."""
-        for name, out in self.calls:
-            key = REPORTED.get(name)
-            if key is None:
-                continue
-            got = reported.get(key)
-            if got is None or not torch.equal(torch.as_tensor(got).detach().to(out.device, out.dtype), out.detach()):
-                raise RuntimeError(
-                    f"lossagg: slime's policy_loss_function reported {key}={got!r} where lossagg's reducer returned {float(out)!r} for it: "
-                    f"this slime does not call its reducer in the order of slime {SLIME_COMMIT} ({', '.join(POLICY_LOSS_CALLS)}), so the "
-                    "config's terms cannot be told apart"
-                )
-
-
-def _local_layout(total_lengths, response_lengths, loss_masks) -> tuple[torch.Tensor, torch.Tensor]:
+def _local_masks(total_lengths, response_lengths, loss_masks) -> list[torch.Tensor]:
     """This CP rank's part of each sample's loss mask (the zigzag chunks slime's reducer reads), concatenated, and its cu_seqlens."""
     cp_utils = import_module("slime.backends.megatron_utils.cp_utils")  # slime's, in its processes only
     mpu = import_module("megatron.core.parallel_state")
@@ -516,16 +410,12 @@ def _local_layout(total_lengths, response_lengths, loss_masks) -> tuple[torch.Te
         prompt = int(total) - int(response)
         _, _, _, tokens = cp_utils.get_logits_and_tokens_offset_with_cp(int(total), int(response))
         parts.append(torch.cat([m[tokens[0][0] - prompt : tokens[0][1] - prompt], m[tokens[1][0] - prompt : tokens[1][1] - prompt]]))
-    lengths = torch.tensor([p.numel() for p in parts], dtype=torch.int64)
-    cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
-    torch.cumsum(lengths, 0, out=cu_seqlens[1:])
-    mask = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
-    return mask, cu_seqlens
+    return parts
 
 
 def loss_function(args, batch, logits, sum_of_sample_mean):
     """slime's ``--loss-type custom_loss`` function: the launch's own loss (``policy_loss_function``, or
-    the user's custom loss), handed this micro-batch's :class:`SlimeReducer`."""
+    the user's custom loss), handed this micro-batch's :class:`lossagg.integrations.seed.TermReducer`."""
     inner = getattr(args, "lossagg_inner_loss", None)
     if inner is None:
         raise RuntimeError(
@@ -541,18 +431,20 @@ def loss_function(args, batch, logits, sum_of_sample_mean):
             f"lossagg: calculate_per_token_loss={args.calculate_per_token_loss} at the loss, {rollout.per_token} when the rollout was planned"
         )
     step, rows = rollout.rows_of(batch["loss_masks"])
-    config = rollout.plans[0].config if rollout.plans else None
-    tis = getattr(args, "use_tis", False) or getattr(args, "get_mismatch_metrics", False)
+    config = _runtime_config(args)
     if inner == "policy_loss":
         func = import_module("slime.backends.megatron_utils.loss").policy_loss_function
-        # the order matters only where a term's reducer is not the default one; without TIS (which configure checked)
-        schedule = POLICY_LOSS_CALLS if (config is not None and config.terms and not tis) else ()
-        if not getattr(args, "use_kl_loss", False):
-            schedule = tuple(n for n in schedule if n != "kl")
     else:
         func = _load(inner)
-        schedule = ()
-    reducer = SlimeReducer(rollout, step, rows, batch["total_lengths"], batch["response_lengths"], batch["loss_masks"], schedule)
+    # the order of the policy loss's calls matters only for the config's terms (none under TIS, which configure checked)
+    schedule = seed.schedule_of(args, config, inner, entropy_always=True)
+    total_lengths, response_lengths = batch["total_lengths"], batch["response_lengths"]
+
+    def layout(masks):
+        return seed.layout_of(_local_masks(total_lengths, response_lengths, batch["loss_masks"] if masks is None else masks))
+
+    denoms = {name: table[rows] for name, table in rollout.denoms.items()}
+    reducer = seed.TermReducer(denoms, rollout.scales[step], layout, schedule, f"slime {SLIME_COMMIT}")
     token = _CURRENT.set((args, batch, reducer))
     try:
         loss, log = func(args, batch, logits, reducer)
@@ -572,19 +464,20 @@ def pg_loss_reducer(total_lengths, response_lengths, pg_loss_masks, calculate_pe
             "lossagg.integrations.slime.pg_loss_reducer runs inside lossagg.integrations.slime.loss_function "
             "(--loss-type custom_loss --custom-loss-function-path lossagg.integrations.slime.loss_function)"
         )
-    _, _, reducer = current
-    if bool(calculate_per_token_loss) != reducer.rollout.per_token:
-        raise RuntimeError(f"lossagg: calculate_per_token_loss={calculate_per_token_loss} at the loss, {reducer.rollout.per_token} when planned")
-    return reducer.term("pg", (total_lengths, response_lengths, pg_loss_masks))
+    _, batch, reducer = current
+    planned = _ROLLOUT is not None and _ROLLOUT.per_token
+    if bool(calculate_per_token_loss) != planned:
+        raise RuntimeError(f"lossagg: calculate_per_token_loss={calculate_per_token_loss} at the loss, {planned} when the rollout was planned")
+    if list(total_lengths) != list(batch["total_lengths"]) or list(response_lengths) != list(batch["response_lengths"]):
+        raise RuntimeError("lossagg: the pg_loss reducer was asked for samples other than the micro-batch's")
+    return reducer.term("pg", pg_loss_masks)
 
 
 __all__ = [
     "HOOKS",
     "LOSSAGG_FLAGS",
-    "POLICY_LOSS_CALLS",
     "SLIME_COMMIT",
     "TERMS",
-    "SlimeReducer",
     "SlimeRollout",
     "add_arguments",
     "config_of",

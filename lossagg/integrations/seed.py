@@ -1,0 +1,321 @@
+"""What the seed's two trainers, miles and slime, share in lossagg (docs/integration.md): the launch
+flags, the checks of the config's terms against their policy loss, and the reducer their loss is
+handed in place of ``sum_of_sample_mean``.
+
+Both parse their launch with a ``parse_args(add_custom_arguments=...)`` that derives
+``global_batch_size`` (from ``--num-steps-per-rollout``) and owns ``--calculate-per-token-loss``,
+``--n-samples-per-prompt`` and ``--global-batch-size``; lossagg adds its own flags beside them
+and reads the derived settings back. :mod:`lossagg.integrations.miles` and
+:mod:`lossagg.integrations.slime` wire the hooks; this module holds what their launches share:
+the flags, the config they make and the checks that read only the settings.
+
+Both trainers' ``policy_loss_function`` reduce pg_loss (through ``--custom-pg-loss-reducer-function-path``
+when set), then pg_clipfrac, ppo_kl, entropy (``-entropy_coef``) and KL (``+kl_loss_coef`` under
+``--use-kl-loss``) and further metrics with the one reducer they are handed, in that order; under TIS or
+mismatch metrics they rebuild that reducer inside from the modified masks. :class:`TermReducer` serves
+each term on its own mode by that order (:data:`POLICY_LOSS_CALLS`), checked against what the function
+reports; :func:`term_issues` refuses at launch what cannot be served.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+
+import torch
+
+from lossagg.config import ConfigError, LossAggregationConfig, config_from_args
+from lossagg.config.flags import FLAGS
+from lossagg.modes import MODES, default_term_mode
+from lossagg.ops import reduce
+
+#: lossagg's own flag beside ``lossagg.config.FLAGS``.
+CONFIG_FLAG = "--loss-aggregation-config"
+#: The term flag (``NAME:COEFFICIENT[:MODE[:DIVISOR]]``, docs/terms.md).
+TERM_FLAG = "--loss-aggregation-term"
+#: The flags that switch lossagg on (any one of them given), without the term flag.
+SWITCHES = ("--loss-aggregation", "--loss-aggregation-divisor", "--loss-aggregation-empty-samples", CONFIG_FLAG)
+#: The terms of the trainers' ``policy_loss_function`` by lossagg term name: the flags of their coefficients.
+TERMS = {"entropy": "--entropy-coef", "kl": "--kl-loss-coef"}
+#: The order in which the trainers' ``policy_loss_function`` (without TIS) calls the reducer it is handed:
+#: the metrics pg_clipfrac and ppo_kl, entropy (slime: always; miles: when its coefficient is not 0), then
+#: KL under --use-kl-loss; later calls are metrics.
+POLICY_LOSS_CALLS = ("pg_clipfrac", "ppo_kl", "entropy", "kl")
+#: What policy_loss_function reports each of those under.
+REPORTED = {"pg_clipfrac": "pg_clipfrac", "ppo_kl": "ppo_kl", "entropy": "entropy_loss", "kl": "kl_loss"}
+#: The default reducer's name among a :class:`TermReducer`'s tables (metrics, and terms the config does not name).
+METRIC = "metric"
+#: The trainers' own flags that a config setting also has.
+TRAINER_FLAGS = {
+    "calculate_per_token_loss": "--calculate-per-token-loss",
+    "n_samples_per_prompt": "--n-samples-per-prompt",
+    "global_batch_size": "--global-batch-size",
+}
+
+
+def dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def flag_given(args, flag: str) -> bool:
+    return getattr(args, dest(flag), None) is not None
+
+
+def add_arguments(parser: argparse.ArgumentParser, trainer: str, flags: Sequence[str]) -> argparse.ArgumentParser:
+    """lossagg's ``flags`` (of :data:`SWITCHES` and :data:`TERM_FLAG`) on ``parser``, skipping any it
+    already defines. The trainer adds a launcher's flags before its own, so the flags it defines
+    (:data:`TRAINER_FLAGS`) are left to it."""
+    existing = set(parser._option_string_actions)  # noqa: SLF001 - argparse has no public accessor
+    group = parser.add_argument_group("loss aggregation (lossagg)")
+    for f in FLAGS:
+        if f.flag in flags and f.flag not in existing:
+            kwargs = dict(f.kwargs)
+            if f.setting == "mode":
+                kwargs["help"] = f"{', '.join(MODES)} (default: {trainer}'s own reducer; docs/modes.md); or a migration name, docs/config.md"
+            group.add_argument(f.flag, dest=f.dest, **kwargs)
+    if CONFIG_FLAG in flags and CONFIG_FLAG not in existing:
+        group.add_argument(
+            CONFIG_FLAG,
+            dest=dest(CONFIG_FLAG),
+            default=None,
+            metavar="FILE",
+            help="a lossagg config file (JSON, YAML or TOML; docs/config.md) in place of the --loss-aggregation* flags",
+        )
+    return parser
+
+
+def lossagg_given(args, flags: Sequence[str]) -> bool:
+    """Whether any of lossagg's ``flags`` was given on the launch."""
+    return any(flag_given(args, f) for f in flags)
+
+
+def check_before_trainer(argv: list[str], flags: Sequence[str]) -> None:
+    """What the trainer's own parse_args would trip over before lossagg sees it, on a launch with a
+    lossagg flag: ``--n-samples-per-prompt`` < 1 (the trainer derives ``global_batch_size`` from it, and
+    Megatron asserts that it is > 0)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--n-samples-per-prompt", type=int, default=None)
+    add_arguments(pre, "", flags)
+    try:
+        known, _ = pre.parse_known_args(argv)
+    except SystemExit:  # a malformed value: the trainer's parser reports it
+        return
+    if not lossagg_given(known, flags):
+        return
+    n = known.n_samples_per_prompt
+    if n is not None and n < 1:
+        raise ConfigError([("--n-samples-per-prompt", f"samples per prompt group must be >= 1, got {n}")], "command line")
+
+
+def derived_note(args, trainer: str) -> str:
+    steps = getattr(args, "num_steps_per_rollout", None)
+    if steps is None:
+        return ""
+    return (
+        f" ({trainer} derived --global-batch-size {args.global_batch_size} = --rollout-batch-size {args.rollout_batch_size} × "
+        f"--n-samples-per-prompt {args.n_samples_per_prompt} // --num-steps-per-rollout {steps})"
+    )
+
+
+def config_of(args, trainer: str, flags: Sequence[str]) -> LossAggregationConfig | None:
+    """The lossagg config of a parsed launch, or None when none of lossagg's ``flags`` was given.
+
+    The settings come from the flags, or from the file of :data:`CONFIG_FLAG` with the trainer's
+    derived ``n_samples_per_prompt``, ``global_batch_size`` and ``--calculate-per-token-loss``;
+    raises :class:`lossagg.ConfigError` naming the flags.
+    """
+    if not lossagg_given(args, flags):
+        return None
+    issues: list[tuple[str, str]] = []
+    n = getattr(args, "n_samples_per_prompt", None)
+    gbs = getattr(args, "global_batch_size", None)
+    per_token = getattr(args, "calculate_per_token_loss", False)
+    if flag_given(args, CONFIG_FLAG):
+        given = [f for f in flags if f != CONFIG_FLAG and flag_given(args, f)]
+        if given:
+            raise ConfigError(
+                [
+                    (
+                        CONFIG_FLAG,
+                        f"{CONFIG_FLAG} {getattr(args, dest(CONFIG_FLAG))} and {', '.join(given)} both given: put every setting in one place",
+                    )
+                ],
+                "command line",
+            )
+        path = getattr(args, dest(CONFIG_FLAG))
+        file_config = LossAggregationConfig.from_file(path)
+        data = {k: getattr(file_config, k) for k in file_config.model_fields_set}
+        for setting, flag, value in (
+            ("n_samples_per_prompt", "--n-samples-per-prompt", n),
+            ("global_batch_size", "--global-batch-size", gbs),
+        ):
+            if setting in data and value is not None and data[setting] != value:
+                issues.append((flag, f"{path} sets {setting}: {data[setting]}, the launch has {flag} {value} (after {trainer} derived it)"))
+        if issues:
+            raise ConfigError(issues, "command line")
+        data.update(n_samples_per_prompt=n, global_batch_size=gbs)
+        if per_token:
+            data["calculate_per_token_loss"] = True
+        if "terms" in data:  # as the file spells them (the model's TermConfig back to its settings)
+            data["terms"] = {name: term.model_dump(exclude_unset=True) for name, term in file_config.terms.items()}
+        try:
+            return LossAggregationConfig.from_dict({k: v for k, v in data.items() if v is not None}, source=f"{path} with the launch's flags")
+        except ConfigError as exc:
+            raise ConfigError([(TRAINER_FLAGS.get(p, p), m) for p, m in exc.issues], exc.source) from None
+    try:
+        return config_from_args(args)
+    except ConfigError as exc:
+        raise ConfigError([(p, m + derived_note(args, trainer) if p == "--global-batch-size" else m) for p, m in exc.issues], exc.source) from None
+
+
+def term_issues(args, config: LossAggregationConfig, inner: str, trainer: str, rebuilt: str) -> list[tuple[str, str]]:
+    """The config's terms against the loss the trainer runs (``inner``: ``"policy_loss"`` or a custom loss's
+    path): names of the terms of its policy loss, with its coefficients; under TIS (where the trainer
+    rebuilds its reducer inside, ``rebuilt`` saying with which denominators) no term of the config, and
+    entropy or KL only where that rebuilt reducer is lossagg's default one."""
+    issues: list[tuple[str, str]] = []
+    if inner != "policy_loss":
+        return issues  # a custom loss reduces its terms through reducer.term(name): they are its own
+    flags = (("--use-tis", "use_tis"), ("--get-mismatch-metrics", "get_mismatch_metrics"))
+    tis = next((flag for flag, dest in flags if getattr(args, dest, False)), None)
+    if tis and config.terms:
+        why = f"{tis} makes {trainer} rebuild its reducer inside policy_loss_function (from the modified masks)"
+        issues.append((tis, f"{why}, so entropy and KL no longer reach lossagg's: the config's terms ({', '.join(config.terms)}) cannot be served"))
+    elif tis and (getattr(args, "entropy_coef", 0.0) or getattr(args, "use_kl_loss", False)):
+        # the rebuilt reducer is lossagg's default one (sample_mean) only on the per-sample path, with every sample counted
+        why = f"{tis} with entropy or KL on: {trainer} rebuilds their reducer inside policy_loss_function ({rebuilt})"
+        if config.calculate_per_token_loss or default_term_mode(config.mode) != "sample_mean":
+            issues.append((tis, f"{why}; on the per-token path it divides by Σ max(M[i], 1), not token_mean's c(T): drop the terms or {tis}"))
+        elif config.empty_samples == "skip":
+            issues.append(("--loss-aggregation-empty-samples", f"{why}, which counts every sample in N (empty_samples=count), not skip"))
+    for name, term in config.terms.items():
+        if name not in TERMS:
+            issues.append(
+                (
+                    TERM_FLAG,
+                    f"term {name!r}: {trainer}'s policy_loss_function reduces the terms {', '.join(TERMS)} besides pg_loss; name one of them, "
+                    "or reduce your own term in a custom loss (--custom-loss-function-path) through reducer.term(name)",
+                )
+            )
+            continue
+        if name == "kl" and not getattr(args, "use_kl_loss", False):
+            issues.append((TERM_FLAG, f"term 'kl': {trainer} adds its KL term under --use-kl-loss only, which this launch has not"))
+            continue
+        own = -float(args.entropy_coef) if name == "entropy" else float(args.kl_loss_coef)
+        if float(term.coefficient) != own:
+            how = "-entropy_coef" if name == "entropy" else "kl_loss_coef"
+            flag = TERMS[name]
+            issues.append(
+                (
+                    TERM_FLAG,
+                    f"term {name!r} has coefficient {term.coefficient}, {trainer} applies {how} = {own} ({flag} {getattr(args, dest(flag))}): "
+                    "make them agree",
+                )
+            )
+    return issues
+
+
+class TermReducer:
+    """The reducer of one micro-batch, handed to the trainer's loss in place of ``sum_of_sample_mean``.
+
+    ``reducer(x)`` reduces ``x`` (this CP rank's per-token values of the micro-batch's samples,
+    concatenated as the trainer lays them out) by the default reducer; ``reducer.term(name)(x)`` by
+    the term's own mode (``"pg"`` or a term of the config). Each returns the micro-batch's share of the
+    term's ``J_k`` times the trainer's outer divisor ``scale``. Under a schedule (the trainer's
+    ``policy_loss_function``), the n-th plain call reduces the n-th term of the schedule.
+
+    ``denoms`` maps each term's name (and :data:`METRIC`) to ``d_k`` of the micro-batch's samples;
+    ``layout(loss_masks)`` gives this CP rank's mask and cu_seqlens of the micro-batch for some masks
+    (the micro-batch's own when None).
+    """
+
+    def __init__(self, denoms: dict, scale, layout: Callable, schedule: Sequence[str] = (), trainer: str = ""):
+        self.denoms = denoms
+        self.scale = scale
+        self._layout = layout
+        self._own = layout(None)
+        self.schedule = tuple(schedule)
+        self.trainer = trainer
+        self.calls: list[tuple[str, torch.Tensor]] = []
+
+    def term(self, name: str, loss_masks=None) -> Callable[[torch.Tensor], torch.Tensor]:
+        if name not in self.denoms:
+            raise KeyError(f"lossagg: no term {name!r} in the config; its terms: {', '.join(n for n in self.denoms if n != METRIC)}")
+        d = self.denoms[name]
+        mask, cu_seqlens = self._own if loss_masks is None else self._layout(loss_masks)
+
+        def reduce_term(x: torch.Tensor) -> torch.Tensor:
+            if x.dim() != 1 or x.shape[0] != int(cu_seqlens[-1]):
+                raise ValueError(
+                    f"lossagg: {name} holds {tuple(x.shape)} values, this CP rank's response tokens of the micro-batch are {int(cu_seqlens[-1])}"
+                )
+            share = reduce(x, mask.to(x.device), cu_seqlens=cu_seqlens.to(x.device), sample_denoms=d.to(x.device))
+            return share * self.scale
+
+        return reduce_term
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n = len(self.calls)
+        name = self.schedule[n] if n < len(self.schedule) else METRIC
+        out = self.term(name if name in self.denoms else METRIC)(x)
+        self.calls.append((name, out))
+        return out
+
+    def check_reported(self, reported) -> None:
+        """Each scheduled call's result against what the loss reports under its name: the schedule is the loss's own order."""
+        for name, out in self.calls:
+            key = REPORTED.get(name)
+            if key is None:
+                continue
+            got = reported.get(key)
+            if got is None or not torch.equal(torch.as_tensor(got).detach().to(out.device, out.dtype), out.detach()):
+                raise RuntimeError(
+                    f"lossagg: {self.trainer}'s policy_loss_function reported {key}={got!r} where lossagg's reducer returned {float(out)!r} "
+                    f"for it: it does not call its reducer in the order lossagg reads ({', '.join(POLICY_LOSS_CALLS)}), so the config's "
+                    "terms cannot be told apart"
+                )
+
+
+def layout_of(local_masks: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """This CP rank's masks of a micro-batch's samples, concatenated, and their cu_seqlens."""
+    lengths = torch.tensor([m.numel() for m in local_masks], dtype=torch.int64)
+    cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=cu_seqlens[1:])
+    mask = torch.cat(list(local_masks)) if len(local_masks) else torch.zeros(0, dtype=torch.int32)
+    return mask, cu_seqlens
+
+
+def schedule_of(args, config: LossAggregationConfig, inner: str, *, entropy_always: bool) -> tuple[str, ...]:
+    """The order of the reducer's calls in the trainer's ``policy_loss_function`` (:data:`POLICY_LOSS_CALLS`),
+    or () where the order does not matter (no term of the config) or the loss is not the policy loss."""
+    if inner != "policy_loss" or not config.terms or getattr(args, "use_tis", False) or getattr(args, "get_mismatch_metrics", False):
+        return ()
+    drop = set()
+    if not getattr(args, "use_kl_loss", False):
+        drop.add("kl")
+    if not entropy_always and not getattr(args, "entropy_coef", 0.0):
+        drop.add("entropy")
+    return tuple(n for n in POLICY_LOSS_CALLS if n not in drop)
+
+
+__all__ = [
+    "METRIC",
+    "POLICY_LOSS_CALLS",
+    "REPORTED",
+    "TERMS",
+    "TermReducer",
+    "layout_of",
+    "schedule_of",
+    "term_issues",
+    "CONFIG_FLAG",
+    "SWITCHES",
+    "TERM_FLAG",
+    "TRAINER_FLAGS",
+    "add_arguments",
+    "check_before_trainer",
+    "config_of",
+    "derived_note",
+    "dest",
+    "flag_given",
+    "lossagg_given",
+]
