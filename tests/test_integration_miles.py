@@ -7,10 +7,13 @@ hook), its data iterator and ``get_batch`` (zigzag CP shards), its ``loss_functi
 ``DistributedDataParallel`` and ``finalize_model_grads``. The launch's arguments come from miles'
 own ``parse_args`` (through ``lossagg.integrations.miles.parse_args``, or miles' alone for the
 default). The optimizer is a recorder: each step's ``main_grad`` must equal the gradient of the
-float64 reference J of that step's samples (the unsplit step) to 1e-10 relative, for every mode,
-with per-token loss on (token_mean) and off, fixed and dynamic micro-batches, an entropy term on
-miles' default reducer, and TIS weights with rejection (modified masks: the numerator only). With
-no lossagg flag the same harness must give miles' own number.
+float64 reference J of that step's samples (the unsplit step) to 1e-10 relative (1e-6 with KL on:
+miles computes its KL estimate in float32), for every mode, with per-token loss on (token_mean) and
+off, fixed and dynamic micro-batches, entropy and KL through lossagg's reducer (each on its own mode
+from the config's terms, or on the default reducer), and TIS weights with rejection (modified masks:
+pg_loss's numerator only; entropy and KL on miles' rebuilt reducer, each sample's mean over its kept
+tokens, which is lossagg's sample_mean with those counts). With no lossagg flag the same harness
+must give miles' own number, entropy and KL included.
 
 Stand-ins for the CUDA calls miles and its Megatron make on the way (each allowed only from the
 file that makes it, failing the test otherwise): ``Tensor.cuda`` (get_batch's cu_seqlens),
@@ -37,12 +40,17 @@ from stand_ins import StandInMisuse, TorchForSchedules
 from worlds import report, run_world
 
 import lossagg
+from lossagg.modes import default_term_mode
 
 pytestmark = pytest.mark.xdist_group("engines")
 
 N_PER_PROMPT, PROMPTS, STEPS, MICRO_BATCH_SIZE = 2, 8, 2, 2
 VOCAB, HIDDEN, PROMPT_LEN = 7, 4, 3
-ENTROPY_COEF = 0.1
+ENTROPY_COEF, KL_COEF = 0.1, 0.05
+#: entropy and KL on (miles checks that --ref-load exists when KL is on; the reference log-probs come with the rollout)
+TERMS = ["--entropy-coef", str(ENTROPY_COEF), "--use-kl-loss", "--kl-loss-coef", str(KL_COEF), "--kl-loss-type", "k2"]
+TERMS += ["--ref-load", os.path.dirname(os.path.abspath(__file__))]
+TIS_RS = ["--use-tis", "--tis-clip", "1.3", "--tis-clip-low", "0.8", "--custom-tis-function-path", "test_integration_miles.rejecting_tis_function"]
 
 BASE_ARGV = [
     "train.py",
@@ -62,9 +70,11 @@ BASE_ARGV = [
     "--eps-clip", "0.2",
 ]  # fmt: skip
 
-#: name -> (extra flags, lossagg config of the reference, or None for miles' own reducer)
+#: name -> (extra flags, lossagg config of the reference, or None for miles' own reducer); a config's
+#: "terms" hold the modes of the reference's entropy and KL (the default reducer where absent)
 CASES = {
     "miles_default": ([], None),
+    "miles_default_terms": (TERMS, None),
     "miles_per_token": (["--calculate-per-token-loss"], None),
     "sample_mean": (["--loss-aggregation", "sample_mean"], {"mode": "sample_mean"}),
     "prompt_mean": (["--loss-aggregation", "prompt_mean"], {"mode": "prompt_mean"}),
@@ -78,11 +88,14 @@ CASES = {
     ),
     "sample_mean_entropy": (["--loss-aggregation", "sample_mean", "--entropy-coef", str(ENTROPY_COEF)], {"mode": "sample_mean"}),
     "token_mean_entropy": (["--loss-aggregation", "token_mean", "--entropy-coef", str(ENTROPY_COEF)], {"mode": "token_mean"}),
-    "prompt_mean_tis_rs": (
-        ["--loss-aggregation", "prompt_mean", "--use-tis", "--tis-clip", "1.3", "--tis-clip-low", "0.8"]
-        + ["--custom-tis-function-path", "test_integration_miles.rejecting_tis_function"],
-        {"mode": "prompt_mean"},
+    "prompt_mean_tis_rs": (["--loss-aggregation", "prompt_mean", *TIS_RS], {"mode": "prompt_mean"}),
+    "prompt_mean_tis_rs_terms": (["--loss-aggregation", "prompt_mean", *TERMS, *TIS_RS], {"mode": "prompt_mean"}),
+    "prompt_mean_terms": (
+        ["--loss-aggregation", "prompt_mean", *TERMS]
+        + ["--loss-aggregation-term", f"entropy:{-ENTROPY_COEF}:token_mean", "--loss-aggregation-term", f"kl:{KL_COEF}:max_length"],
+        {"mode": "prompt_mean", "terms": {"entropy": "token_mean", "kl": "max_length"}},
     ),
+    "token_mean_terms": (["--loss-aggregation", "token_mean", *TERMS], {"mode": "token_mean"}),
     "prompt_mean_dynamic": (
         ["--loss-aggregation", "prompt_mean", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "16"],
         {"mode": "prompt_mean"},
@@ -180,6 +193,7 @@ def install_stand_ins():
 def make_rollout(seed=0):
     """Every sample of the rollout: full token sequences, response masks, old log-probs and advantages (float64)."""
     g = torch.Generator().manual_seed(seed)
+    g_ref = torch.Generator().manual_seed(seed + 1)
     n = PROMPTS * N_PER_PROMPT
     samples = []
     for i in range(n):
@@ -200,6 +214,7 @@ def make_rollout(seed=0):
                 old_log_prob=-torch.rand(r, generator=g, dtype=torch.float64) * 2,
                 rollout_log_prob=-torch.rand(r, generator=g, dtype=torch.float64) * 2,
                 advantage=torch.full((r,), float(torch.randn(1, generator=g, dtype=torch.float64)), dtype=torch.float64),
+                ref_log_prob=-torch.rand(r, generator=g_ref, dtype=torch.float64) * 2,  # its own generator: the rest as before
                 index=i,
             )
         )
@@ -257,14 +272,18 @@ class ToyLM(torch.nn.Module):
         return self.embed[input_ids] @ self.head
 
 
-def reference_grads(case_config, samples, step, per_token: bool, entropy_coef: float, tis=None):
-    """Gradient of the step's float64 J (unsplit): pg_loss on the mode (or miles' default reducer), minus the entropy term."""
+def reference_grads(case_config, samples, step, args):
+    """Gradient of the step's float64 J (unsplit): pg_loss on the mode (or miles' default reducer), entropy and
+    KL on their own modes (lossagg's default reducer where the config names none; miles' own without lossagg, and
+    under TIS, where miles rebuilds it from the modified masks: each sample's mean over its kept tokens)."""
     from lossagg.testing import reference_loss
 
+    per_token = bool(args.calculate_per_token_loss)
+    tis = (args.tis_clip_low, args.tis_clip) if args.use_tis else None
     gbs = len(samples) // STEPS
     chosen = samples[step * gbs : (step + 1) * gbs]
     model = ToyLM()
-    pg, ent, masks, lengths, kept_mod = [], [], [], [], []
+    pg, ent, kl, masks, lengths, kept_mod = [], [], [], [], [], []
     for s in chosen:
         logits = model(s["tokens"])
         r = s["response_length"]
@@ -279,30 +298,44 @@ def reference_grads(case_config, samples, step, per_token: bool, entropy_coef: f
             kept_mod.append(s["loss_mask"].bool() & ~rejected(r))
         pg.append(pg_i)
         ent.append(-(logp_all.exp() * logp_all).sum(-1))
+        kl.append((lp - s["ref_log_prob"]) ** 2 / 2)  # k2
         masks.append(s["loss_mask"].bool())
         lengths.append(r)
-    values, ent, mask = torch.cat(pg), torch.cat(ent), torch.cat(masks)
+    values, mask = torch.cat(pg), torch.cat(masks)
+    terms = {"entropy": torch.cat(ent), "kl": torch.cat(kl)}
     cu = lossagg.cu_seqlens_from_lengths(torch.tensor(lengths), dtype=torch.int64)
     counts = torch.tensor([int(m.sum()) for m in masks], dtype=torch.float64)
 
-    def miles_default(x):  # miles' sum_of_sample_mean / sum_of_token, divided as its loss_function and Megatron divide
-        sums = torch.stack([(x[cu[i] : cu[i + 1]] * mask[cu[i] : cu[i + 1]]).sum() for i in range(len(chosen))])
+    def miles_default(x, m=mask):  # miles' sum_of_sample_mean / sum_of_token, divided as its loss_function and Megatron divide
+        sums = torch.stack([(x[cu[i] : cu[i + 1]] * m[cu[i] : cu[i + 1]]).sum() for i in range(len(chosen))])
         if per_token:
             return sums.sum() / counts.clamp(min=1).sum()
-        return (sums / counts.clamp(min=1)).sum() / gbs
+        kept = torch.stack([m[cu[i] : cu[i + 1]].sum() for i in range(len(chosen))]).double()
+        return (sums / kept.clamp(min=1)).sum() / gbs
 
+    groups = torch.unique(torch.tensor([s["index"] // N_PER_PROMPT for s in chosen]), return_inverse=True)[1]
+    term_modes = {}
     if case_config is None:
         j = miles_default(values)
     else:
-        config = lossagg.LossAggregationConfig(n_samples_per_prompt=N_PER_PROMPT, **case_config)
-        groups = torch.tensor([s["index"] // N_PER_PROMPT for s in chosen])
-        groups = torch.unique(groups, return_inverse=True)[1]
+        settings = {k: v for k, v in case_config.items() if k != "terms"}
+        config = lossagg.LossAggregationConfig(n_samples_per_prompt=N_PER_PROMPT, **settings)
+        term_modes = {k: case_config.get("terms", {}).get(k, default_term_mode(config.mode)) for k in terms}
         if tis is None:
             j = reference_loss(config, values, mask, cu, groups)
         else:  # the modified mask in the numerator, d[i] from the rollout mask (docs/integration.md, "miles", TIS/RS)
             j = reference_loss(config, values, torch.cat(kept_mod), cu, groups, rollout_mask=mask)
-    if entropy_coef:
-        j = j - entropy_coef * miles_default(ent)
+    coefficients = {"entropy": -float(args.entropy_coef), "kl": float(args.kl_loss_coef) if args.use_kl_loss else 0.0}
+    for k, coef in coefficients.items():
+        if coef == 0.0:
+            continue
+        if case_config is None:
+            j = j + coef * miles_default(terms[k])
+        elif tis is not None:  # miles' rebuilt reducer: each sample's mean over its kept tokens, sample_mean with M[i] the kept tokens
+            j = j + coef * miles_default(terms[k], torch.cat(kept_mod))
+        else:
+            term_config = lossagg.LossAggregationConfig(n_samples_per_prompt=N_PER_PROMPT, mode=term_modes[k], empty_samples=config.empty_samples)
+            j = j + coef * reference_loss(term_config, terms[k], mask, cu, groups)
     if not per_token:
         j.backward()
         return [model.embed.grad.clone(), model.head.grad.clone()]
@@ -362,6 +395,7 @@ def rank_rollout(samples, dp_rank, dp, args):
         "sample_indices": [s["index"] for s in mine],
         "log_probs": [slice_log_prob_with_cp(s["old_log_prob"], t, r, args.qkv_format) for s, t, r in zip(mine, total, resp, strict=True)],
         "advantages": [slice_log_prob_with_cp(s["advantage"], t, r, args.qkv_format) for s, t, r in zip(mine, total, resp, strict=True)],
+        "ref_log_probs": [slice_log_prob_with_cp(s["ref_log_prob"], t, r, args.qkv_format) for s, t, r in zip(mine, total, resp, strict=True)],
         "rollout_log_probs": [
             slice_log_prob_with_cp(s["rollout_log_prob"], t, r, args.qkv_format) for s, t, r in zip(mine, total, resp, strict=True)
         ],
@@ -416,14 +450,14 @@ def worker(rank, world, dp, cp, launches_path, init_file, results_dir):
             rollout = rank_rollout(samples, dp_rank, dp, args)
             data_iterator, num_microbatches = get_data_iterator(args, [model], rollout)
             miles_model.train(0, [model], optimizer, Scheduler(), data_iterator, num_microbatches)
-            entropy_coef = float(args.entropy_coef)
             for step in range(STEPS):
-                tis = (args.tis_clip_low, args.tis_clip) if args.use_tis else None
-                expected = reference_grads(case_config, samples, step, bool(args.calculate_per_token_loss), entropy_coef, tis)
+                expected = reference_grads(case_config, samples, step, args)
                 ran += 1
                 for g, e, pname in zip(optimizer.grads[step], expected, ("embed", "head"), strict=True):
                     err = float((g - e).abs().max() / e.abs().max().clamp(min=1e-300))
-                    if not err <= 1e-10:
+                    # miles' compute_approx_kl works in float32 (log_probs.float()) whatever the model's dtype: a case with
+                    # KL on is float32-exact in that term (its errors here ~5e-8), every other case float64-exact
+                    if not err <= (1e-6 if args.use_kl_loss else 1e-10):
                         failures.append(f"dp={dp} cp={cp} rank={rank} case={name} step={step} {pname}: relative error {err:.3g}")
         if not used["current_device"] or not used["zeros"] or (cp > 1 and not used["cuda"]):
             failures.append(f"rank {rank}: a stand-in was never used ({used}); the test no longer exercises what it says")
@@ -470,6 +504,9 @@ def test_launch_checks_through_miles_parse_args():
         "no_flag_through_lossagg": (True, LAUNCH),
         "no_flag_miles": (False, LAUNCH),
         "token_mean": (True, LAUNCH + ["--loss-aggregation", "token_mean"]),
+        "term_coefficient": (True, LAUNCH + ["--loss-aggregation", "prompt_mean", *TERMS, "--loss-aggregation-term", "kl:0.5:token_mean"]),
+        "terms_under_tis": (True, LAUNCH + ["--loss-aggregation", "prompt_mean", *TERMS, *TIS_RS, "--loss-aggregation-term", "kl:0.05"]),
+        "token_mean_tis_entropy": (True, LAUNCH + ["--loss-aggregation", "token_mean", "--entropy-coef", "0.1", *TIS_RS]),
     }
     got = parse_launches(launches)
     refused = {
@@ -479,6 +516,9 @@ def test_launch_checks_through_miles_parse_args():
         "constant_per_token": ["--calculate-per-token-loss", "mode=constant"],
         "constant_without_divisor": ["--loss-aggregation-divisor", "mode=constant"],
         "unknown_mode": ["--loss-aggregation", "seq_meen"],
+        "term_coefficient": ["--loss-aggregation-term", "'kl'", "0.5", "--kl-loss-coef"],
+        "terms_under_tis": ["--use-tis", "kl"],
+        "token_mean_tis_entropy": ["--use-tis", "token_mean"],
     }
     for name, needles in refused.items():
         kind, value, stderr = got[name]
@@ -487,7 +527,7 @@ def test_launch_checks_through_miles_parse_args():
         assert all(n in line for n in needles), f"{name}: {line!r} should name {needles}"
         assert "Traceback" not in stderr, f"{name}: a traceback on the launch: {stderr[-2000:]}"
     plain, through = (pickle.loads(got[k][1]) for k in ("no_flag_miles", "no_flag_through_lossagg"))
-    own = {"loss_aggregation", "loss_aggregation_divisor", "loss_aggregation_empty_samples", "loss_aggregation_config"}
+    own = {"loss_aggregation", "loss_aggregation_divisor", "loss_aggregation_empty_samples", "loss_aggregation_config", "loss_aggregation_term"}
     assert set(vars(through)) - set(vars(plain)) == own
     differ = {k for k in vars(plain) if vars(plain)[k] != vars(through)[k]}
     assert not differ, f"with no lossagg flag the launch must be miles' own, attribute for attribute; differ: {sorted(differ)}"

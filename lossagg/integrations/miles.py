@@ -1,5 +1,6 @@
 """``--loss-aggregation`` for miles (radixark's ``miles-rl`` 0.0.2), through the hooks it already has
-(docs/integration.md, "miles"; slime, whose internals differ, is not served). Nothing of miles is patched.
+(docs/integration.md, "miles"; slime, whose internals differ, has :mod:`lossagg.integrations.slime`).
+Nothing of miles is patched.
 
 One line in the launcher (miles' ``train.py``)::
 
@@ -7,8 +8,9 @@ One line in the launcher (miles' ``train.py``)::
     from lossagg.integrations.miles import parse_args
 
 Then ``--loss-aggregation MODE`` (any mode of ``lossagg.MODES``, the seed's four among them),
-``--loss-aggregation-divisor``, ``--loss-aggregation-empty-samples`` and
-``--loss-aggregation-config FILE`` are flags of the seed. :func:`parse_args` runs miles' own
+``--loss-aggregation-divisor``, ``--loss-aggregation-empty-samples``,
+``--loss-aggregation-term NAME:COEF[:MODE[:L]]`` and ``--loss-aggregation-config FILE`` are flags
+of the launch. :func:`parse_args` runs miles' own
 ``parse_args`` (with these flags added to any ``add_custom_arguments`` of the user's), then
 :func:`configure`, which checks the settings against miles' derived ones (``global_batch_size``
 after ``--num-steps-per-rollout``, ``--calculate-per-token-loss``, ``--n-samples-per-prompt``)
@@ -21,10 +23,11 @@ before any rollout and wires three of miles' hooks:
   read from the data iterator of miles' ``train_one_step``, the frame that calls the hook: the
   hook's arguments do not carry it. A hook the user had set there is called after it.
 * ``--loss-type custom_loss`` with ``--custom-loss-function-path`` -> :func:`loss_function`: runs
-  miles' ``policy_loss_function`` (or the user's own custom loss) unchanged, with the micro-batch
-  at hand for the reducer below.
-* ``--custom-pg-loss-reducer-function-path`` -> :func:`pg_loss_reducer`: pg_loss only, through the
-  mode. ``pg_clipfrac``, ``ppo_kl``, entropy and KL keep miles' default reducer.
+  miles' ``policy_loss_function`` (or the user's own custom loss) unchanged, handing it this
+  micro-batch's :class:`lossagg.integrations.seed.TermReducer` in place of miles'
+  ``sum_of_sample_mean``: entropy and KL (the config's ``terms`` ``entropy`` and ``kl``, each on
+  its own mode; a term the config does not name on the default reducer) and the metrics.
+* ``--custom-pg-loss-reducer-function-path`` -> :func:`pg_loss_reducer`: pg_loss on the mode.
 
 Scaling. miles' ``loss_function`` multiplies the loss by ``num_microbatches / global_batch_size ·
 dp·cp`` (per-token path: by ``cp``); Megatron's schedule divides by ``num_microbatches`` and DDP
@@ -34,7 +37,12 @@ averages over DP×CP (per-token path: sums, then divides by the step's reported 
 miles applies is the gradient of the mode's ``J``, on any split over micro-batches, DP and CP.
 
 TIS/RS: a modified mask (``modified_response_masks``) changes pg_loss's numerator only; ``d[i]``
-stays that of the rollout mask (``batch["loss_masks"]``), as in the seed PR.
+stays that of the rollout mask (``batch["loss_masks"]``), as in the seed PR. miles then rebuilds its
+reducer inside ``policy_loss_function`` from the modified masks (numerators and denominators: each
+sample's mean over its kept tokens) for entropy, KL and the metrics: that is lossagg's default
+reducer, sample_mean, with ``M[i]`` the kept tokens, so entropy and KL are served there as they are;
+the config's ``terms``, and entropy or KL on the per-token path or under ``empty_samples: skip``,
+are refused at launch (:func:`lossagg.integrations.seed.term_issues`).
 
 With no lossagg flag on the command line nothing is wired and miles runs as it does.
 """
@@ -52,7 +60,6 @@ import torch
 from lossagg.config import ConfigError, LossAggregationConfig
 from lossagg.integrations import seed
 from lossagg.modes import mode_spec
-from lossagg.ops import reduce
 from lossagg.step import StepPlan
 
 MILES_VERSION = "0.0.2"  # the miles-rl release this adapter was read against and is tested with
@@ -65,7 +72,9 @@ HOOKS = {
 }
 CONFIG_FLAG = seed.CONFIG_FLAG
 #: The flags that switch lossagg on (any one of them given).
-LOSSAGG_FLAGS = seed.SWITCHES
+LOSSAGG_FLAGS = (*seed.SWITCHES, seed.TERM_FLAG)
+#: What miles' rebuilt reducer (under TIS) divides by, for the refusals.
+REBUILT = "each sample by its kept tokens, the modified mask's sum"
 
 
 # ----------------------------------------------------------------------- launch
@@ -115,23 +124,15 @@ def configure(args) -> LossAggregationConfig | None:
     prompt groups that cannot be whole in a step: ``global_batch_size % n_samples_per_prompt``),
     a ``--loss-type`` that has no pg_loss, a pg_loss reducer already set to another function, a
     ``--train-backend`` other than megatron (miles' FSDP actor never calls the before-train-step
-    hook that plans each step), and a
-    config file with ``terms`` or a ``weighting`` (the reducer serves pg_loss alone, unweighted).
+    hook that plans each step), a ``weighting`` (miles hands no per-sample weights), and terms
+    :func:`lossagg.integrations.seed.term_issues` refuses (names and coefficients other than miles'
+    policy loss's, terms under TIS).
     Safe to call again on the same args.
     """
     config = config_of(args)
     if config is None:
         return None
     issues: list[tuple[str, str]] = []
-    # the reducer serves pg_loss alone, with no per-sample weights: a config asking for more is refused, never half-applied
-    if config.terms:
-        issues.append(
-            (
-                CONFIG_FLAG,
-                f"the config's terms ({', '.join(config.terms)}) are not served by the miles integration, whose reducer takes pg_loss only "
-                "(miles' entropy and KL keep its default reducer; docs/terms.md): drop terms",
-            )
-        )
     if config.weighting != "none":
         why = "needs per-sample weights, which miles does not hand to its reducer: drop weighting"
         issues.append((CONFIG_FLAG, f"weighting={config.weighting} {why}"))
@@ -163,6 +164,8 @@ def configure(args) -> LossAggregationConfig | None:
                     f"--custom-pg-loss-reducer-function-path {reducer} and --loss-aggregation {config.mode} both reduce pg_loss: drop one",
                 )
             )
+    if inner is not None:
+        issues += seed.term_issues(args, config, inner, f"miles-rl {MILES_VERSION}", REBUILT)
     if issues:
         raise ConfigError(issues, "command line")
     if getattr(args, "lossagg_inner_loss", None) is None:
@@ -195,16 +198,17 @@ class MilesStep:
     """The denominators of one train step on this rank, for the micro-batches miles will hand the loss.
 
     ``plan`` is the :class:`lossagg.StepPlan` of the whole step (every DP rank's samples, in the
-    order of the gathered table); ``sample_denoms`` are ``d[i]`` of this rank's samples, found by
-    their rollout loss-mask tensors (the objects miles' data iterator hands each micro-batch).
-    ``scale`` is what the reducer multiplies its share of J by (see the module docstring).
+    order of the gathered table); ``local_denoms`` maps ``"pg"``, each term of the config and
+    :data:`lossagg.integrations.seed.METRIC` (the default reducer) to ``d_k[i]`` of this rank's
+    samples, found by their rollout loss-mask tensors (the objects miles' data iterator hands each
+    micro-batch).
     """
 
     def __init__(
         self,
         plan: StepPlan,
         masks: list[torch.Tensor],
-        local_denoms: torch.Tensor,
+        local_denoms: dict[str, torch.Tensor],
         num_samples: int,
         reported_tokens: int,
         per_token: bool,
@@ -218,7 +222,8 @@ class MilesStep:
         self.reported_tokens = reported_tokens
         self.per_token = per_token
 
-    def denoms_for(self, loss_masks) -> torch.Tensor:
+    def denoms_for(self, loss_masks) -> dict[str, torch.Tensor]:
+        """Every term's ``d_k`` of a micro-batch's samples, by their loss-mask tensors."""
         rows = []
         for k, m in enumerate(loss_masks):
             hit = self._by_mask.get(id(m))
@@ -228,7 +233,7 @@ class MilesStep:
                     "data iterator held when --custom-megatron-before-train-step-hook-path ran): was the rollout data replaced after the hook?"
                 )
             rows.append(hit[1])
-        return self.local_denoms[rows]
+        return {name: table[rows] for name, table in self.local_denoms.items()}
 
 
 _STEP: MilesStep | None = None
@@ -282,7 +287,8 @@ def plan_step(args, data_iterator, num_microbatches: int, *, parallel_state=None
     """
     global _STEP
     config = _runtime_config(args)
-    spec = mode_spec(config.mode)
+    # prompt groups where the PG mode or a term's mode has them
+    needs_groups = any(mode_spec(m).needs_groups for m in (config.mode, *(t.mode for t in config.terms.values())))
     iterators = data_iterator if isinstance(data_iterator, (list, tuple)) else [data_iterator]
     iterator = iterators[0]
     trainer = type(iterator).__module__.split(".")[0]
@@ -308,7 +314,7 @@ def plan_step(args, data_iterator, num_microbatches: int, *, parallel_state=None
     table = torch.zeros(dp.size * n_local, 3, dtype=torch.int64, device=device)
     rows = slice(dp.rank * n_local, (dp.rank + 1) * n_local)
     table[rows, 0] = counts.to(device)
-    if spec.needs_groups:
+    if needs_groups:
         indices = rollout.get("sample_indices")
         if indices is None:
             raise ValueError(
@@ -327,7 +333,7 @@ def plan_step(args, data_iterator, num_microbatches: int, *, parallel_state=None
     table = table.cpu()
     all_counts = table[:, 0]
     group_index = None
-    if spec.needs_groups:
+    if needs_groups:
         keys, group_index = torch.unique(table[:, 1], return_inverse=True)
         for g in range(keys.numel()):
             prints = torch.unique(table[group_index == g, 2])
@@ -337,7 +343,8 @@ def plan_step(args, data_iterator, num_microbatches: int, *, parallel_state=None
                     "them) have different prompts: this rollout's samples are not numbered by group"
                 )
     plan = StepPlan(config, all_counts, group_index=group_index)
-    local = plan.sample_denoms[rows].clone()
+    local = {name: d[rows].clone() for name, d in plan.term_denoms.items()}
+    local[seed.METRIC] = plan.metric_denoms[rows].clone()
     reported = int(all_counts.clamp(min=1).sum())
     _STEP = MilesStep(plan, masks, local, gbs, reported, bool(args.calculate_per_token_loss), trainer)
     return _STEP
@@ -365,21 +372,53 @@ def _load(path: str):
 # ------------------------------------------------------------------- the loss
 def loss_function(args, batch, logits, sum_of_sample_mean):
     """miles' ``--loss-type custom_loss`` function: the launch's own loss (``policy_loss_function``, or the
-    user's custom loss), with this micro-batch at hand for :func:`pg_loss_reducer`."""
+    user's custom loss), handed this micro-batch's :class:`lossagg.integrations.seed.TermReducer` in place
+    of miles' ``sum_of_sample_mean``."""
     inner = getattr(args, "lossagg_inner_loss", None)
     if inner is None:
         raise RuntimeError(
             "lossagg.integrations.miles.loss_function: the launch was not configured by lossagg (lossagg.integrations.miles.configure)"
         )
+    step = _STEP
+    if step is None:
+        raise RuntimeError(
+            "lossagg: no step was planned: --custom-megatron-before-train-step-hook-path must be lossagg.integrations.miles.before_train_step"
+        )
+    if bool(args.calculate_per_token_loss) != step.per_token:
+        raise RuntimeError(
+            f"lossagg: calculate_per_token_loss={args.calculate_per_token_loss} at the loss, {step.per_token} when the step was planned"
+        )
     if inner == "policy_loss":
         func = _trainer_module_by_name(args, "backends.training_utils.loss").policy_loss_function
     else:
         func = _load(inner)
-    token = _CURRENT.set((args, batch))
+    if step.per_token:
+        scale = step.reported_tokens
+    else:
+        scale = batch.get("dynamic_global_batch_size", args.global_batch_size)
+        if scale != step.num_samples:
+            raise RuntimeError(f"lossagg: miles divides this micro-batch by global_batch_size {scale}, the step was planned for {step.num_samples}")
+    cp_utils = _trainer_module_by_name(args, "backends.training_utils.cp_utils")
+    total_lengths, response_lengths = batch["total_lengths"], batch["response_lengths"]
+
+    def layout(masks):
+        masks = batch["loss_masks"] if masks is None else masks
+        return seed.layout_of(
+            cp_utils.get_local_response_loss_masks(total_lengths, response_lengths, masks, args.qkv_format, batch.get("max_seq_lens"))
+        )
+
+    # the order of the policy loss's calls matters only for the config's terms (none under TIS, which configure checked);
+    # miles-rl 0.0.2 reduces entropy only when its coefficient is not 0
+    schedule = seed.schedule_of(args, _runtime_config(args), inner, entropy_always=False)
+    reducer = seed.TermReducer(step.denoms_for(batch["loss_masks"]), scale, layout, schedule, f"miles-rl {MILES_VERSION}")
+    token = _CURRENT.set((args, batch, reducer))
     try:
-        return func(args, batch, logits, sum_of_sample_mean)
+        loss, log = func(args, batch, logits, reducer)
     finally:
         _CURRENT.reset(token)
+    if schedule:
+        reducer.check_reported(log)
+    return loss, log
 
 
 def _trainer_module_by_name(args, name: str):
@@ -402,39 +441,13 @@ def pg_loss_reducer(total_lengths, response_lengths, pg_loss_masks, calculate_pe
             "lossagg.integrations.miles.pg_loss_reducer runs inside lossagg.integrations.miles.loss_function "
             "(--loss-type custom_loss --custom-loss-function-path lossagg.integrations.miles.loss_function)"
         )
-    args, batch = current
+    _, batch, reducer = current
     step = _STEP
-    if step is None:
-        raise RuntimeError(
-            "lossagg: no step was planned: --custom-megatron-before-train-step-hook-path must be lossagg.integrations.miles.before_train_step"
-        )
     if bool(calculate_per_token_loss) != step.per_token:
         raise RuntimeError(f"lossagg: calculate_per_token_loss={calculate_per_token_loss} at the loss, {step.per_token} when the step was planned")
-    d = step.denoms_for(batch["loss_masks"])
-    if step.per_token:
-        scale = step.reported_tokens
-    else:
-        scale = batch.get("dynamic_global_batch_size", args.global_batch_size)
-        if scale != step.num_samples:
-            raise RuntimeError(f"lossagg: miles divides this micro-batch by global_batch_size {scale}, the step was planned for {step.num_samples}")
-    cp_utils = _trainer_module_by_name(args, "backends.training_utils.cp_utils")
-    local_masks = cp_utils.get_local_response_loss_masks(
-        total_lengths, response_lengths, pg_loss_masks, args.qkv_format, batch.get("max_seq_lens", None)
-    )
-    lengths = torch.tensor([m.numel() for m in local_masks], dtype=torch.int64)
-    cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
-    torch.cumsum(lengths, 0, out=cu_seqlens[1:])
-
-    def reduce_pg_loss(x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 1 or x.shape[0] != int(cu_seqlens[-1]):
-            raise ValueError(
-                f"lossagg: pg_loss holds {tuple(x.shape)} values, this CP rank's response tokens of the micro-batch are {int(cu_seqlens[-1])}"
-            )
-        mask = torch.cat([m.to(x.device) for m in local_masks]) if local_masks else x.new_zeros(0)
-        share = reduce(x, mask, cu_seqlens=cu_seqlens.to(x.device), sample_denoms=d.to(x.device))
-        return share * scale
-
-    return reduce_pg_loss
+    if list(total_lengths) != list(batch["total_lengths"]) or list(response_lengths) != list(batch["response_lengths"]):
+        raise RuntimeError("lossagg: the pg_loss reducer was asked for samples other than the micro-batch's")
+    return reducer.term("pg", pg_loss_masks)
 
 
 __all__ = [
