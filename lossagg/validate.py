@@ -47,6 +47,8 @@ def as_int(name: str, value, *, minimum: int) -> int:
 def as_number(name: str, value, *, positive: bool = True) -> float:
     """``value`` as a finite float, > 0 when ``positive`` else >= 0."""
     plain = plain_number(value)
+    if isinstance(plain, int) and abs(plain) > MAX_INT:
+        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'} exact in float64, got {value!r} (an integer beyond 2**53)")
     try:
         plain = None if plain is None else float(plain)
     except OverflowError:  # an int beyond float64

@@ -88,6 +88,7 @@ CASES = {
     "legacy_per_token": (["--loss-aggregation", "token_mean", "--calculate-per-token-loss"], {"mode": "token_mean"}, {}),
     "constant": (["--loss-aggregation", "constant", "--loss-aggregation-divisor", "6"], {"mode": "constant", "divisor": 6.0}, {}),
     "max_length": (["--loss-aggregation", "max_length"], {"mode": "max_length"}, {}),
+    "registered_mode": (["--loss-aggregation", "sample_sq"], {"mode": "sample_sq"}, {}),  # tests/test_mode_registry.py's, registered in each process
     "prompt_mean_skip": (
         ["--loss-aggregation", "prompt_mean", "--loss-aggregation-empty-samples", "skip"],
         {"mode": "prompt_mean", "empty_samples": "skip"},
@@ -118,7 +119,10 @@ CASES = {
 PARSE = (
     slime_peer.TYPING
     + r"""
-import pickle, sys
+import os, pickle, sys
+sys.path.insert(0, os.environ["LOSSAGG_TESTS_DIR"])
+from test_mode_registry import register_throwaway
+register_throwaway()  # a registered mode: the registry is per process
 from lossagg.integrations import slime as adapter
 from slime.utils.arguments import parse_args as slime_parse_args
 out = {}
@@ -147,7 +151,8 @@ def need_slime():
 def parse_launches(launches: dict[str, tuple[bool, list[str]]], timeout: float = 600) -> dict[str, tuple[str, object, str]]:
     """Each launch's argument parsing by slime's own parse_args (through lossagg's when the bool is true), in
     one subprocess that has slime on its path: name -> ("args", pickled Namespace, stderr) or ("exit", status, stderr)."""
-    done = subprocess.run([sys.executable, "-c", PARSE, pickle.dumps(launches).hex()], env=slime_peer.env(), capture_output=True, timeout=timeout)
+    env = {**slime_peer.env(), "LOSSAGG_TESTS_DIR": os.path.dirname(os.path.abspath(__file__))}
+    done = subprocess.run([sys.executable, "-c", PARSE, pickle.dumps(launches).hex()], env=env, capture_output=True, timeout=timeout)
     stderr = done.stderr.decode(errors="replace")
     assert done.returncode == 0 and b"ARGS" in done.stdout, stderr[-3000:]
     parsed = pickle.loads(done.stdout[done.stdout.index(b"ARGS") + 4 :])
@@ -488,6 +493,9 @@ def worker(rank, world, layouts, launches_path, init_file, results_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     failures, ran = [], 0
     try:
+        from test_mode_registry import register_throwaway
+
+        register_throwaway()  # the registry is per process: the launch's mode, in every rank
         used = install_stand_ins()
         from megatron.core import parallel_state as mpu
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig

@@ -148,12 +148,19 @@ def test_config_file(tmp_path):
     path.write_text("mode: constant\n")
     with pytest.raises(ConfigError, match="divisor"):
         adapter.configure(miles_args(loss_aggregation_config=str(path)))
-    # the reducer serves pg_loss alone, unweighted: a file asking for more is refused, nothing wired
-    path.write_text("mode: sample_mean\nterms:\n  entropy: {coefficient: -0.01}\n")
-    args = miles_args(loss_aggregation_config=str(path))
-    with pytest.raises(ConfigError, match=r"--loss-aggregation-config: the config's terms \(entropy\) are not served by the miles integration"):
+    # a file's terms are miles' entropy and KL, with miles' coefficients; anything else is refused, nothing wired
+    path.write_text("mode: sample_mean\nterms:\n  entropy: {coefficient: -0.01, mode: token_mean}\n")
+    config = adapter.configure(miles_args(loss_aggregation_config=str(path), entropy_coef=0.01))
+    assert (config.terms["entropy"].mode, config.terms["entropy"].coefficient) == ("token_mean", -0.01)
+    args = miles_args(loss_aggregation_config=str(path), entropy_coef=0.02)
+    with pytest.raises(
+        ConfigError, match=r"--loss-aggregation-term: term 'entropy' has coefficient -0.01, miles-rl 0.0.2 applies -entropy_coef = -0.02"
+    ):
         adapter.configure(args)
     assert getattr(args, "lossagg_config", None) is None
+    path.write_text("mode: sample_mean\nterms:\n  nll: {coefficient: 1.0}\n")
+    with pytest.raises(ConfigError, match="term 'nll': miles-rl 0.0.2's policy_loss_function reduces the terms entropy, kl"):
+        adapter.configure(miles_args(loss_aggregation_config=str(path)))
     path.write_text("mode: sample_mean\nweighting: multiply\n")
     with pytest.raises(ConfigError, match="weighting=multiply needs per-sample weights"):
         adapter.configure(miles_args(loss_aggregation_config=str(path)))
@@ -165,7 +172,7 @@ def test_flags_added_to_a_parser_without_miles_own():
     assert (ns.loss_aggregation, ns.loss_aggregation_divisor, ns.loss_aggregation_empty_samples) == ("constant", 8.0, "skip")
     for flag in ("--calculate-per-token-loss", "--n-samples-per-prompt", "--global-batch-size"):
         assert flag not in parser._option_string_actions, f"{flag} is miles' own flag"
-    assert "--loss-aggregation-term" not in parser._option_string_actions  # the reducer serves pg_loss only
+    assert "--loss-aggregation-term" in parser._option_string_actions  # entropy and KL are the config's terms (docs/terms.md)
 
 
 def test_hooks_refuse_a_launch_lossagg_did_not_configure():
@@ -222,14 +229,14 @@ def test_plan_step_denominators_and_refusals():
         step = adapter.plan_step(args, FakeIterator(rollout_of(masks), micro_batch_size=2), 2, parallel_state=one_rank())
         counts = torch.tensor([2, 0, 1, 4])
         want = StepPlan(LossAggregationConfig(mode=mode, n_samples_per_prompt=2), counts, group_index=torch.tensor([0, 0, 1, 1])).sample_denoms
-        assert torch.equal(step.local_denoms, want), mode
+        assert torch.equal(step.local_denoms["pg"], want), mode
         assert step.reported_tokens == 2 + 1 + 1 + 4  # miles' per-token divisor: sum of max(M[i], 1)
     # the dynamic schedule: the micro-batches of this step, whatever their order
     args = configured("sample_mean")
     it = FakeIterator(rollout_of(masks * 2), micro_batch_indices=[[3, 0], [1, 2], [7, 4], [5, 6]], offset=2)
     step = adapter.plan_step(args, it, 2, parallel_state=one_rank())
     rows = step.denoms_for([it.rollout_data["loss_masks"][j] for j in (6, 7)])
-    assert rows.tolist() == [4 * 1, 4 * 4]
+    assert rows["pg"].tolist() == [4 * 1, 4 * 4] and rows["metric"].tolist() == [4 * 1, 4 * 4]  # sample_mean: the default reducer's too
     with pytest.raises(RuntimeError, match="sample 0 of this micro-batch is not one of the samples planned"):
         step.denoms_for([it.rollout_data["loss_masks"][0]])
     with pytest.raises(ValueError, match="loss mask of rollout sample 1 is not 0/1"):

@@ -185,7 +185,12 @@ def term_issues(args, config: LossAggregationConfig, inner: str, trainer: str, r
         # the rebuilt reducer is lossagg's default one (sample_mean) only on the per-sample path, with every sample counted
         why = f"{tis} with entropy or KL on: {trainer} rebuilds their reducer inside policy_loss_function ({rebuilt})"
         if config.calculate_per_token_loss or default_term_mode(config.mode) != "sample_mean":
-            issues.append((tis, f"{why}; on the per-token path it divides by Σ max(M[i], 1), not token_mean's c(T): drop the terms or {tis}"))
+            issues.append(
+                (
+                    tis,
+                    f"{why}; on the per-token path it divides by Σ max(M[i], 1), not the step's loss tokens token_mean divides by: drop the terms or {tis}",
+                )
+            )
         elif config.empty_samples == "skip":
             issues.append(("--loss-aggregation-empty-samples", f"{why}, which counts every sample in N (empty_samples=count), not skip"))
     for name, term in config.terms.items():
@@ -201,14 +206,14 @@ def term_issues(args, config: LossAggregationConfig, inner: str, trainer: str, r
         if name == "kl" and not getattr(args, "use_kl_loss", False):
             issues.append((TERM_FLAG, f"term 'kl': {trainer} adds its KL term under --use-kl-loss only, which this launch has not"))
             continue
-        own = -float(args.entropy_coef) if name == "entropy" else float(args.kl_loss_coef)
+        own = -float(getattr(args, "entropy_coef", 0.0)) if name == "entropy" else float(getattr(args, "kl_loss_coef", 0.0))
         if float(term.coefficient) != own:
             how = "-entropy_coef" if name == "entropy" else "kl_loss_coef"
             flag = TERMS[name]
             issues.append(
                 (
                     TERM_FLAG,
-                    f"term {name!r} has coefficient {term.coefficient}, {trainer} applies {how} = {own} ({flag} {getattr(args, dest(flag))}): "
+                    f"term {name!r} has coefficient {term.coefficient}, {trainer} applies {how} = {own} ({flag} {getattr(args, dest(flag), 0.0)}): "
                     "make them agree",
                 )
             )
