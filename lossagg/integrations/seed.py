@@ -188,7 +188,8 @@ def term_issues(args, config: LossAggregationConfig, inner: str, trainer: str, r
             issues.append(
                 (
                     tis,
-                    f"{why}; on the per-token path it divides by Σ max(M[i], 1), not the step's loss tokens token_mean divides by: drop the terms or {tis}",
+                    f"{why}; on the per-token path it divides by Σ max(M[i], 1), not the step's loss tokens token_mean divides by: "
+                    f"drop the terms or {tis}",
                 )
             )
         elif config.empty_samples == "skip":
