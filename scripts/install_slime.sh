@@ -24,11 +24,12 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
 # the archive lies in the project's peers folder, ../shared/peers from the project's root; a clone made
-# elsewhere (CI's clean clone) finds it beside the repository it was cloned from; LOSSAGG_PEERS_DIR overrides
+# elsewhere (CI's clean clone) finds it up to two folders higher or beside the repository it was cloned from;
+# LOSSAGG_PEERS_DIR overrides
 NAME=slime-624b824.tar.gz
 ARCHIVE=""
 origin=$(git config --get remote.origin.url 2>/dev/null || true)
-for dir in ${LOSSAGG_PEERS_DIR:+"$LOSSAGG_PEERS_DIR"} ../shared/peers ${origin:+"${origin%/}/../shared/peers"}; do
+for dir in ${LOSSAGG_PEERS_DIR:+"$LOSSAGG_PEERS_DIR"} ../shared/peers ../../shared/peers ../../../shared/peers ${origin:+"${origin%/}/../shared/peers"}; do
   if [ -f "$dir/$NAME" ]; then
     ARCHIVE="$dir/$NAME"
     break
