@@ -114,6 +114,11 @@ class DeferredStep:
     def totals(self):
         return self.plan.totals
 
+    @property
+    def empty(self) -> bool:
+        """Whether the step, with its final masks, holds no loss token on any rank (:attr:`lossagg.StepPlan.empty`)."""
+        return self.plan.empty
+
     def apply_(self, target) -> int:
         """Multiply the accumulated gradients by :attr:`scale`, in place; returns how many tensors
         were scaled. Call it after the last micro-batch's backward (and the engine's gradient

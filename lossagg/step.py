@@ -322,6 +322,46 @@ class StepPlan:
         mb = self._as_micro_batch(micro_batch, samples, cu_seqlens, "StepPlan.metrics")
         return reduce_metrics(metrics, mb.mask, mb.cu_seqlens, self.metric_denoms[mb.samples])
 
+    @property
+    def empty(self) -> bool:
+        """Whether the step holds no loss token on any rank (``T = 0``): then ``J = 0`` and every
+        gradient from the plan is 0, but an optimizer step would still move the weights (weight
+        decay, momentum). A trainer that owns its optimizer step skips it (docs/terms.md,
+        "Scalar terms", empty steps)."""
+        if "total_tokens" not in self.totals:
+            raise ValueError("StepPlan.empty reads the step's rollout tokens T: pass total_tokens to from_totals")
+        return float(self.totals.total_tokens) == 0.0
+
+    def scalar_term(self, value: torch.Tensor, micro_batch: MicroBatch, *, weight: str = "tokens", cp_size: int = 1) -> torch.Tensor:
+        """A per-micro-batch scalar term (a MoE router auxiliary loss, an MTP loss: one number per
+        micro-batch, itself a mean over the micro-batch) scaled by the micro-batch's share of the step,
+        so that summed over every micro-batch and rank it is the step's weighted mean of those numbers,
+        and so is its gradient, the same under any split (docs/terms.md, "Scalar terms").
+
+        ``weight="tokens"``: the share is this rank's loss tokens of the micro-batch (``micro_batch.mask``,
+        this CP rank's own when sharded, with ``value`` this CP rank's own number) over the step's
+        ``T``; ``"samples"``: its samples over the step's ``N`` and ``cp_size`` (each CP rank of a
+        micro-batch holds all its samples). Both totals come from the plan's one all-reduce. Multiply
+        by the engine's factor (``gradient_scale``) as for :meth:`loss`.
+        """
+        mb = given_micro_batch(self, micro_batch, None, None, "StepPlan.scalar_term")
+        if mb is None:
+            raise TypeError(f"StepPlan.scalar_term takes a MicroBatch of this plan (plan.micro_batch(...)), got {type(micro_batch).__name__}")
+        if not isinstance(value, torch.Tensor) or value.dim() != 0 or not value.is_floating_point():
+            got = f"shape {tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"StepPlan.scalar_term: value must be a 0-dim floating tensor (one number for the micro-batch), got {got}")
+        if weight == "tokens":
+            own = (mb.mask != 0).sum().to(torch.float64)
+            total = max(float(self.totals.total_tokens), 1.0)
+        elif weight == "samples":
+            cp = as_int("cp_size", cp_size, minimum=1)
+            own = torch.tensor(float(mb.num_samples), dtype=torch.float64)
+            total = float(self.totals.num_samples) * cp
+        else:
+            raise ValueError(f"StepPlan.scalar_term: weight must be 'tokens' or 'samples', got {weight!r}")
+        share = (own / total).to(device=value.device, dtype=value.dtype)
+        return value * share
+
     def token_weights(
         self,
         mask: torch.Tensor,
