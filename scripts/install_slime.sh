@@ -13,7 +13,9 @@
 # imports (0.5.16 dropped srt/layers/attention/dsa/{quant,dequant}_k_cache and fp8_kernel, 0.5.17
 # moved sglang.jit_kernel to sglang.kernels); sglang-router 0.3.2 is the newest (slime asks >= 0.3.0).
 # The rest is exactly what `import slime.utils.arguments` (sglang's import chain, wandb) and
-# `import slime.backends.megatron_utils.model` (wandb) load and site-packages lacks; versions are
+# `import slime.backends.megatron_utils.model` (wandb) load and a fresh virtualenv lacks after
+# scripts/setup.sh and the other peers (CI's; IPython, traitlets and sniffio come with the machine's
+# Python, not with a fresh virtualenv, and sglang.utils imports IPython); versions are
 # sglang's / openai's own pins where they pin, the miles peer's (scripts/install_peers.sh) where it has
 # the package, else the newest. torch and numpy are never installed (--no-deps; pip's constraints).
 #
@@ -43,7 +45,8 @@ DEPS="sglang==0.5.15.post1 sglang-router==0.3.2 \
   sentencepiece==0.2.3 setproctitle==1.3.8 pyzmq==27.3.0 torchvision==0.29.1 \
   fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 \
   aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 frozenlist==1.8.0 multidict==7.2.1 propcache==0.5.4 yarl==1.25.1 \
-  wandb==0.31.0 platformdirs==4.14.9 opentelemetry-api==1.45.2"
+  wandb==0.31.0 platformdirs==4.14.9 opentelemetry-api==1.45.2 \
+  ipython==9.18.1 traitlets==5.16.1 sniffio==1.3.1"
 
 fail() { echo "slime: FAILED: $*"; exit 1; }
 start=$SECONDS
@@ -78,7 +81,8 @@ if [ "$(cat "$DEPS_DIR/.lossagg-stamp" 2>/dev/null)" != "$deps_stamp" ]; then
 typing.override = getattr(typing, 'override', typing_extensions.override)
 sys.path[:0] = ['$SLIME_DIR', '$DEPS_DIR']
 import slime.utils.arguments, slime.backends.megatron_utils.model, slime.backends.megatron_utils.loss
-import slime.backends.megatron_utils.data, slime.backends.megatron_utils.cp_utils, slime.utils.dp_schedule"
+import slime.backends.megatron_utils.data, slime.backends.megatron_utils.cp_utils, slime.utils.dp_schedule
+import slime.utils.accelerator, slime.utils.misc, slime.observability.rollout_data_utils, megatron.training.global_vars"
   "$PY" -c "$check" >>"$log" 2>&1 \
     || fail "installed into $DEPS_DIR, but slime does not import (traceback at the end of $log)"
   echo "$deps_stamp" > "$DEPS_DIR/.lossagg-stamp"
