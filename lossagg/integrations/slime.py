@@ -293,7 +293,9 @@ def plan_rollout(args, rollout_data, *, dp_group=None) -> SlimeRollout:
         mpu = import_module("megatron.core.parallel_state")  # the trainer's Megatron, in slime's processes only
         dp_group = mpu.get_data_parallel_group(with_context_parallel=False)
     dp_size = torch.distributed.get_world_size(dp_group) if torch.distributed.is_initialized() else 1
-    odd = [j for j, m in enumerate(masks) if bool(((m != 0) & (m != 1)).any())]
+    # one transfer for all the rank's samples (a GPU sync per sample would cost a sync each)
+    counts_local = torch.stack([(m != 0).sum() for m in masks]).tolist() if n_local else []
+    odd = torch.nonzero(torch.stack([((m != 0) & (m != 1)).any() for m in masks])).flatten().tolist() if n_local else []
     if odd:
         raise ValueError(
             f"lossagg: the loss mask of rollout sample {partition[odd[0]]} is not 0/1: d[i] counts tokens, slime's reducer multiplies by the mask"
@@ -301,21 +303,22 @@ def plan_rollout(args, rollout_data, *, dp_group=None) -> SlimeRollout:
     size = torch.tensor([max(partition, default=-1) + 1], dtype=torch.int64, device=device)
     if dp_size > 1:
         torch.distributed.all_reduce(size, op=torch.distributed.ReduceOp.MAX, group=dp_group)
-    table = torch.zeros(int(size), 6, dtype=torch.int64)
     rollout_ids = rollout_data.get("rollout_ids")
     indices = rollout_data.get("sample_indices")
     if needs_groups and indices is None:
         raise ValueError(f"lossagg: mode={config.mode} needs each rollout's prompt group, read from the rollout's sample_indices, which it has not")
+    local_rows = []
     for j, p in enumerate(partition):
-        table[p, _PRESENT] = 1
-        table[p, _STEP] = steps[j] + 1
-        table[p, _COUNT] = int((masks[j] != 0).sum())
         # a sample with no rollout id is a rollout of its own (slime numbers them so on the rollout side)
-        table[p, _ROLLOUT_ID] = int(rollout_ids[j]) if rollout_ids is not None else -1 - p
+        row = [1, steps[j] + 1, int(counts_local[j]), int(rollout_ids[j]) if rollout_ids is not None else -1 - p, 0, 0]
         if needs_groups:
-            table[p, _GROUP] = int(indices[j]) // config.n_samples_per_prompt
             prompt_length = int(rollout_data["total_lengths"][j]) - int(rollout_data["response_lengths"][j])
-            table[p, _PRINT] = _prompt_fingerprint(rollout_data["tokens"][j], prompt_length)
+            row[_GROUP] = int(indices[j]) // config.n_samples_per_prompt
+            row[_PRINT] = _prompt_fingerprint(rollout_data["tokens"][j], prompt_length)
+        local_rows.append(row)
+    table = torch.zeros(int(size), 6, dtype=torch.int64)
+    if local_rows:
+        table[torch.tensor(partition)] = torch.tensor(local_rows, dtype=torch.int64)
     if dp_size > 1:
         table = table.to(device)
         torch.distributed.all_reduce(table, group=dp_group)
@@ -323,36 +326,37 @@ def plan_rollout(args, rollout_data, *, dp_group=None) -> SlimeRollout:
     if bool((table[:, _PRESENT] > 1).any()):
         p = int(torch.nonzero(table[:, _PRESENT] > 1)[0, 0])
         raise RuntimeError(f"lossagg: rollout sample {p} is in the partition of {int(table[p, _PRESENT])} DP ranks")
+    rows_of_table = table.tolist()
     batch_sizes = [int(b) for b in rollout_data["global_batch_sizes"]]
     per_token = bool(args.calculate_per_token_loss)
     local_rollout = [-1] * n_local  # each local sample's rollout, as a row of its step's plan
     plans, scales, step_tables = [], [], []
     for s, gbs in enumerate(batch_sizes):
-        rows = torch.nonzero((table[:, _PRESENT] == 1) & (table[:, _STEP] == s + 1)).flatten().tolist()
+        rows = [p for p, row in enumerate(rows_of_table) if row[_PRESENT] == 1 and row[_STEP] == s + 1]
         order: dict[int, int] = {}
         for p in rows:
-            order.setdefault(int(table[p, _ROLLOUT_ID]), len(order))
+            order.setdefault(rows_of_table[p][_ROLLOUT_ID], len(order))
         if len(order) != gbs:
             raise RuntimeError(
                 f"lossagg: step {s} holds {len(order)} rollouts over the DP ranks, slime divides it by global_batch_size {gbs} (its rollouts)"
             )
-        counts = torch.zeros(len(order), dtype=torch.int64)
-        group = torch.full((len(order),), -1, dtype=torch.int64)
-        prints = {}
+        counts = [0] * len(order)
+        group = [-1] * len(order)
+        prints: dict[int, int] = {}
         of_position = {}
         for p in rows:
-            r = order[int(table[p, _ROLLOUT_ID])]
+            row = rows_of_table[p]
+            r = order[row[_ROLLOUT_ID]]
             of_position[p] = r
-            counts[r] += table[p, _COUNT]
+            counts[r] += row[_COUNT]
             if needs_groups:
-                g = int(table[p, _GROUP])
-                if int(group[r]) not in (-1, g):
-                    raise ValueError(f"lossagg: rollout {int(table[p, _ROLLOUT_ID])} has training samples of prompt groups {int(group[r])} and {g}")
-                group[r] = g
-                prints.setdefault(r, int(table[p, _PRINT]))  # the rollout's first training sample's prompt
+                if group[r] not in (-1, row[_GROUP]):
+                    raise ValueError(f"lossagg: rollout {row[_ROLLOUT_ID]} has training samples of prompt groups {group[r]} and {row[_GROUP]}")
+                group[r] = row[_GROUP]
+                prints.setdefault(r, row[_PRINT])  # the rollout's first training sample's prompt
         group_index = None
         if needs_groups:
-            keys, group_index = torch.unique(group, return_inverse=True)
+            keys, group_index = torch.unique(torch.tensor(group, dtype=torch.int64), return_inverse=True)
             for k in range(keys.numel()):
                 seen = {prints[r] for r in torch.nonzero(group_index == k).flatten().tolist()}
                 if len(seen) != 1:
@@ -360,18 +364,20 @@ def plan_rollout(args, rollout_data, *, dp_group=None) -> SlimeRollout:
                         f"lossagg: the rollouts of prompt group {int(keys[k])} (sample_index // n_samples_per_prompt, as slime's data source "
                         "numbers them) have different prompts: this rollout's samples are not numbered by group"
                     )
-        plan = StepPlan(config, counts, group_index=group_index)
+        plan = StepPlan(config, torch.tensor(counts, dtype=torch.int64), group_index=group_index)
         plans.append(plan)
-        step_counts = table[rows, _COUNT]
-        scales.append(int(step_counts.clamp(min=1).sum()) if per_token else gbs)
+        scales.append(sum(max(rows_of_table[p][_COUNT], 1) for p in rows) if per_token else gbs)
         step_tables.append({**plan.term_denoms, METRIC: plan.metric_denoms})
         for j, p in enumerate(partition):
             if steps[j] == s:
                 local_rollout[j] = of_position[p]
     denoms = {name: torch.zeros(n_local, dtype=torch.float64) for name in (*names, METRIC)}
-    for j in range(n_local):
-        for name in denoms:
-            denoms[name][j] = step_tables[steps[j]][name][local_rollout[j]]
+    for s in range(len(batch_sizes)):  # each step's rows of the rank's samples, gathered from its plan's tables
+        mine = [j for j in range(n_local) if steps[j] == s]
+        if mine:
+            at = torch.tensor([local_rollout[j] for j in mine])
+            for name in denoms:
+                denoms[name][torch.tensor(mine)] = step_tables[s][name][at]
     # slime's own reducer (rebuilt inside policy_loss_function under TIS) divides by rollout_mask_sums: the
     # rollouts' token totals of the masks the steps were planned from (a user's postprocess may have changed them)
     rollout_tokens = [float(plans[steps[j]].token_counts[local_rollout[j]]) for j in range(n_local)]
