@@ -306,7 +306,8 @@ def test_loss_type_names():
     ("settings", "message"),
     [
         ({"loss_type": "sapo"}, "loss_type='sapo'"),
-        ({"loss_type": "dapo", "entropy_coef": 0.1}, "entropy"),
+        ({"loss_type": "dapo", "entropy_coef": 0.1, "use_adaptive_entropy": True}, "use_adaptive_entropy"),
+        ({"loss_type": "dapo", "entropy_coef": 0.1, "top_entropy_quantile": 0.5}, "top_entropy_quantile=0.5"),
         ({"loss_type": "dapo", "steps_per_generation": 4}, "steps_per_generation=4"),
     ],
 )
@@ -389,7 +390,8 @@ def test_trl_numbers(num_generations, max_completion_length, loss_type):
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"mode": "grpo", "terms": {"entropy": {"coefficient": -0.01}}}, r"loss_aggregation with terms \(entropy\)"),
+        ({"mode": "grpo", "terms": {"kl": {"coefficient": 0.01}}}, r"loss_aggregation with terms \(kl\)"),
+        ({"mode": "grpo", "terms": {"entropy": {"coefficient": -0.01}}}, r"loss_aggregation term 'entropy' without GRPOConfig.entropy_coef"),
         ({"mode": "grpo", "weighting": "multiply"}, r"loss_aggregation with weighting=multiply"),
     ],
 )
@@ -398,3 +400,39 @@ def test_a_config_with_more_than_one_unweighted_term_is_refused(settings, messag
     for other terms or per-sample weights is refused when the trainer is built, never half-applied."""
     with pytest.raises(ValueError, match="does not support: " + message):
         run(GRPOTrainer, "grpo", 2, tmp_path, tokenizer, dataset, trainer_kwargs={"loss_aggregation": settings})
+
+
+ENTROPY_COEF = 0.1
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_the_entropy_bonus_is_a_term_exact_under_any_split(loss_type, tmp_path, tokenizer, dataset):
+    """TRL's entropy bonus (``entropy_coef``) is the term 'entropy', token_mean over the optimizer step: the same
+    gradient with 1, 2 and 4 accumulation steps, and TRL's own with one micro-batch per step (where TRL's
+    per-micro-batch token mean is the step's). TRL's own changes with the split: the test says by how much."""
+    _, one = run(GRPOTrainer, loss_type, 1, tmp_path, tokenizer, dataset, entropy_coef=ENTROPY_COEF)
+    _, trl_one = run(trl.GRPOTrainer, loss_type, 1, tmp_path, tokenizer, dataset, entropy_coef=ENTROPY_COEF)
+    assert relative_difference(one, trl_one) < 1e-6
+    _, no_bonus = run(GRPOTrainer, loss_type, 1, tmp_path, tokenizer, dataset)
+    assert relative_difference(one, no_bonus) > 1e-3, "the entropy bonus changed nothing: the test would prove nothing"
+    for steps in (2, 4):
+        _, split = run(GRPOTrainer, loss_type, steps, tmp_path, tokenizer, dataset, entropy_coef=ENTROPY_COEF)
+        assert relative_difference(one, split) < 1e-6, steps
+        _, trl_split = run(trl.GRPOTrainer, loss_type, steps, tmp_path, tokenizer, dataset, entropy_coef=ENTROPY_COEF)
+        off = relative_difference(trl_one, trl_split)
+        print(f"TRL's own {loss_type} with the entropy bonus, {steps} accumulation steps: {off:.3%} off its one-micro-batch gradient")
+        assert off > 1e-4, (steps, off)
+
+
+def test_the_entropy_term_on_its_own_mode(tmp_path, tokenizer, dataset):
+    """A config naming the term 'entropy' puts the bonus on that mode (its coefficient TRL's -entropy_coef)."""
+    settings = {"mode": "token_mean", "terms": {"entropy": {"mode": "sample_mean", "coefficient": -ENTROPY_COEF}}}
+    kwargs = {"trainer_kwargs": {"loss_aggregation": settings}, "entropy_coef": ENTROPY_COEF}
+    _, one = run(GRPOTrainer, "dapo", 1, tmp_path, tokenizer, dataset, **kwargs)
+    _, split = run(GRPOTrainer, "dapo", 4, tmp_path, tokenizer, dataset, **kwargs)
+    assert relative_difference(one, split) < 1e-6
+    _, token_mean = run(GRPOTrainer, "dapo", 1, tmp_path, tokenizer, dataset, entropy_coef=ENTROPY_COEF)
+    assert relative_difference(one, token_mean) > 1e-4, "sample_mean and token_mean entropy gave the same gradient"
+    bad = {"mode": "token_mean", "terms": {"entropy": {"coefficient": -0.5}}}
+    with pytest.raises(ValueError, match="term 'entropy' with coefficient -0.5, where GRPOConfig.entropy_coef=0.1"):
+        run(GRPOTrainer, "dapo", 1, tmp_path, tokenizer, dataset, trainer_kwargs={"loss_aggregation": bad}, entropy_coef=ENTROPY_COEF)

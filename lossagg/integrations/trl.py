@@ -46,8 +46,13 @@ The per-token objective is TRL's clipped surrogate (token- or sequence-level imp
 sampling, ``epsilon_low``/``epsilon_high``, ``delta``, the ``beta`` KL term, vLLM's
 importance-sampling correction, the off-policy mask and the top-entropy mask). Parts of
 TRL whose loss is not this surrogate are refused when the trainer is built, naming the
-setting: the ``cispo``/``sapo``/``vespo``/``luspo`` objectives, the entropy bonus and a
-router auxiliary loss (their own normalisation is per micro-batch).
+setting: the ``cispo``/``sapo``/``vespo``/``luspo`` objectives and a router auxiliary loss
+(normalised per micro-batch).
+
+The entropy bonus (``entropy_coef``) is the term ``entropy`` of the step's plan, with coefficient
+``-entropy_coef``, on ``token_mean`` over the optimizer step (TRL takes each micro-batch's token
+mean) or on the mode of a ``loss_aggregation`` config's term ``entropy``. The adaptive coefficient
+and the bonus under ``top_entropy_quantile < 1`` (tokens chosen inside the loss) are refused.
 """
 
 from __future__ import annotations
@@ -94,6 +99,10 @@ _MODEL_INPUT_KEYS = (
     "image_position_ids",
 )
 DENOMS_KEY = "lossagg_sample_denoms"
+ENTROPY_DENOMS_KEY = "lossagg_entropy_denoms"
+#: The entropy bonus's reducer when the config names none: TRL's documented objective subtracts the mean
+#: per-token entropy, which over the optimizer step (not each micro-batch, as TRL divides) is token_mean.
+ENTROPY_MODE = "token_mean"
 
 
 def config_for_loss_type(
@@ -192,14 +201,39 @@ class GRPOTrainer(_TRLGRPOTrainer):
                 targs.loss_type, num_generations=self.num_generations, max_completion_length=targs.max_completion_length, empty_samples=empty_samples
             )
         refused = []
-        if config.terms or config.weighting != "none":
-            what = [f"terms ({', '.join(config.terms)})"] if config.terms else []
+        entropy_term = config.terms.get("entropy")
+        other_terms = [name for name in config.terms if name != "entropy"]
+        if other_terms or config.weighting != "none":
+            what = [f"terms ({', '.join(other_terms)})"] if other_terms else []
             what += [f"weighting={config.weighting}"] if config.weighting != "none" else []
-            refused.append(f"loss_aggregation with {' and '.join(what)} (this trainer reduces TRL's per-token loss as one unweighted term)")
+            refused.append(
+                f"loss_aggregation with {' and '.join(what)} (this trainer reduces TRL's per-token loss as one unweighted term, and its "
+                "entropy bonus as the term 'entropy')"
+            )
         if targs.loss_type in _OTHER_OBJECTIVES and loss_aggregation is not None:
             refused.append(f"loss_type={targs.loss_type!r} (a different per-token objective; set loss_type to grpo, dapo, dr_grpo or a lossagg mode)")
         if self._entropy_bonus_enabled:
-            refused.append("entropy_coef / adaptive entropy (TRL normalises the entropy bonus per micro-batch)")
+            # the entropy bonus is the term 'entropy', -entropy_coef times its J on its own mode (TRL's: each micro-batch's token mean)
+            if self.use_adaptive_entropy:
+                refused.append("use_adaptive_entropy (its coefficient follows TRL's per-micro-batch entropy window; a static entropy_coef is served)")
+            if self.top_entropy_quantile < 1.0:
+                refused.append(
+                    f"entropy_coef with top_entropy_quantile={self.top_entropy_quantile} (the bonus's tokens are chosen inside the loss, so its "
+                    "step totals are known only after the forward; not served yet)"
+                )
+            if entropy_term is not None and float(entropy_term.coefficient) != -float(self.entropy_coef):
+                refused.append(
+                    f"loss_aggregation term 'entropy' with coefficient {entropy_term.coefficient}, where GRPOConfig.entropy_coef={self.entropy_coef} "
+                    "applies -entropy_coef: make them agree"
+                )
+            if entropy_term is None and not refused:
+                term = {"mode": ENTROPY_MODE, "coefficient": -float(self.entropy_coef)}
+                if MODES[ENTROPY_MODE].needs_divisor:  # pragma: no cover - token_mean takes none
+                    term["divisor"] = targs.max_completion_length
+                settings = config.model_dump(exclude_unset=True, mode="json")
+                config = LossAggregationConfig.from_dict({**settings, "terms": {"entropy": term}}, source="GRPOConfig.entropy_coef")
+        elif entropy_term is not None:
+            refused.append("loss_aggregation term 'entropy' without GRPOConfig.entropy_coef (TRL adds no entropy bonus)")
         if self.aux_loss_enabled:
             refused.append(f"router_aux_loss_coef={targs.router_aux_loss_coef} with a router model (set it to 0)")
         if targs.steps_per_generation != targs.gradient_accumulation_steps:
@@ -245,6 +279,8 @@ class GRPOTrainer(_TRLGRPOTrainer):
                 config = config.model_copy(update={"n_samples_per_prompt": group_size})
         plan = StepPlan(config, all_counts, group_index=group_index)
         start = self.accelerator.process_index * n_local
+        if "entropy" in config.terms:
+            batch[ENTROPY_DENOMS_KEY] = plan.term_denoms["entropy"][start : start + n_local]
         return plan.sample_denoms[start : start + n_local]
 
     # ------------------------------------------------------------------ the loss
@@ -265,6 +301,10 @@ class GRPOTrainer(_TRLGRPOTrainer):
         # reads every element from memory, so a broadcast (B, 1) is materialised ((B, T) like TRL's own product)
         per_token_loss = per_token_loss.expand_as(mask).contiguous()
         loss = reduce(per_token_loss, mask, sample_denoms=denoms) * self.accelerator.num_processes
+        if ENTROPY_DENOMS_KEY in inputs:  # the entropy bonus, the term 'entropy' on its own mode: -entropy_coef · J_entropy
+            entropy_denoms = inputs[ENTROPY_DENOMS_KEY].to(entropies.device)
+            entropy_share = reduce(entropies.contiguous(), mask, sample_denoms=entropy_denoms) * self.accelerator.num_processes
+            loss = loss + self.loss_aggregation.terms["entropy"].coefficient * entropy_share
 
         mode = "train" if self.model.training else "eval"
         bool_mask = mask.bool()
