@@ -89,20 +89,7 @@ def parse_args(add_custom_arguments: Callable | None = None):
     A refused setting ends the launch as argparse does: ``error: ...`` on stderr, exit status 2.
     """
     trainer_parse_args = import_module("miles.utils.arguments").parse_args  # the peer, imported only here
-
-    def add(parser):
-        if add_custom_arguments is not None:
-            parser = add_custom_arguments(parser) or parser
-        return add_arguments(parser)
-
-    try:
-        seed.check_before_trainer(sys.argv[1:], LOSSAGG_FLAGS)
-        args = trainer_parse_args(add_custom_arguments=add)
-        configure(args)
-    except ConfigError as exc:
-        sys.stderr.write(f"error: {exc}\n")
-        raise SystemExit(2) from None
-    return args
+    return seed.parse_launch(trainer_parse_args, add_custom_arguments, add_arguments, configure, LOSSAGG_FLAGS)
 
 
 def config_of(args) -> LossAggregationConfig | None:
@@ -132,10 +119,7 @@ def configure(args) -> LossAggregationConfig | None:
     config = config_of(args)
     if config is None:
         return None
-    issues: list[tuple[str, str]] = []
-    if config.weighting != "none":
-        why = "needs per-sample weights, which miles does not hand to its reducer: drop weighting"
-        issues.append((CONFIG_FLAG, f"weighting={config.weighting} {why}"))
+    inner, issues = seed.loss_issues(args, config, HOOKS, f"miles-rl {MILES_VERSION}", REBUILT)
     backend = getattr(args, "train_backend", "megatron")
     if backend != "megatron":
         issues.append(
@@ -145,39 +129,9 @@ def configure(args) -> LossAggregationConfig | None:
                 "through which lossagg plans each step's denominators: use --train-backend megatron",
             )
         )
-    loss_type = getattr(args, "loss_type", "policy_loss")
-    inner = getattr(args, "lossagg_inner_loss", None)
-    if inner is None:  # first call
-        if loss_type == "policy_loss":
-            inner = "policy_loss"
-        elif loss_type == "custom_loss":
-            inner = getattr(args, "custom_loss_function_path", None)
-        else:
-            issues.append(
-                ("--loss-type", f"--loss-aggregation reduces pg_loss, which --loss-type {loss_type} has not: use policy_loss or custom_loss")
-            )
-        reducer = getattr(args, "custom_pg_loss_reducer_function_path", None)
-        if reducer not in (None, HOOKS["custom_pg_loss_reducer_function_path"]):
-            issues.append(
-                (
-                    "--custom-pg-loss-reducer-function-path",
-                    f"--custom-pg-loss-reducer-function-path {reducer} and --loss-aggregation {config.mode} both reduce pg_loss: drop one",
-                )
-            )
-    if inner is not None:
-        issues += seed.term_issues(args, config, inner, f"miles-rl {MILES_VERSION}", REBUILT)
     if issues:
         raise ConfigError(issues, "command line")
-    if getattr(args, "lossagg_inner_loss", None) is None:
-        user_hook = getattr(args, "custom_megatron_before_train_step_hook_path", None)
-        args.lossagg_user_before_train_step_hook_path = user_hook if user_hook != HOOKS["custom_megatron_before_train_step_hook_path"] else None
-        args.lossagg_inner_loss = inner
-        for name, path in HOOKS.items():
-            setattr(args, name, path)
-        args.loss_type = "custom_loss"
-    # miles' per-token path is token_mean's (the config resolves the legacy flag both ways)
-    args.calculate_per_token_loss = bool(config.calculate_per_token_loss)
-    args.lossagg_config = config.summary()
+    seed.wire(args, config, HOOKS, inner, "custom_megatron_before_train_step_hook_path", "lossagg_user_before_train_step_hook_path")
     return config
 
 

@@ -20,6 +20,7 @@ reports; :func:`term_issues` refuses at launch what cannot be served.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -82,6 +83,27 @@ def add_arguments(parser: argparse.ArgumentParser, trainer: str, flags: Sequence
             help="a lossagg config file (JSON, YAML or TOML; docs/config.md) in place of the --loss-aggregation* flags",
         )
     return parser
+
+
+def parse_launch(
+    trainer_parse_args: Callable, add_custom_arguments: Callable | None, add_arguments: Callable, configure: Callable, flags: Sequence[str]
+):
+    """The trainer's ``parse_args`` with lossagg's flags (after the user's ``add_custom_arguments``), then
+    ``configure``. A refused setting ends the launch as argparse does: ``error: ...`` on stderr, exit status 2."""
+
+    def add(parser):
+        if add_custom_arguments is not None:
+            parser = add_custom_arguments(parser) or parser
+        return add_arguments(parser)
+
+    try:
+        check_before_trainer(sys.argv[1:], flags)
+        args = trainer_parse_args(add_custom_arguments=add)
+        configure(args)
+    except ConfigError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        raise SystemExit(2) from None
+    return args
 
 
 def lossagg_given(args, flags: Sequence[str]) -> bool:
@@ -221,6 +243,54 @@ def term_issues(args, config: LossAggregationConfig, inner: str, trainer: str, r
     return issues
 
 
+def loss_issues(args, config: LossAggregationConfig, hooks: dict[str, str], trainer: str, rebuilt: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """The checks both trainers' ``configure`` make of the loss: the loss lossagg wraps (``"policy_loss"``,
+    or a custom loss's path; None on a refused ``--loss-type``), a pg_loss reducer already set, a
+    ``weighting``, and the config's terms (:func:`term_issues`). Returns (the wrapped loss, the issues)."""
+    issues: list[tuple[str, str]] = []
+    if config.weighting != "none":
+        issues.append(
+            (CONFIG_FLAG, f"weighting={config.weighting} needs per-sample weights, which {trainer} does not hand to its reducer: drop weighting")
+        )
+    inner = getattr(args, "lossagg_inner_loss", None)
+    if inner is None:  # first call
+        loss_type = getattr(args, "loss_type", "policy_loss")
+        if loss_type == "policy_loss":
+            inner = "policy_loss"
+        elif loss_type == "custom_loss":
+            inner = getattr(args, "custom_loss_function_path", None)
+        else:
+            issues.append(
+                ("--loss-type", f"--loss-aggregation reduces pg_loss, which --loss-type {loss_type} has not: use policy_loss or custom_loss")
+            )
+        reducer = getattr(args, "custom_pg_loss_reducer_function_path", None)
+        if reducer not in (None, hooks["custom_pg_loss_reducer_function_path"]):
+            issues.append(
+                (
+                    "--custom-pg-loss-reducer-function-path",
+                    f"--custom-pg-loss-reducer-function-path {reducer} and --loss-aggregation {config.mode} both reduce pg_loss: drop one",
+                )
+            )
+    if inner is not None:
+        issues += term_issues(args, config, inner, trainer, rebuilt)
+    return inner, issues
+
+
+def wire(args, config: LossAggregationConfig, hooks: dict[str, str], inner: str, kept: str, keep_as: str) -> None:
+    """Set the hooks on a checked launch (once: the first call) and the settings lossagg's hooks read. The
+    user's own hook at ``kept`` (one of ``hooks``) is kept in ``args.<keep_as>`` and called by lossagg's."""
+    if getattr(args, "lossagg_inner_loss", None) is None:
+        user = getattr(args, kept, None)
+        setattr(args, keep_as, user if user != hooks[kept] else None)
+        args.lossagg_inner_loss = inner
+        for name, path in hooks.items():
+            setattr(args, name, path)
+        args.loss_type = "custom_loss"
+    # the trainers' per-token path is token_mean's (the config resolves the legacy flag both ways)
+    args.calculate_per_token_loss = bool(config.calculate_per_token_loss)
+    args.lossagg_config = config.summary()
+
+
 class TermReducer:
     """The reducer of one micro-batch, handed to the trainer's loss in place of ``sum_of_sample_mean``.
 
@@ -311,8 +381,11 @@ __all__ = [
     "TERMS",
     "TermReducer",
     "layout_of",
+    "loss_issues",
+    "parse_launch",
     "schedule_of",
     "term_issues",
+    "wire",
     "CONFIG_FLAG",
     "SWITCHES",
     "TERM_FLAG",

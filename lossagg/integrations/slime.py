@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import argparse
 import contextvars
-import sys
 from collections.abc import Callable
 from importlib import import_module
 
@@ -100,20 +99,7 @@ def parse_args(add_custom_arguments: Callable | None = None):
     A refused setting ends the launch as argparse does: ``error: ...`` on stderr, exit status 2.
     """
     trainer_parse_args = import_module("slime.utils.arguments").parse_args  # the peer, imported only here
-
-    def add(parser):
-        if add_custom_arguments is not None:
-            parser = add_custom_arguments(parser) or parser
-        return add_arguments(parser)
-
-    try:
-        seed.check_before_trainer(sys.argv[1:], LOSSAGG_FLAGS)
-        args = trainer_parse_args(add_custom_arguments=add)
-        configure(args)
-    except ConfigError as exc:
-        sys.stderr.write(f"error: {exc}\n")
-        raise SystemExit(2) from None
-    return args
+    return seed.parse_launch(trainer_parse_args, add_custom_arguments, add_arguments, configure, LOSSAGG_FLAGS)
 
 
 def config_of(args) -> LossAggregationConfig | None:
@@ -136,11 +122,7 @@ def configure(args) -> LossAggregationConfig | None:
     config = config_of(args)
     if config is None:
         return None
-    issues: list[tuple[str, str]] = []
-    if config.weighting != "none":
-        issues.append(
-            (seed.CONFIG_FLAG, f"weighting={config.weighting} needs per-sample weights, which slime does not hand to its reducer: drop weighting")
-        )
+    inner, issues = seed.loss_issues(args, config, HOOKS, f"slime {SLIME_COMMIT}", REBUILT)
     backend = getattr(args, "train_backend", "megatron")
     if backend != "megatron":
         issues.append(
@@ -158,39 +140,9 @@ def configure(args) -> LossAggregationConfig | None:
         issues.append(
             ("--allgather-cp", "--allgather-cp lays a micro-batch out over CP ranks other than the zigzag shards lossagg's reducer reads: drop it")
         )
-    loss_type = getattr(args, "loss_type", "policy_loss")
-    inner = getattr(args, "lossagg_inner_loss", None)
-    if inner is None:  # first call
-        if loss_type == "policy_loss":
-            inner = "policy_loss"
-        elif loss_type == "custom_loss":
-            inner = getattr(args, "custom_loss_function_path", None)
-        else:
-            issues.append(
-                ("--loss-type", f"--loss-aggregation reduces pg_loss, which --loss-type {loss_type} has not: use policy_loss or custom_loss")
-            )
-        reducer = getattr(args, "custom_pg_loss_reducer_function_path", None)
-        if reducer not in (None, HOOKS["custom_pg_loss_reducer_function_path"]):
-            issues.append(
-                (
-                    "--custom-pg-loss-reducer-function-path",
-                    f"--custom-pg-loss-reducer-function-path {reducer} and --loss-aggregation {config.mode} both reduce pg_loss: drop one",
-                )
-            )
-    if inner is not None:
-        issues += seed.term_issues(args, config, inner, f"slime {SLIME_COMMIT}", REBUILT)
     if issues:
         raise ConfigError(issues, "command line")
-    if getattr(args, "lossagg_inner_loss", None) is None:
-        user = getattr(args, "rollout_data_postprocess_path", None)
-        args.lossagg_user_rollout_data_postprocess_path = user if user != HOOKS["rollout_data_postprocess_path"] else None
-        args.lossagg_inner_loss = inner
-        for name, path in HOOKS.items():
-            setattr(args, name, path)
-        args.loss_type = "custom_loss"
-    # slime's per-token path is token_mean's (the config resolves the legacy flag both ways)
-    args.calculate_per_token_loss = bool(config.calculate_per_token_loss)
-    args.lossagg_config = config.summary()
+    seed.wire(args, config, HOOKS, inner, "rollout_data_postprocess_path", "lossagg_user_rollout_data_postprocess_path")
     return config
 
 
