@@ -228,8 +228,6 @@ class GRPOTrainer(_TRLGRPOTrainer):
                 )
             if entropy_term is None and not refused:
                 term = {"mode": ENTROPY_MODE, "coefficient": -float(self.entropy_coef)}
-                if MODES[ENTROPY_MODE].needs_divisor:  # pragma: no cover - token_mean takes none
-                    term["divisor"] = targs.max_completion_length
                 settings = config.model_dump(exclude_unset=True, mode="json")
                 config = LossAggregationConfig.from_dict({**settings, "terms": {"entropy": term}}, source="GRPOConfig.entropy_coef")
         elif entropy_term is not None:
