@@ -436,3 +436,25 @@ def test_the_entropy_term_on_its_own_mode(tmp_path, tokenizer, dataset):
     bad = {"mode": "token_mean", "terms": {"entropy": {"coefficient": -0.5}}}
     with pytest.raises(ValueError, match="term 'entropy' with coefficient -0.5, where GRPOConfig.entropy_coef=0.1"):
         run(GRPOTrainer, "dapo", 1, tmp_path, tokenizer, dataset, trainer_kwargs={"loss_aggregation": bad}, entropy_coef=ENTROPY_COEF)
+
+
+class EmptyStep(GRPOTrainer):
+    """The adapter with every completion's loss mask empty (as if a filter dropped every token of the step)."""
+
+    def _loss_mask(self, batch):
+        return torch.zeros_like(super()._loss_mask(batch))
+
+
+def test_an_empty_step_is_skipped(tmp_path, tokenizer, dataset):
+    """No loss token on any process: J = 0 and zero gradients, and the optimizer does not step, so weight
+    decay and momentum leave the weights as they were (a step would move them: the control)."""
+    before = {n: p.detach().clone() for n, p in tiny_model().named_parameters()}
+    trainer, _ = run(GRPOTrainer, "dapo", 2, tmp_path, tokenizer, dataset, weight_decay=0.5)
+    assert trainer.lossagg_skipped_steps == 0
+    moved = max(float((p.detach().cpu() - before[n]).abs().max()) for n, p in trainer.model.named_parameters())
+    assert moved > 1e-6, "the control step did not move the weights: the test would prove nothing"
+    trainer, grads = run(EmptyStep, "dapo", 2, tmp_path, tokenizer, dataset, weight_decay=0.5)
+    assert all(float(g.abs().max()) == 0.0 for g in grads.values()), "an empty step's gradient is not zero"
+    assert trainer.lossagg_skipped_steps == 1
+    moved = max(float((p.detach().cpu() - before[n]).abs().max()) for n, p in trainer.model.named_parameters())
+    assert moved == 0.0, f"the empty step moved the weights by {moved:.3g}"

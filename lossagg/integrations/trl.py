@@ -53,6 +53,9 @@ The entropy bonus (``entropy_coef``) is the term ``entropy`` of the step's plan,
 ``-entropy_coef``, on ``token_mean`` over the optimizer step (TRL takes each micro-batch's token
 mean) or on the mode of a ``loss_aggregation`` config's term ``entropy``. The adaptive coefficient
 and the bonus under ``top_entropy_quantile < 1`` (tokens chosen inside the loss) are refused.
+
+An empty step (no loss token on any process, ``StepPlan.empty``) skips its optimizer step, so weight
+decay and momentum do not move the weights for it; ``trainer.lossagg_skipped_steps`` counts them.
 """
 
 from __future__ import annotations
@@ -242,12 +245,37 @@ class GRPOTrainer(_TRLGRPOTrainer):
         if refused:
             raise ValueError("lossagg.integrations.trl.GRPOTrainer does not support: " + "; ".join(refused))
         self.loss_aggregation = config
+        self._lossagg_step_empty = False
+        #: optimizer steps skipped because their generation batch held no loss token on any process
+        self.lossagg_skipped_steps = 0
 
     # ------------------------------------------------------------------ step plan
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         output[DENOMS_KEY] = self._step_denoms(output)
+        if self.model.training:
+            self._guard_optimizer_step()
         return output
+
+    def _guard_optimizer_step(self) -> None:
+        """An empty step (no loss token on any process: ``StepPlan.empty``) has ``J = 0`` and zero gradients,
+        but an optimizer step would still move the weights (weight decay, momentum): the optimizer's step is
+        skipped for it, counted in ``lossagg_skipped_steps``. One generation batch is one optimizer step here
+        (``steps_per_generation == gradient_accumulation_steps``), so the batch's plan says it for the step."""
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is None or getattr(optimizer, "_lossagg_guarded", False):
+            return
+        step = optimizer.step
+        trainer = self
+
+        def step_unless_empty(*args, **kwargs):
+            if trainer._lossagg_step_empty:
+                trainer.lossagg_skipped_steps += 1
+                return None
+            return step(*args, **kwargs)
+
+        optimizer.step = step_unless_empty
+        optimizer._lossagg_guarded = True
 
     def _loss_mask(self, batch) -> torch.Tensor:
         mask = batch["completion_mask"]
@@ -276,6 +304,8 @@ class GRPOTrainer(_TRLGRPOTrainer):
             if config.n_samples_per_prompt is not None and config.n_samples_per_prompt != group_size:
                 config = config.model_copy(update={"n_samples_per_prompt": group_size})
         plan = StepPlan(config, all_counts, group_index=group_index)
+        if self.model.training:
+            self._lossagg_step_empty = plan.empty  # the same on every process: T is the gathered total
         start = self.accelerator.process_index * n_local
         if "entropy" in config.terms:
             batch[ENTROPY_DENOMS_KEY] = plan.term_denoms["entropy"][start : start + n_local]
