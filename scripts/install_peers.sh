@@ -47,6 +47,8 @@ install_verl() {
   pip_install --no-deps "verl==0.9.1" \
     && pip_install -c "$cons" ray "tensordict>=0.8,<=0.10,!=0.9.0" omegaconf "transformers>=5.5.3,<5.11,!=5.6.0" codetiming
 }
+# verl's config objects (omega_conf_to_dataclass, used by lossagg.integrations.verl.install) import hydra
+install_hydra() { pip_install -c "$cons" "hydra-core==1.3.2"; }
 install_trl() { pip_install -c "$cons" "trl==1.16.0" "transformers>=5.5.3,<5.11,!=5.6.0"; }
 install_mcore() { pip_install --no-deps --ignore-requires-python "megatron-core==0.19.2" packaging; }
 install_skyrl() {
@@ -55,6 +57,7 @@ install_skyrl() {
 }
 
 peer verl 0.9.1 "import verl.trainer.ppo.core_algos" install_verl
+peer hydra-core 1.3.2 "import hydra" install_hydra
 peer trl 1.16.0 "from trl import GRPOTrainer, GRPOConfig; import datasets, tokenizers" install_trl
 peer megatron-core 0.19.2 \
   "from megatron.core.pipeline_parallel import get_forward_backward_func; from megatron.core.distributed import DistributedDataParallel" \

@@ -302,3 +302,16 @@ def agg_loss(
         raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode!r}; expected one of {', '.join(VERL_MODES + tuple(MODES))}")
     loss = reduce(loss_mat, loss_mask, sample_denoms=d.to(loss_mat.device))
     return loss if after is None else loss / after
+
+
+# verl's trainer, whole: its losses with every term on a lossagg mode, and install() (docs/integration.md, "verl")
+from lossagg.integrations.verl_trainer import (  # noqa: E402
+    actor_loss,
+    critic_loss,
+    distillation_ppo_loss,
+    install,
+    ppo_loss,
+    value_loss,
+)
+
+__all__ = ["VERL_MODES", "agg_loss", "actor_loss", "critic_loss", "distillation_ppo_loss", "install", "ppo_loss", "value_loss"]

@@ -1,0 +1,478 @@
+"""verl 0.9.1's trainer losses with lossagg installed (lossagg.integrations.verl: ppo_loss, value_loss,
+distillation_ppo_loss, install): every term on its own mode, the step split over DP 2 (gloo processes)
+x 2 micro-batches per rank, its gradient against the unsplit float64 reference of docs/terms.md's J."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("verl")
+pytest.importorskip("tensordict")
+
+from worlds import report, run_world  # noqa: E402
+
+import lossagg  # noqa: E402
+from lossagg.integrations import verl as adapter  # noqa: E402
+from lossagg.testing import reference_loss  # noqa: E402
+
+N, R, P = 8, 6, 2  # samples of the step, padded response width, prompt length
+# DP 2 x 2 micro-batches of unequal sizes (verl's engine gives every rank as many micro-batches)
+SPLIT = {0: [[0, 1, 2], [3]], 1: [[4], [5, 6, 7]]}
+WHOLE = {0: [list(range(N))]}
+
+
+def make_step(seed: int) -> dict[str, torch.Tensor]:
+    """A step of N samples in float64, padded [N, R]: one empty response, holes inside others."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, R + 1, (N,), generator=g)
+    lengths[2] = 0
+    lengths[5] = R
+    width = torch.arange(R)[None, :] < lengths[:, None]
+    mask = width & (torch.rand(N, R, generator=g) > 0.2)
+
+    def rand(scale=1.0, shift=0.0):
+        return torch.randn(N, R, generator=g, dtype=torch.float64) * scale + shift
+
+    advantages = torch.randn(N, 1, generator=g, dtype=torch.float64).expand(N, R).clone()
+    return {
+        "lengths": lengths,
+        "width": width,
+        "response_mask": mask,
+        "log_prob": rand(0.3, -1.0),
+        "old_log_probs": rand(0.3, -1.0),
+        "ref_log_prob": rand(0.3, -1.0),
+        "teacher": rand(0.3, -1.0),
+        "advantages": advantages,
+        "entropy": rand(0.2, 1.0),
+        "vpreds": rand(),
+        "values": rand(),
+        "returns": rand(),
+    }
+
+
+def _flat(step, name, rows, leaf=None):
+    """``step[name]`` (or ``leaf``) rows as verl's model output is: flat over prompt + response tokens, each
+    response token one position left (verl's no_padding_2_padding reads values[offset - len - 1 : offset - 1])."""
+    src = step[name] if leaf is None else leaf
+    pieces = []
+    for i in rows:
+        r = int(step["lengths"][i])
+        pieces += [torch.zeros(P - 1, dtype=src.dtype), src[i, :r], torch.zeros(1, dtype=src.dtype)]
+    return torch.cat(pieces)
+
+
+def micro_batch(step, rows, leaves, *, dp_size, whole):
+    """verl's micro-batch TensorDict and model output for ``rows`` of the step."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    b = len(rows)
+    idx = torch.tensor(rows)
+    lengths = step["lengths"][idx]
+    attention = torch.cat([torch.ones(b, P, dtype=torch.int64), step["width"][idx].to(torch.int64)], dim=1)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), (lengths + P).cumsum(0)])
+    teacher = torch.nested.nested_tensor_from_jagged(_flat(step, "teacher", rows)[:, None], offsets)
+    data = TensorDict(
+        {
+            "prompts": torch.ones(b, P, dtype=torch.int64),
+            "responses": torch.ones(b, R, dtype=torch.int64),
+            "attention_mask": attention,
+            "response_mask": step["response_mask"][idx].to(torch.int64),
+            "old_log_probs": step["old_log_probs"][idx],
+            "advantages": step["advantages"][idx],
+            "ref_log_prob": step["ref_log_prob"][idx],
+            "values": step["values"][idx],
+            "returns": step["returns"][idx],
+            "teacher_logprobs": teacher,
+        },
+        batch_size=[b],
+    )
+    mask = step["response_mask"]
+    total = int(mask.sum()) if whole else int(mask.sum())
+    tu.assign_non_tensor(data, dp_size=dp_size, batch_num_tokens=total, global_batch_size=N)
+    output = {name: _flat(step, name, rows, leaves[name]) for name in ("log_prob", "entropy", "vpreds")}
+    return {"log_probs": output["log_prob"], "entropy": output["entropy"], "values": output["vpreds"]}, data
+
+
+# ------------------------------------------------------------------ the reference, from docs/terms.md
+
+
+def vanilla_pg(step, log_prob, clip=0.2, clip_c=3.0):
+    """verl's clipped objective per token (dual clip), written out."""
+    ratio = torch.exp(torch.clamp(log_prob - step["old_log_probs"], -20.0, 20.0))
+    a = step["advantages"]
+    clipped = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - clip, 1 + clip))
+    return torch.where(a < 0, torch.minimum(-a * clip_c, clipped), clipped)
+
+
+def value_per_token(step, vpreds, clip=0.5):
+    clipped = torch.clamp(vpreds, step["values"] - clip, step["values"] + clip)
+    return torch.maximum((vpreds - step["returns"]) ** 2, (clipped - step["returns"]) ** 2)
+
+
+def term_j(mode: str, values: torch.Tensor, step, divisor=None) -> torch.Tensor:
+    """J_k of one term on its own mode over the whole step (float64, lossagg.testing's reference)."""
+    cu = torch.arange(N + 1) * R
+    config = lossagg.LossAggregationConfig(mode=mode, **({} if divisor is None else {"divisor": divisor}))
+    return reference_loss(config, values.reshape(-1), step["response_mask"].reshape(-1), cu)
+
+
+# ------------------------------------------------------------------ cases
+
+
+def actor(**kw):
+    from verl.workers.config import FSDPActorConfig, PolicyLossConfig
+
+    name = kw.pop("policy", "vanilla")
+    policy = PolicyLossConfig(loss_mode=name, **({"dro_beta": 0.1} if name == "dro" else {}))
+    return FSDPActorConfig(strategy="fsdp", ppo_mini_batch_size=N, ppo_micro_batch_size_per_gpu=2, rollout_n=1, policy_loss=policy, **kw)
+
+
+def distillation(**kw):
+    from verl.workers.config import DistillationConfig, DistillationLossConfig
+
+    # built disabled and then switched on: enabling checks the teacher models' serving setup (pools, replicas),
+    # which the losses never read (they read distillation_loss and enabled)
+    config = DistillationConfig(enabled=False, distillation_loss=DistillationLossConfig(**kw))
+    object.__setattr__(config, "enabled", True)
+    return config
+
+
+# name: (aggregation, actor settings, distillation settings or None, reference(step, leaves) or None)
+# A reference of None: the unsplit step through the same loss (a policy loss with no hand reference here)
+CASES = {
+    "sample_mean+kl_token_mean": (
+        {"mode": "sample_mean", "terms": {"kl": {"mode": "token_mean", "coefficient": 0.05}}},
+        {"entropy_coeff": 0.01, "use_kl_loss": True, "kl_loss_coef": 0.05, "kl_loss_type": "k1"},
+        None,
+        lambda s, x, j=term_j: (
+            j("sample_mean", vanilla_pg(s, x["log_prob"]), s)
+            - 0.01 * j("sample_mean", x["entropy"], s)
+            + 0.05 * j("token_mean", x["log_prob"] - s["ref_log_prob"], s)
+        ),
+    ),
+    "token_mean+kl_sample_mean": (
+        {"mode": "token_mean", "terms": {"kl": {"mode": "sample_mean", "coefficient": 0.1}}},
+        {"entropy_coeff": 0.02, "use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "k1"},
+        None,
+        lambda s, x, j=term_j: (
+            j("token_mean", vanilla_pg(s, x["log_prob"]), s)
+            - 0.02 * j("token_mean", x["entropy"], s)
+            + 0.1 * j("sample_mean", x["log_prob"] - s["ref_log_prob"], s)
+        ),
+    ),
+    "constant+entropy_token_mean": (
+        {"mode": "constant", "divisor": 4.0, "terms": {"entropy": {"mode": "token_mean", "coefficient": -0.01}}},
+        {"entropy_coeff": 0.01},
+        None,
+        lambda s, x, j=term_j: j("constant", vanilla_pg(s, x["log_prob"]), s, divisor=4.0) - 0.01 * j("token_mean", x["entropy"], s),
+    ),
+    "distillation_k3_token_mean": (
+        {"mode": "sample_mean", "terms": {"distillation": {"mode": "token_mean", "coefficient": 0.5}}},
+        {"entropy_coeff": 0.0},
+        {"loss_mode": "k3", "use_policy_gradient": False, "use_task_rewards": True, "distillation_loss_coef": 0.5},
+        lambda s, x, j=term_j: j("sample_mean", vanilla_pg(s, x["log_prob"]), s) + 0.5 * j("token_mean", k3(x["log_prob"], s["teacher"]), s),
+    ),
+    "distillation_pg_k1": (
+        {"mode": "token_mean", "terms": {"distillation": {"mode": "sample_mean", "coefficient": 1.0}}},
+        {"entropy_coeff": 0.0},
+        {"loss_mode": "k1", "use_policy_gradient": True, "use_task_rewards": False},
+        None,
+    ),
+    **{
+        f"policy_{name}": (
+            {"mode": "sample_mean", "terms": {"kl": {"mode": "token_mean", "coefficient": 0.05}}},
+            {"policy": name, "entropy_coeff": 0.01, "use_kl_loss": True, "kl_loss_coef": 0.05, "kl_loss_type": "low_var_kl"},
+            None,
+            None,
+        )
+        for name in ("cispo", "gspo", "gpg", "dro", "dppo_tv", "dppo_kl")
+    },
+}
+
+
+def k3(log_prob, teacher):
+    """verl's k3 estimator of KL(student || teacher) per token, clamped as verl's distillation loss clamps it."""
+    kl = teacher - log_prob
+    return torch.clamp(torch.exp(kl) - kl - 1, -10.0, 10.0)
+
+
+def loss_fn(name):
+    aggregation, settings, distilling, _ = CASES[name]
+    return adapter.actor_loss(actor(**dict(settings)), aggregation, None if distilling is None else distillation(**distilling))
+
+
+def leaves_of(step):
+    return {name: step[name].clone().requires_grad_(True) for name in ("log_prob", "entropy", "vpreds")}
+
+
+def run_split(fn, step, split, dp_size, rank):
+    """This rank's micro-batches through the loss ``fn``: its summed loss and the summed gradient of its leaves."""
+    leaves = leaves_of(step)
+    total = 0.0
+    for rows in split[rank]:
+        output, data = micro_batch(step, rows, leaves, dp_size=dp_size, whole=False)
+        loss, _ = fn(model_output=output, data=data)
+        loss.backward()
+        total += float(loss)
+    return total, {k: (v.grad if v.grad is not None else torch.zeros_like(v)) for k, v in leaves.items()}
+
+
+def critic_fn(mode="sample_mean"):
+    from verl.workers.config import FSDPCriticConfig
+
+    config = FSDPCriticConfig(strategy="fsdp", ppo_mini_batch_size=N, ppo_micro_batch_size_per_gpu=2, rollout_n=1, cliprange_value=0.5)
+    return adapter.critic_loss(config, {"mode": mode})
+
+
+def reference_grads(step, reference):
+    leaves = leaves_of(step)
+    j = reference(step, leaves)
+    grads = torch.autograd.grad(j, [leaves[k] for k in ("log_prob", "entropy", "vpreds")], allow_unused=True)
+    return j, {k: (g if g is not None else torch.zeros_like(leaves[k])) for k, g in zip(("log_prob", "entropy", "vpreds"), grads, strict=True)}
+
+
+CRITIC_CASES = {
+    "value_sample_mean": ("sample_mean", lambda s, x, j=term_j: 0.5 * j("sample_mean", value_per_token(s, x["vpreds"]), s)),
+    "value_token_mean": ("token_mean", lambda s, x, j=term_j: 0.5 * j("token_mean", value_per_token(s, x["vpreds"]), s)),
+}
+
+
+def _world(rank, world, seeds, init_file, results_dir):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    failures, ran = [], 0
+    try:
+        for seed in seeds:
+            step = make_step(seed)
+            for name, (_, _, _, reference) in CASES.items():
+                fn = loss_fn(name)
+                ran += _check(f"{name} seed {seed}", step, fn, rank, reference, failures, dist, mutate="constant" not in name)
+            for name, (mode, reference) in CRITIC_CASES.items():
+                ran += _check(f"{name} seed {seed}", step, critic_fn(mode), rank, reference, failures, dist, mutate=True)
+    except Exception as e:  # reported, not lost in the spawn
+        import traceback
+
+        failures.append(f"rank {rank}: {e!r}\n{traceback.format_exc()}")
+    finally:
+        report(results_dir, rank, ran, failures)
+        dist.destroy_process_group()
+
+
+def _check(what, step, fn, rank, reference, failures, dist, *, mutate) -> int:
+    """DDP's average of the ranks' summed gradients (and the losses' average, verl's logged loss) against the
+    reference; a reference of None: the unsplit step through the same loss on one process."""
+    loss, grads = run_split(fn, step, SPLIT, dist.get_world_size(), rank)
+    flat = torch.cat([grads[k].reshape(-1) for k in ("log_prob", "entropy", "vpreds")])
+    both = torch.cat([flat, torch.tensor([loss], dtype=torch.float64)])
+    dist.all_reduce(both)
+    both /= dist.get_world_size()
+    if reference is None:
+        want_loss, want = run_split(fn, step, WHOLE, 1, 0)
+    else:
+        j, want = reference_grads(step, reference)
+        want_loss = float(j)
+    want_flat = torch.cat([want[k].reshape(-1) for k in ("log_prob", "entropy", "vpreds")])
+    scale = max(float(want_flat.abs().max()), 1e-30)
+    err = float((both[:-1] - want_flat).abs().max()) / scale
+    if err > 1e-10 or abs(float(both[-1]) - want_loss) > 1e-10 * max(1.0, abs(want_loss)):
+        failures.append(f"{what}: gradient off by {err:.3g} (relative to its largest entry), loss {float(both[-1])!r} vs {want_loss!r}")
+    if reference is not None and mutate:
+        # the mutated reference (a term on the other mode) must be told apart
+        j_bad, bad = reference_grads(step, lambda s, x: reference(s, x, term_j_swapped))
+        bad_flat = torch.cat([bad[k].reshape(-1) for k in ("log_prob", "entropy", "vpreds")])
+        if float((both[:-1] - bad_flat).abs().max()) / scale < 1e-6:
+            failures.append(f"{what}: the mutated reference passes too")
+    return 1
+
+
+def term_j_swapped(mode, values, step, divisor=None):
+    swap = {"sample_mean": "token_mean", "token_mean": "sample_mean"}
+    return term_j(swap.get(mode, mode), values, step, divisor)
+
+
+@pytest.mark.xdist_group("engines")
+def test_every_term_of_verls_losses_over_dp2_x_two_micro_batches(tmp_path):
+    """Every case's summed gradient over DP 2 (gloo) x 2 unequal micro-batches per rank equals the unsplit
+    float64 reference of its per-term modes (1e-10), and a reference with a term on the other mode does not."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    failures, runs = run_world(_world, 2, ((0, 1),), tmp_path)
+    assert not failures, "\n".join(failures)
+    assert runs == 2 * 2 * (len(CASES) + len(CRITIC_CASES))
+
+
+# ------------------------------------------------------------------ side by side with verl's own ppo_loss
+
+
+@pytest.mark.parametrize(("ours", "verls"), [("token_mean", "token-mean"), ("sample_mean", "seq-mean-token-mean")])
+@pytest.mark.parametrize("seed", range(3))
+def test_same_numbers_as_verls_ppo_loss_where_its_mode_is_ours(ours, verls, seed):
+    """Per micro-batch (DP 2's rank 0, verl's global-batch arguments), with entropy and KL: lossagg's losses give
+    verl 0.9.1's own ppo_loss's value and gradients where verl's mode is exact and lossagg's equal to it."""
+    from verl.workers.utils.losses import ppo_loss as verls_ppo_loss
+
+    step = make_step(seed)
+    settings = {"entropy_coeff": 0.01, "use_kl_loss": True, "kl_loss_coef": 0.05, "kl_loss_type": "low_var_kl"}
+    fn = adapter.actor_loss(actor(**settings), {"mode": ours})
+    for rows in SPLIT[0]:
+        got, want = [], []
+        for run, out in (
+            (lambda o, d: fn(model_output=o, data=d), got),
+            (lambda o, d: verls_ppo_loss(actor(loss_agg_mode=verls, **settings), o, d), want),
+        ):
+            leaves = leaves_of(step)
+            output, data = micro_batch(step, rows, leaves, dp_size=2, whole=False)
+            loss, metrics = run(output, data)
+            loss.backward()
+            out += [
+                float(loss.detach()),
+                leaves["log_prob"].grad,
+                leaves["entropy"].grad,
+                metrics["actor/pg_clipfrac"].values[0],
+                float(metrics["kl_loss"].values[0]),
+            ]
+        assert got[0] == pytest.approx(want[0], rel=1e-12, abs=1e-15)
+        for a, b in zip(got[1:3], want[1:3], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
+        assert got[3] == want[3]  # verl's metrics, unweighted
+        assert got[4] == pytest.approx(want[4], rel=1e-12)
+
+
+def test_verls_per_micro_batch_mean_moves_with_the_split():
+    """The case lossagg fixes: verl's ppo_loss without global-batch arguments reduces each micro-batch alone,
+    so its summed gradient moves with the split (printed); lossagg's does not (the world test)."""
+    from verl.workers.utils.losses import ppo_loss as verls_ppo_loss
+
+    step = make_step(0)
+    settings = {"entropy_coeff": 0.01, "loss_agg_mode": "token-mean"}
+    grads = []
+    for split in ([list(range(N))], [[0, 1, 2], [3, 4, 5, 6, 7]]):
+        leaves = leaves_of(step)
+        for rows in split:
+            output, data = micro_batch(step, rows, leaves, dp_size=1, whole=False)
+            data["batch_num_tokens"] = None
+            data["global_batch_size"] = None
+            loss, _ = verls_ppo_loss(actor(**settings), output, data)
+            loss.backward()
+        grads.append(leaves["log_prob"].grad)
+    moved = float((grads[0] - grads[1] / 2).abs().max() / grads[0].abs().max())
+    print(f"verl's per-micro-batch token-mean: gradient moves by {moved:.3%} of its largest entry between 1 and 2 micro-batches")
+    assert moved > 1e-3
+
+
+# ------------------------------------------------------------------ refusals and install
+
+
+def _actor_error(aggregation, distilling=None, **settings):
+    with pytest.raises(ValueError) as info:
+        adapter.actor_loss(actor(**settings), aggregation, None if distilling is None else distillation(**distilling))
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "settings", "distilling", "named"),
+    [
+        ({"mode": "prompt_mean", "n_samples_per_prompt": 4}, {}, None, ["mode=prompt_mean", "num_groups"]),
+        ({"mode": "max_length"}, {}, None, ["mode=max_length", "max_tokens"]),
+        ({"mode": "sample_mean", "empty_samples": "skip"}, {}, None, ["empty_samples=skip", "num_nonempty_samples"]),
+        (
+            {"mode": "sample_mean", "terms": {"kl": {"mode": "prompt_mean", "coefficient": 0.05}}, "n_samples_per_prompt": 2},
+            {"use_kl_loss": True, "kl_loss_coef": 0.05},
+            None,
+            ["terms.kl.mode=prompt_mean"],
+        ),
+        ({"mode": "sample_mean"}, {"policy": "sapo"}, None, ["loss_mode='sapo'", "seq-mean-token-mean"]),
+        ({"mode": "sample_mean"}, {"policy": "clip_cov"}, None, ["loss_mode='clip_cov'", "covariance"]),
+        ({"mode": "sample_mean"}, {"policy": "geo_mean"}, None, ["loss_mode='geo_mean'"]),
+        ({"mode": "sample_mean"}, {"policy": "bypass_mode"}, None, ["loss_mode='bypass_mode'", "rollout_is_weights"]),
+        ({"mode": "sample_mean", "terms": {"kl": {"coefficient": 0.05}}}, {}, None, ["terms.kl", "use_kl_loss is off"]),
+        (
+            {"mode": "sample_mean", "terms": {"kl": {"coefficient": 0.5}}},
+            {"use_kl_loss": True, "kl_loss_coef": 0.05},
+            None,
+            ["terms.kl.coefficient is 0.5", "kl_loss_coef = 0.05"],
+        ),
+        (
+            {"mode": "sample_mean", "terms": {"entropy": {"coefficient": 0.01}}},
+            {"entropy_coeff": 0.01},
+            None,
+            ["terms.entropy.coefficient", "-entropy_coeff = -0.01"],
+        ),
+        ({"mode": "sample_mean", "terms": {"nll": {"coefficient": 1.0}}}, {}, None, ["terms.nll"]),
+        ({"mode": "sample_mean", "weighting": "multiply"}, {}, None, ["weighting=multiply"]),
+        ({"mode": "sample_mean"}, {"loss_scale_factor": 512}, None, ["actor.loss_scale_factor=512"]),
+    ],
+)
+def test_refused_by_name_when_the_loss_is_built(aggregation, settings, distilling, named):
+    message = _actor_error(aggregation, distilling, **settings)
+    for part in named:
+        assert part in message, message
+
+
+def test_every_problem_named_at_once():
+    message = _actor_error({"mode": "prompt_mean", "n_samples_per_prompt": 4, "weighting": "multiply"}, policy="sapo")
+    assert "mode=prompt_mean" in message and "weighting=multiply" in message and "sapo" in message
+
+
+class _Workers:
+    def __init__(self):
+        self.handed = []
+
+    def set_loss_fn(self, fn):
+        self.handed.append(fn)
+
+
+class _Trainer:
+    """What install() reads of verl's RayPPOTrainer after init_workers(): its config and worker groups."""
+
+    def __init__(self, **actor_settings):
+        from omegaconf import OmegaConf
+
+        actor_cfg = {
+            "_target_": "verl.workers.config.FSDPActorConfig",
+            "strategy": "fsdp",
+            "ppo_mini_batch_size": N,
+            "ppo_micro_batch_size_per_gpu": 2,
+            "rollout_n": 1,
+            **actor_settings,
+        }
+        critic_cfg = {
+            "_target_": "verl.workers.config.FSDPCriticConfig",
+            "strategy": "fsdp",
+            "ppo_mini_batch_size": N,
+            "ppo_micro_batch_size_per_gpu": 2,
+            "rollout_n": 1,
+        }
+        self.config = OmegaConf.create({"actor_rollout_ref": {"actor": actor_cfg}, "critic": critic_cfg})
+        self.actor_rollout_wg, self.critic_wg, self.use_critic = _Workers(), _Workers(), True
+
+
+def test_install_hands_both_losses_through_set_loss_fn():
+    trainer = _Trainer(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.05)
+    config = {
+        "mode": "sample_mean",
+        "terms": {"kl": {"mode": "token_mean", "coefficient": 0.05}, "value": {"mode": "token_mean", "coefficient": 0.5}},
+    }
+    losses = adapter.install(trainer, config)
+    assert trainer.actor_rollout_wg.handed == [losses["actor"]] and trainer.critic_wg.handed == [losses["critic"]]
+    whole = losses["actor"].keywords["aggregation"]
+    assert whole.terms["kl"].mode == "token_mean" and whole.terms["entropy"].coefficient == -0.01 and "value" not in whole.terms
+    assert losses["critic"].keywords["aggregation"].terms["value"].mode == "token_mean"
+    import pickle
+
+    pickle.loads(pickle.dumps(losses["actor"]))  # Ray pickles what set_loss_fn is handed
+
+
+def test_install_hands_nothing_when_refused_and_needs_workers():
+    trainer = _Trainer(entropy_coeff=0.01)
+    with pytest.raises(ValueError, match="terms.value.coefficient"):
+        adapter.install(trainer, {"mode": "sample_mean", "terms": {"value": {"coefficient": 1.0}}})
+    assert trainer.actor_rollout_wg.handed == [] and trainer.critic_wg.handed == []
+    trainer.actor_rollout_wg = None
+    with pytest.raises(ValueError, match="after trainer.init_workers"):
+        adapter.install(trainer, {"mode": "sample_mean"})
