@@ -359,8 +359,7 @@ class StepPlan:
             total = float(self.totals.num_samples) * cp
         else:
             raise ValueError(f"StepPlan.scalar_term: weight must be 'tokens' or 'samples', got {weight!r}")
-        share = (own / total).to(device=value.device, dtype=value.dtype)
-        return value * share
+        return scalar_share(value, own, total)
 
     def token_weights(
         self,
@@ -421,6 +420,16 @@ class StepPlan:
             lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device=mask.device, dtype=torch.long)
             weights = torch.repeat_interleave(per_sample, lengths, output_size=mask.shape[0])
         return weights.to(dtype).contiguous()
+
+
+def scalar_share(value: torch.Tensor, own, total) -> torch.Tensor:
+    """A per-micro-batch scalar term ``value`` weighted by the micro-batch's share of the step, ``own / total``
+    (its loss tokens over the step's ``T``, or its samples over ``N``; a total of 0 is read as 1, the term's
+    share then being 0): the arithmetic of :meth:`StepPlan.scalar_term`, for an adapter that holds the two
+    counts itself (docs/terms.md, "Scalar terms"). Differentiable in ``value``."""
+    own = torch.as_tensor(own, dtype=torch.float64)
+    total = torch.as_tensor(total, dtype=torch.float64).clamp(min=1.0)
+    return value * (own / total).to(device=value.device, dtype=value.dtype)
 
 
 def gradient_scale(convention: str, *, dp_size: int = 1, cp_size: int = 1, num_micro_batches: int = 1) -> float:

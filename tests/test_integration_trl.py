@@ -19,6 +19,7 @@ Skipped, with the reason, when TRL is not importable (scripts/install_peers.sh i
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 import numpy as np
@@ -127,10 +128,16 @@ def run(
         **config,
     )
     capture = Capture()
+    model = tiny_model()
+    if config.get("beta"):  # TRL loads its reference model from the model's path: the same initial weights, saved
+        path = tmp_path / f"initial-{type(model).__name__}"
+        if not path.exists():
+            model.save_pretrained(path)
+        model.config._name_or_path = str(path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = trainer_cls(
-            model=tiny_model(),
+            model=model,
             reward_funcs=reward,
             args=args,
             train_dataset=dataset,
@@ -210,7 +217,8 @@ def test_step_loss_is_the_reference_j(loss_type, tmp_path, tokenizer, dataset):
     expected = reference_loss(config, values.reshape(-1), mask.reshape(-1), cu_seqlens, group_index)
     got = torch.stack(trainer.losses[:4]).sum()
     assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-7), (got, expected)  # the loss is float32
-    assert DENOMS_KEY in batch and batch[DENOMS_KEY].dtype == torch.float64
+    # d[i] is written into TRL's micro-batches (its buffer), once they are cut from the generation batch
+    assert all(mb[DENOMS_KEY].dtype == torch.float64 for mb in trainer._buffered_inputs)
 
 
 def test_a_few_real_training_steps(tmp_path, tokenizer, dataset):
@@ -294,8 +302,10 @@ def test_loss_type_names():
     assert config_for_loss_type("seq_mean", num_generations=4, max_completion_length=8).mode == "sample_mean"
     with pytest.warns(UserWarning, match="micro-batch"):
         assert config_for_loss_type("bnpo", num_generations=4, max_completion_length=8).mode == "token_mean"
-    with pytest.raises(ValueError, match="loss_type='cispo'"):
-        config_for_loss_type("cispo", num_generations=4, max_completion_length=8)
+    for objective, mode in (("cispo", "token_mean"), ("vespo", "token_mean"), ("sapo", "sample_mean")):
+        assert config_for_loss_type(objective, num_generations=4, max_completion_length=8).mode == mode
+    luspo = config_for_loss_type("luspo", num_generations=4, max_completion_length=8)
+    assert (luspo.mode, luspo.divisor) == ("constant", 1.0)
     with pytest.raises(ValueError, match=r"loss_type must be one of .* got 'bogus'.*unknown mode"):
         config_for_loss_type("bogus", num_generations=4, max_completion_length=8)
     with pytest.raises(ValueError, match="max_completion_length"):
@@ -305,16 +315,22 @@ def test_loss_type_names():
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"loss_type": "sapo"}, "loss_type='sapo'"),
         ({"loss_type": "dapo", "entropy_coef": 0.1, "use_adaptive_entropy": True}, "use_adaptive_entropy"),
         ({"loss_type": "dapo", "entropy_coef": 0.1, "top_entropy_quantile": 0.5}, "top_entropy_quantile=0.5"),
-        ({"loss_type": "dapo", "steps_per_generation": 4}, "steps_per_generation=4"),
+        ({"loss_type": "dapo", "steps_per_generation": 3}, "steps_per_generation=3 with gradient_accumulation_steps=2"),
+        ({"loss_type": "prompt_mean", "steps_per_generation": 4}, "a mode with prompt groups with steps_per_generation=4"),
+        (
+            {"loss_type": "dapo", "beta": 0.04, "lossagg_config": {"mode": "token_mean", "terms": {"kl": {"coefficient": 0.5}}}},
+            "term 'kl' with coefficient 0.5, where GRPOConfig.beta=0.04",
+        ),
     ],
 )
 def test_unsupported_settings_are_refused(settings, message, tmp_path, tokenizer, dataset):
+    settings = dict(settings)
     loss_type = settings.pop("loss_type")
+    config = settings.pop("lossagg_config", None)
     with pytest.raises(ValueError, match=message):
-        run(GRPOTrainer, loss_type, 2, tmp_path, tokenizer, dataset, **settings)
+        run(GRPOTrainer, loss_type, 2, tmp_path, tokenizer, dataset, trainer_kwargs={"loss_aggregation": config} if config else None, **settings)
 
 
 def test_evaluation_with_another_group_size(tmp_path, tokenizer, dataset):
@@ -390,7 +406,8 @@ def test_trl_numbers(num_generations, max_completion_length, loss_type):
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"mode": "grpo", "terms": {"kl": {"coefficient": 0.01}}}, r"loss_aggregation with terms \(kl\)"),
+        ({"mode": "grpo", "terms": {"nll": {"coefficient": 0.01}}}, r"loss_aggregation with terms \(nll\)"),
+        ({"mode": "grpo", "terms": {"kl": {"coefficient": 0.01}}}, r"loss_aggregation term 'kl' with GRPOConfig.beta=0"),
         ({"mode": "grpo", "terms": {"entropy": {"coefficient": -0.01}}}, r"loss_aggregation term 'entropy' without GRPOConfig.entropy_coef"),
         ({"mode": "grpo", "weighting": "multiply"}, r"loss_aggregation with weighting=multiply"),
     ],
@@ -458,3 +475,139 @@ def test_an_empty_step_is_skipped(tmp_path, tokenizer, dataset):
     assert trainer.lossagg_skipped_steps == 1
     moved = max(float((p.detach().cpu() - before[n]).abs().max()) for n, p in trainer.model.named_parameters())
     assert moved == 0.0, f"the empty step moved the weights by {moved:.3g}"
+
+
+# ------------------------------------------------------------------ TRL's trainer, whole (issue 47)
+@pytest.mark.parametrize("objective", ["cispo", "sapo", "vespo", "luspo"])
+def test_trls_other_objectives_are_served_exactly(objective, tmp_path, tokenizer, dataset):
+    """TRL's cispo, sapo, vespo and luspo per-token losses on the mode of TRL's own reducer for each: TRL's own
+    gradient with one micro-batch per step, and the same with 2 and 4 accumulation steps."""
+    _, one = run(GRPOTrainer, objective, 1, tmp_path, tokenizer, dataset)
+    _, theirs = run(TRLGRPOTrainer, objective, 1, tmp_path, tokenizer, dataset)
+    assert relative_difference(theirs, one) < 1e-9
+    _, clipped = run(GRPOTrainer, "dapo", 1, tmp_path, tokenizer, dataset)
+    if objective == "cispo":  # at the first step the ratio is 1, where the others' gradient is the clipped surrogate's
+        assert relative_difference(one, clipped) > 1e-4, "the objective changed nothing: the test would prove nothing"
+    for steps in (2, 4):
+        _, split = run(GRPOTrainer, objective, steps, tmp_path, tokenizer, dataset)
+        assert relative_difference(one, split) < 1e-6, steps
+
+
+KL_BETA = 0.04
+
+
+def test_the_kl_penalty_as_a_term_on_its_own_mode(tmp_path, tokenizer, dataset):
+    """A config naming the term 'kl' (coefficient beta) reduces TRL's KL penalty on its own mode, apart from the
+    policy term: the second step's gradient (the first's KL is 0 at the reference) is the same with 1 and 4
+    accumulation steps, and other than with the KL inside the policy term (TRL's, whose own gradient it equals)."""
+    settings = {"mode": "token_mean", "terms": {"kl": {"mode": "sample_mean", "coefficient": KL_BETA}}}
+    common = {"max_steps": 2, "beta": KL_BETA, "num_iterations": 2}
+    grads = {}
+    for name, cls, steps, kwargs in (
+        ("one", GRPOTrainer, 1, {"trainer_kwargs": {"loss_aggregation": settings}}),
+        ("split", GRPOTrainer, 4, {"trainer_kwargs": {"loss_aggregation": settings}}),
+        ("inside", GRPOTrainer, 1, {}),
+        ("trl", TRLGRPOTrainer, 1, {}),
+    ):
+        second = SecondStep()
+        run(cls, "dapo", steps, tmp_path, tokenizer, dataset, callbacks=(second,), **common, **kwargs)
+        grads[name] = second.grads
+    assert relative_difference(grads["one"], grads["split"]) < 1e-6
+    assert relative_difference(grads["trl"], grads["inside"]) < 1e-9  # without the term: TRL's KL inside the per-token loss
+    assert relative_difference(grads["one"], grads["inside"]) > 1e-6, "the KL term on sample_mean gave token_mean's gradient"
+
+
+class SecondStep(Capture):
+    """The gradient of the second optimizer step."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = 0
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.seen += 1
+        if self.seen == 2:
+            self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_a_generation_batch_of_two_optimizer_steps(tmp_path, tokenizer, dataset):
+    """steps_per_generation = 2 x gradient_accumulation_steps: one plan per optimizer step, cut from TRL's shuffled
+    generation batch. Each step's gradient is the same with 1 and 2 accumulation steps; TRL's own dapo divides by
+    the generation batch's tokens (num_items_in_batch rescaled), not the step's (the test prints how far off)."""
+    grads = {}
+    for name, cls in (("ours", GRPOTrainer), ("trl", TRLGRPOTrainer)):
+        for steps in (1, 2):
+            second = SecondStep()
+            trainer, first = run(cls, "dapo", steps, tmp_path, tokenizer, dataset, max_steps=2, steps_per_generation=2 * steps, callbacks=(second,))
+            grads[name, steps] = (first, second.grads)
+            if cls is GRPOTrainer:
+                assert trainer.lossagg_skipped_steps == 0
+    for step in (0, 1):
+        assert relative_difference(grads["ours", 1][step], grads["ours", 2][step]) < 1e-6, step
+        off = relative_difference(grads["ours", 1][step], grads["trl", 1][step])
+        print(f"optimizer step {step + 1} of a generation batch of two: TRL's own dapo is {off:.3%} off the step's token mean")
+    assert max(relative_difference(grads["ours", 1][s], grads["trl", 1][s]) for s in (0, 1)) > 1e-4
+
+
+def tiny_moe():
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        router_aux_loss_coef=0.0,
+    )
+    return transformers.MixtralForCausalLM(cfg)  # float32: the experts' grouped matmul takes no float64
+
+
+class AuxRecorder(GRPOTrainer):
+    """Keeps each micro-batch's loss, router auxiliary loss and loss tokens."""
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        logps, entropies, aux = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        if aux is not None:
+            self.aux = getattr(self, "aux", []) + [aux.detach().double()]
+        return logps, entropies, aux
+
+    def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        self.losses = getattr(self, "losses", []) + [loss.detach().double()]
+        self.tokens = getattr(self, "tokens", []) + [float(self._loss_mask(inputs).sum())]
+        return loss
+
+
+def test_the_router_auxiliary_loss_weighs_each_micro_batch_by_its_tokens(tmp_path, tokenizer, dataset, monkeypatch):
+    """The router's auxiliary loss, one number per micro-batch, enters the step weighted by the micro-batch's
+    share of the step's loss tokens (docs/terms.md, "Scalar terms"): doubling its coefficient adds exactly
+    c · aux_mb · tokens_mb / T to each micro-batch's loss. TRL weighs each micro-batch 1 / accumulation steps."""
+    import lossagg.integrations.trl as adapter_module
+
+    monkeypatch.setattr(sys.modules[__name__], "tiny_model", tiny_moe)
+    runs = {}
+    for coef in (0.01, 0.02):
+        trainer, _ = run(AuxRecorder, "dapo", 4, tmp_path, tokenizer, dataset, router_aux_loss_coef=coef)
+        runs[coef] = trainer
+    a, b = runs[0.01], runs[0.02]
+    assert len(a.aux) == 4 and all(float(x) > 0 for x in a.aux)
+    total = sum(a.tokens)
+    for i in range(4):
+        torch.testing.assert_close(a.aux[i], b.aux[i], rtol=0, atol=0)  # the same micro-batch, the same router
+        want = 0.01 * a.aux[i] * a.tokens[i] / total
+        torch.testing.assert_close(b.losses[i] - a.losses[i], want, rtol=1e-4, atol=1e-7)  # float32 losses
+    trl_weights = [0.25] * 4
+    shares = [t / total for t in a.tokens]
+    print(f"micro-batch token shares {[round(x, 3) for x in shares]}; TRL weighs each 0.25")
+    assert max(abs(x - y) for x, y in zip(shares, trl_weights, strict=True)) > 1e-3, "equal shares: the test would not tell TRL's weights apart"
+    assert adapter_module.STEP_TOKENS_KEY in a._buffered_inputs[0]
+    _, ours = run(GRPOTrainer, "dapo", 1, tmp_path, tokenizer, dataset, router_aux_loss_coef=0.01)
+    _, theirs = run(TRLGRPOTrainer, "dapo", 1, tmp_path, tokenizer, dataset, router_aux_loss_coef=0.01)
+    assert relative_difference(theirs, ours) < 1e-5  # one micro-batch per step: the step's own, TRL's too (float32)

@@ -77,7 +77,7 @@ except ImportError as exc:  # pragma: no cover - a TRL without GRPOTrainer, or o
 from lossagg.config import ConfigError, LossAggregationConfig
 from lossagg.modes import ALIASES, MODES, canonical_mode, divisor_for
 from lossagg.ops import reduce
-from lossagg.step import StepPlan
+from lossagg.step import StepPlan, scalar_share
 from lossagg.validate import as_int, weight_violation
 
 __all__ = ["GRPOTrainer", "TRL_LOSS_TYPES", "config_for_loss_type"]
@@ -86,8 +86,16 @@ __all__ = ["GRPOTrainer", "TRL_LOSS_TYPES", "config_for_loss_type"]
 #: registry's alias of each name (the config refuses ``bnpo`` as a name; here it is taken as
 #: ``dapo``, with a warning).
 TRL_LOSS_TYPES: Mapping[str, str] = {**{name: ALIASES[name].mode for name in ("grpo", "dapo", "dr_grpo")}, "bnpo": ALIASES["dapo"].mode}
-# TRL objectives that are not the clipped surrogate this adapter computes.
-_OTHER_OBJECTIVES = ("cispo", "sapo", "vespo", "luspo")
+#: TRL's other per-token objectives (not the clipped surrogate), each computed here as TRL computes it per token
+#: (``trl/trainer/grpo_trainer.py``, ``GRPOTrainer._compute_loss``), and the lossagg mode TRL's own reducer
+#: for it is: ``cispo`` and ``vespo`` divide by the step's tokens (dapo's ``num_items_in_batch``), ``sapo``
+#: takes each completion's token mean (grpo's), ``luspo`` each completion's token sum over the completions.
+OBJECTIVES: Mapping[str, dict[str, Any]] = {
+    "cispo": {"mode": "token_mean"},
+    "vespo": {"mode": "token_mean"},
+    "sapo": {"mode": "sample_mean"},
+    "luspo": {"mode": "constant", "divisor": 1.0},
+}
 # Inputs TRL's _compute_loss forwards to the model (multimodal models); passed on when present.
 _MODEL_INPUT_KEYS = (
     "pixel_values",
@@ -103,6 +111,10 @@ _MODEL_INPUT_KEYS = (
 )
 DENOMS_KEY = "lossagg_sample_denoms"
 ENTROPY_DENOMS_KEY = "lossagg_entropy_denoms"
+KL_DENOMS_KEY = "lossagg_kl_denoms"
+STEP_TOKENS_KEY = "lossagg_step_tokens"  # the optimizer step's loss tokens T (all processes), for a scalar term
+EMPTY_KEY = "lossagg_step_empty"
+GROUP_KEY = "lossagg_group"  # each completion's prompt group, tagged before TRL shuffles the generation batch
 #: The entropy bonus's reducer when the config names none: TRL's documented objective subtracts the mean
 #: per-token entropy, which over the optimizer step (not each micro-batch, as TRL divides) is token_mean.
 ENTROPY_MODE = "token_mean"
@@ -116,11 +128,9 @@ def config_for_loss_type(
     if not isinstance(loss_type, str):
         raise TypeError(f"loss_type must be a string, got {type(loss_type).__name__}")
     given, loss_type = loss_type, loss_type.strip().lower()  # TRL's names, as the config reads mode names
-    if loss_type in _OTHER_OBJECTIVES:
-        raise ValueError(
-            f"loss_type={loss_type!r} is a different per-token objective than the clipped surrogate lossagg's TRL adapter computes; "
-            f"use trl.GRPOTrainer for it, or one of {', '.join((*TRL_LOSS_TYPES, *MODES))}"
-        )
+    if loss_type in OBJECTIVES:  # TRL's per-token objective, on the mode of TRL's own reducer for it, over the step
+        settings = {**OBJECTIVES[loss_type], **({} if empty_samples is None else {"empty_samples": empty_samples})}
+        return LossAggregationConfig.from_dict(settings, source=f"GRPOConfig.loss_type={loss_type}")
     num_generations = as_int("num_generations", num_generations, minimum=1)
     if max_completion_length is not None:
         max_completion_length = as_int("max_completion_length", max_completion_length, minimum=1)
@@ -204,17 +214,22 @@ class GRPOTrainer(_TRLGRPOTrainer):
                 targs.loss_type, num_generations=self.num_generations, max_completion_length=targs.max_completion_length, empty_samples=empty_samples
             )
         refused = []
-        entropy_term = config.terms.get("entropy")
-        other_terms = [name for name in config.terms if name != "entropy"]
+        entropy_term, kl_term = config.terms.get("entropy"), config.terms.get("kl")
+        other_terms = [name for name in config.terms if name not in ("entropy", "kl")]
         if other_terms or config.weighting != "none":
             what = [f"terms ({', '.join(other_terms)})"] if other_terms else []
             what += [f"weighting={config.weighting}"] if config.weighting != "none" else []
             refused.append(
-                f"loss_aggregation with {' and '.join(what)} (this trainer reduces TRL's per-token loss as one unweighted term, and its "
-                "entropy bonus as the term 'entropy')"
+                f"loss_aggregation with {' and '.join(what)} (this trainer reduces TRL's per-token loss as one unweighted term, its "
+                "entropy bonus as the term 'entropy' and its KL penalty as the term 'kl')"
             )
-        if targs.loss_type in _OTHER_OBJECTIVES and loss_aggregation is not None:
-            refused.append(f"loss_type={targs.loss_type!r} (a different per-token objective; set loss_type to grpo, dapo, dr_grpo or a lossagg mode)")
+        if kl_term is not None:
+            if self.beta == 0.0:
+                refused.append("loss_aggregation term 'kl' with GRPOConfig.beta=0 (TRL adds no KL term)")
+            elif float(kl_term.coefficient) != float(self.beta):
+                refused.append(
+                    f"loss_aggregation term 'kl' with coefficient {kl_term.coefficient}, where GRPOConfig.beta={self.beta} applies beta: make them agree"
+                )
         if self._entropy_bonus_enabled:
             # the entropy bonus is the term 'entropy', -entropy_coef times its J on its own mode (TRL's: each micro-batch's token mean)
             if self.use_adaptive_entropy:
@@ -232,36 +247,64 @@ class GRPOTrainer(_TRLGRPOTrainer):
             if entropy_term is None and not refused:
                 term = {"mode": ENTROPY_MODE, "coefficient": -float(self.entropy_coef)}
                 settings = config.model_dump(exclude_unset=True, mode="json")
-                config = LossAggregationConfig.from_dict({**settings, "terms": {"entropy": term}}, source="GRPOConfig.entropy_coef")
+                config = LossAggregationConfig.from_dict(
+                    {**settings, "terms": {**settings.get("terms", {}), "entropy": term}}, source="GRPOConfig.entropy_coef"
+                )
         elif entropy_term is not None:
             refused.append("loss_aggregation term 'entropy' without GRPOConfig.entropy_coef (TRL adds no entropy bonus)")
-        if self.aux_loss_enabled:
-            refused.append(f"router_aux_loss_coef={targs.router_aux_loss_coef} with a router model (set it to 0)")
-        if targs.steps_per_generation != targs.gradient_accumulation_steps:
+        spg, accumulation = targs.steps_per_generation, targs.gradient_accumulation_steps
+        if spg % accumulation != 0:
             refused.append(
-                f"steps_per_generation={targs.steps_per_generation} with gradient_accumulation_steps={targs.gradient_accumulation_steps} "
-                "(a generation batch must be one optimizer step for the step totals to be exact)"
+                f"steps_per_generation={spg} with gradient_accumulation_steps={accumulation} (an optimizer step would span two generation "
+                "batches; a multiple of the accumulation steps is served, one plan per optimizer step)"
+            )
+        elif spg != accumulation and any(MODES[mode].needs_groups for mode in (config.mode, *(t.mode for t in config.terms.values() if t.mode))):
+            refused.append(
+                f"a mode with prompt groups with steps_per_generation={spg} > gradient_accumulation_steps={accumulation} (TRL shuffles the "
+                "generation batch before cutting it into optimizer steps, so a prompt's completions straddle steps)"
             )
         if refused:
             raise ValueError("lossagg.integrations.trl.GRPOTrainer does not support: " + "; ".join(refused))
         self.loss_aggregation = config
         self._lossagg_step_empty = False
+        self._lossagg_planned = None  # the generation batch (TRL's buffer) whose steps are planned
         #: optimizer steps skipped because their generation batch held no loss token on any process
         self.lossagg_skipped_steps = 0
 
     # ------------------------------------------------------------------ step plan
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
-        output[DENOMS_KEY] = self._step_denoms(output)
+        mask = self._loss_mask(output)
+        _check_weights(mask, "tool_mask" in output and output["tool_mask"] is not None)
+        n_local = mask.shape[0]
+        # each completion's prompt group (TRL's advantage groups: num_generations consecutive completions of the
+        # gathered batch), tagged before TRL shuffles the batch and cuts it into optimizer steps
+        group_size = self.num_generations if self.model.training else self.num_generations_eval
+        start = self.accelerator.process_index * n_local
+        output[GROUP_KEY] = torch.arange(start, start + n_local, device=mask.device) // group_size
         if self.model.training:
             self._guard_optimizer_step()
+        else:  # evaluation: the batch is the step (no buffer, no accumulation)
+            self._plan_step([output], group_size)
         return output
+
+    def _prepare_inputs(self, generation_batch):
+        inputs = super()._prepare_inputs(generation_batch)
+        buffer = getattr(self, "_buffered_inputs", None)
+        if self.model.training and buffer is not None and buffer is not self._lossagg_planned:
+            # a new generation batch, cut by TRL into steps_per_generation micro-batches: optimizer step s takes
+            # micro-batches [s·A, (s+1)·A) on every process (A = gradient_accumulation_steps), one plan each
+            accumulation = self.args.gradient_accumulation_steps
+            for first in range(0, len(buffer), accumulation):
+                self._plan_step(buffer[first : first + accumulation], self.num_generations)
+            self._lossagg_planned = buffer
+        return inputs
 
     def _guard_optimizer_step(self) -> None:
         """An empty step (no loss token on any process: ``StepPlan.empty``) has ``J = 0`` and zero gradients,
         but an optimizer step would still move the weights (weight decay, momentum): the optimizer's step is
-        skipped for it, counted in ``lossagg_skipped_steps``. One generation batch is one optimizer step here
-        (``steps_per_generation == gradient_accumulation_steps``), so the batch's plan says it for the step."""
+        skipped for it, counted in ``lossagg_skipped_steps``. Every micro-batch of a step carries its plan's
+        ``empty``, read when its loss is computed."""
         optimizer = getattr(self, "optimizer", None)
         if optimizer is None or getattr(optimizer, "_lossagg_guarded", False):
             return
@@ -281,35 +324,43 @@ class GRPOTrainer(_TRLGRPOTrainer):
         mask = batch["completion_mask"]
         return mask if batch.get("tool_mask") is None else mask * batch["tool_mask"]
 
-    def _step_denoms(self, batch) -> torch.Tensor:
-        """``d[i]`` (float64) of this process's completions, from the totals of every process's batch.
+    def _plan_step(self, micro_batches: list[dict], group_size: int) -> None:
+        """One optimizer step's plan over ``micro_batches`` (this process's) and the same micro-batches of every
+        other process, from one gather of their completions' loss-token counts; writes each micro-batch's
+        ``d[i]`` of every term (float64), the step's ``T`` and whether the step is empty into it.
 
         ``M[i]`` is the sum of the completion's loss mask, as TRL's normalisers take it
         (``trl/trainer/grpo_trainer.py``, ``GRPOTrainer._compute_loss``: ``mask.sum(-1)`` for
         grpo, ``num_items_in_batch``, the gathered ``loss_mask.sum()``, for dapo): a fractional
         mask is a weight there and here alike.
         """
-        mask = self._loss_mask(batch)
-        _check_weights(mask, "tool_mask" in batch and batch["tool_mask"] is not None)
-        counts = mask.sum(-1).to(torch.float64)
+        counts = torch.cat([self._loss_mask(mb).sum(-1).to(torch.float64) for mb in micro_batches])
+        groups = torch.cat([mb[GROUP_KEY] for mb in micro_batches])
         n_local = counts.shape[0]
-        all_counts = self.accelerator.gather(counts)
-        group_index = None
+        gathered = self.accelerator.gather(torch.stack([counts, groups.to(torch.float64)]).T.contiguous())
+        all_counts, all_groups = gathered[:, 0], gathered[:, 1].to(torch.int64)
         config = self.loss_aggregation
+        group_index = None
         if MODES[config.mode].needs_groups:
-            # TRL's advantage groups: num_generations consecutive completions of the gathered batch
-            # (num_generations_eval of them in evaluation)
-            group_size = self.num_generations if self.model.training else self.num_generations_eval
-            group_index = torch.arange(all_counts.shape[0], device=all_counts.device) // group_size
+            group_index = all_groups
             if config.n_samples_per_prompt is not None and config.n_samples_per_prompt != group_size:
                 config = config.model_copy(update={"n_samples_per_prompt": group_size})
         plan = StepPlan(config, all_counts, group_index=group_index)
-        if self.model.training:
-            self._lossagg_step_empty = plan.empty  # the same on every process: T is the gathered total
-        start = self.accelerator.process_index * n_local
-        if "entropy" in config.terms:
-            batch[ENTROPY_DENOMS_KEY] = plan.term_denoms["entropy"][start : start + n_local]
-        return plan.sample_denoms[start : start + n_local]
+        mine = slice(self.accelerator.process_index * n_local, (self.accelerator.process_index + 1) * n_local)
+        denoms = {
+            key: plan.term_denoms[name][mine]
+            for name, key in (("pg", DENOMS_KEY), ("entropy", ENTROPY_DENOMS_KEY), ("kl", KL_DENOMS_KEY))
+            if name in plan.term_denoms
+        }
+        total, empty = float(plan.totals.total_tokens), plan.empty  # the same on every process: gathered totals
+        first = 0
+        for mb in micro_batches:
+            rows = slice(first, first + mb[GROUP_KEY].shape[0])
+            first = rows.stop
+            for key, d in denoms.items():
+                mb[key] = d[rows]
+            mb[STEP_TOKENS_KEY] = torch.tensor(total, dtype=torch.float64)
+            mb[EMPTY_KEY] = torch.tensor(empty)
 
     # ------------------------------------------------------------------ the loss
     def _compute_loss(self, model, inputs):
@@ -319,22 +370,35 @@ class GRPOTrainer(_TRLGRPOTrainer):
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         mask = self._loss_mask(inputs)
         extra = {key: inputs[key] for key in _MODEL_INPUT_KEYS if inputs.get(key) is not None}
-        logps, entropies, _ = self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True, **extra
+        logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True, compute_aux_loss=self.aux_loss_enabled, **extra
         )
-        per_token_loss, is_clipped = self._surrogate(inputs, logps, entropies, mask)
+        kl_apart = KL_DENOMS_KEY in inputs
+        per_token_loss, is_clipped, per_token_kl = self._surrogate(inputs, logps, entropies, mask, kl_apart=kl_apart)
+        if self.model.training:
+            self._lossagg_step_empty = bool(inputs[EMPTY_KEY])
+        processes = self.accelerator.num_processes
 
-        denoms = inputs[DENOMS_KEY].to(per_token_loss.device)
-        # the per-token loss is (B, T), or (B, 1) with sequence-level ratios and nothing per-token on top; the op
-        # reads every element from memory, so a broadcast (B, 1) is materialised ((B, T) like TRL's own product)
-        per_token_loss = per_token_loss.expand_as(mask).contiguous()
-        loss = reduce(per_token_loss, mask, sample_denoms=denoms) * self.accelerator.num_processes
+        def term(values: torch.Tensor, key: str) -> torch.Tensor:
+            # the term's share of its J over the step, times the process count (DDP/FSDP average over processes);
+            # a per-sample (B, 1) value is broadcast over its tokens (the op reads every element from memory)
+            values = values.expand_as(mask).contiguous()
+            return reduce(values, mask, sample_denoms=inputs[key].to(values.device)) * processes
+
+        loss = term(per_token_loss, DENOMS_KEY)
+        terms = self.loss_aggregation.terms
         if ENTROPY_DENOMS_KEY in inputs:  # the entropy bonus, the term 'entropy' on its own mode: -entropy_coef · J_entropy
-            entropy_denoms = inputs[ENTROPY_DENOMS_KEY].to(entropies.device)
-            entropy_share = reduce(entropies.contiguous(), mask, sample_denoms=entropy_denoms) * self.accelerator.num_processes
-            loss = loss + self.loss_aggregation.terms["entropy"].coefficient * entropy_share
-
+            loss = loss + terms["entropy"].coefficient * term(entropies, ENTROPY_DENOMS_KEY)
+        if kl_apart:  # the KL penalty, the term 'kl' on its own mode: beta · J_kl
+            loss = loss + terms["kl"].coefficient * term(per_token_kl, KL_DENOMS_KEY)
         mode = "train" if self.model.training else "eval"
+        if aux_loss is not None:
+            # the router's auxiliary loss, one number per micro-batch: weighted by the micro-batch's share of the step's
+            # loss tokens (docs/terms.md, "Scalar terms"), where TRL divides it by the accumulation steps
+            own = mask.sum().to(torch.float64)
+            loss = loss + self.router_aux_loss_coef * scalar_share(aux_loss, own, inputs[STEP_TOKENS_KEY]) * processes
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss.detach()).mean().item())
+
         bool_mask = mask.bool()
         self._metrics[mode]["entropy"].append(self._global_mean(entropies[bool_mask]))
         self._metrics[mode]["clip_ratio/region_mean"].append(self._global_mean(is_clipped.expand_as(mask)[bool_mask].float()))
@@ -345,8 +409,10 @@ class GRPOTrainer(_TRLGRPOTrainer):
         totals = totals.reshape(-1, 2).sum(0)
         return (totals[0] / totals[1].clamp(min=1.0)).item()
 
-    def _surrogate(self, inputs, logps, entropies, mask) -> tuple[torch.Tensor, torch.Tensor]:
-        """TRL's clipped policy-gradient objective per token, before aggregation, and where it clipped."""
+    def _surrogate(self, inputs, logps, entropies, mask, *, kl_apart: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """TRL's per-token objective before aggregation (the clipped surrogate, or ``cispo``, ``sapo``, ``vespo``
+        as TRL computes them), where it clipped, and the per-token KL penalty (``beta`` times it is in the first
+        unless ``kl_apart``, where the KL is the term 'kl')."""
         advantages = inputs["advantages"]
         if advantages.dim() == 1:
             advantages = advantages.unsqueeze(1)
@@ -354,31 +420,55 @@ class GRPOTrainer(_TRLGRPOTrainer):
         old_logps = logps.detach() if old_logps is None else old_logps
         log_ratio = logps - old_logps
         if self.importance_sampling_level == "sequence":
-            log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-        elif self.importance_sampling_level != "token":
-            raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {self.importance_sampling_level!r}")
-        ratio = torch.exp(log_ratio)
-        clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
-        if self.args.delta is not None:
-            ratio_for_loss = torch.clamp(ratio, max=self.args.delta)
+            log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        elif self.importance_sampling_level == "token":
+            log_weights = log_ratio
         else:
-            ratio_for_loss = ratio
-        unclipped_term = ratio_for_loss * advantages
-        clipped_term = clipped * advantages
-        per_token_loss = -torch.min(unclipped_term, clipped_term)
-        is_clipped = clipped_term < unclipped_term
+            raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {self.importance_sampling_level!r}")
+        ratio = torch.exp(log_weights)
+        objective = self.loss_type if self.loss_type in OBJECTIVES else "clip"
+        if objective == "cispo":
+            # the ratio capped at epsilon_high, as a constant weight of the log-probability
+            per_token_loss = -torch.clamp(ratio, max=self.epsilon_high).detach() * advantages * logps
+            is_clipped = ratio > self.epsilon_high
+        elif objective == "sapo":
+            temperatures = torch.where(advantages > 0, self.args.sapo_temperature_pos, self.args.sapo_temperature_neg)
+            per_token_loss = -(torch.sigmoid(temperatures * (ratio - 1)) * 4 / temperatures) * advantages
+            is_clipped = torch.zeros_like(per_token_loss, dtype=torch.bool)
+        elif objective == "vespo":
+            phi = self.get_gamma_weights(
+                advantages=advantages,
+                log_ratio_per_token=log_ratio,
+                mask=mask,
+                importance_sampling_ratio=inputs.get("importance_sampling_ratio"),
+                k_pos=self.args.vespo_k_pos,
+                lambda_pos=self.args.vespo_lambda_pos,
+                k_neg=self.args.vespo_k_neg,
+                lambda_neg=self.args.vespo_lambda_neg,
+            )
+            per_token_loss = -phi * advantages * logps
+            is_clipped = torch.zeros_like(per_token_loss, dtype=torch.bool)
+        else:  # the clipped surrogate (grpo, dapo, dr_grpo, bnpo, luspo and lossagg's modes)
+            clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
+            ratio_for_loss = ratio if self.args.delta is None else torch.clamp(ratio, max=self.args.delta)
+            unclipped_term = ratio_for_loss * advantages
+            clipped_term = clipped * advantages
+            per_token_loss = -torch.min(unclipped_term, clipped_term)
+            is_clipped = clipped_term < unclipped_term
 
         if self.off_policy_mask_threshold is not None:
             sampling_logps = inputs.get("sampling_per_token_logps", old_logps)
             per_token_loss = per_token_loss * self.get_off_policy_mask(advantages, logps, sampling_logps, mask, self.off_policy_mask_threshold)
         if self.top_entropy_quantile < 1.0:
             per_token_loss = per_token_loss * self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
-        if self.use_vllm and self.vllm_importance_sampling_correction:
+        if self.use_vllm and self.vllm_importance_sampling_correction and objective != "vespo":
             per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]
+        kl = None
         if self.beta != 0.0:
             ref = inputs["ref_per_token_logps"]
             kl = torch.exp(ref - logps) - (ref - logps) - 1
             if self.args.use_bias_correction_kl:
-                kl = kl * torch.exp(log_ratio)
-            per_token_loss = per_token_loss + self.beta * kl
-        return per_token_loss, is_clipped
+                kl = kl * ratio
+            if not kl_apart:
+                per_token_loss = per_token_loss + self.beta * kl
+        return per_token_loss, is_clipped, kl
