@@ -41,7 +41,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker(rank, port, loss_type, out_dir, entropy_coef=0.0):
+def worker(rank, port, loss_type, out_dir, entropy_coef=0.0, steps_per_generation=ACCUMULATION):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import test_integration_trl as base
@@ -51,7 +51,7 @@ def worker(rank, port, loss_type, out_dir, entropy_coef=0.0):
     # the process group made here from a file (no port to race for); accelerate finds it
     # initialised and uses it, with the environment above telling it the ranks
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'init')}", rank=rank, world_size=WORLD)
-    from lossagg.integrations.trl import GRPOTrainer
+    from lossagg.integrations.trl import GROUP_KEY, GRPOTrainer
     from lossagg.testing import reference_loss
 
     result = []
@@ -65,7 +65,11 @@ def worker(rank, port, loss_type, out_dir, entropy_coef=0.0):
             trainer = self.trainer
             params = [p for p in trainer.accelerator.unwrap_model(model).parameters() if p.requires_grad]
             held = [p.grad.detach().clone() for p in params]
-            batch = trainer.generated[0]
+            # the first optimizer step: TRL's first ACCUMULATION micro-batches of the shuffled generation batch
+            # (with steps_per_generation > ACCUMULATION, part of it), each completion tagged with its prompt group
+            chunks = trainer._buffered_inputs[:ACCUMULATION]
+            keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", GROUP_KEY)
+            batch = {key: torch.cat([c[key] for c in chunks]) for key in keys}
             mask = trainer._loss_mask(batch)
             width = base.MAX_COMPLETION
             # every process's completion masks (padded to the same width) for the step totals
@@ -87,7 +91,9 @@ def worker(rank, port, loss_type, out_dir, entropy_coef=0.0):
             rows[rank * n : (rank + 1) * n, : mask.shape[1]] = loss
             values = values + rows
             cu = torch.arange(0, full_mask.numel() + 1, width)
-            groups = torch.arange(full_mask.shape[0]) // base.NUM_GENERATIONS
+            all_groups = [torch.zeros_like(batch[GROUP_KEY]) for _ in range(WORLD)]
+            dist.all_gather(all_groups, batch[GROUP_KEY])
+            groups = torch.cat(all_groups)
             pg_only = trainer.loss_aggregation.model_copy(update={"terms": {}})  # the reference reduces one term at a time
             j_part = reference_loss(pg_only, values.reshape(-1), full_mask.reshape(-1), cu, groups)
             if entropy_coef:  # the entropy bonus: -entropy_coef times the term 'entropy' on its mode, over both processes' tokens
@@ -130,6 +136,7 @@ def worker(rank, port, loss_type, out_dir, entropy_coef=0.0):
         processes=WORLD,
         callbacks=[check],
         **({"entropy_coef": entropy_coef} if entropy_coef else {}),
+        **({"steps_per_generation": steps_per_generation} if steps_per_generation != ACCUMULATION else {}),
     )
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
         f.write(repr(result))
@@ -141,13 +148,18 @@ def worker(rank, port, loss_type, out_dir, entropy_coef=0.0):
     os._exit(0)
 
 
-@pytest.mark.parametrize(("loss_type", "entropy_coef"), [("prompt_mean", 0.0), ("dapo", 0.0), ("grpo", 0.0), ("grpo", 0.1)])
-def test_two_processes_give_the_gradient_of_j(loss_type, entropy_coef, tmp_path):
-    """With ``entropy_coef``, J has the entropy bonus as the term 'entropy' (token_mean over both processes' tokens)."""
+@pytest.mark.parametrize(
+    ("loss_type", "entropy_coef", "steps_per_generation"),
+    [("prompt_mean", 0.0, 2), ("dapo", 0.0, 2), ("grpo", 0.0, 2), ("grpo", 0.1, 2), ("dapo", 0.1, 4)],
+)
+def test_two_processes_give_the_gradient_of_j(loss_type, entropy_coef, steps_per_generation, tmp_path):
+    """With ``entropy_coef``, J has the entropy bonus as the term 'entropy' (token_mean over both processes' tokens);
+    with ``steps_per_generation=4`` (twice the accumulation steps), J is the first optimizer step's, over half of
+    each process's generation batch (TRL's own dapo divides by the whole generation batch's tokens)."""
     import ast
 
     out = tempfile.mkdtemp(dir=tmp_path)
-    mp.spawn(worker, args=(free_port(), loss_type, out, entropy_coef), nprocs=WORLD, join=True)
+    mp.spawn(worker, args=(free_port(), loss_type, out, entropy_coef, steps_per_generation), nprocs=WORLD, join=True)
     for rank in range(WORLD):
         result = ast.literal_eval(open(os.path.join(out, f"rank{rank}.txt")).read())
         assert result, f"rank {rank}: no optimizer step was seen"

@@ -228,7 +228,8 @@ class GRPOTrainer(_TRLGRPOTrainer):
                 refused.append("loss_aggregation term 'kl' with GRPOConfig.beta=0 (TRL adds no KL term)")
             elif float(kl_term.coefficient) != float(self.beta):
                 refused.append(
-                    f"loss_aggregation term 'kl' with coefficient {kl_term.coefficient}, where GRPOConfig.beta={self.beta} applies beta: make them agree"
+                    f"loss_aggregation term 'kl' with coefficient {kl_term.coefficient}, where GRPOConfig.beta={self.beta} "
+                    "applies beta: make them agree"
                 )
         if self._entropy_bonus_enabled:
             # the entropy bonus is the term 'entropy', -entropy_coef times its J on its own mode (TRL's: each micro-batch's token mean)
