@@ -315,7 +315,6 @@ def test_loss_type_names():
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"loss_type": "dapo", "entropy_coef": 0.1, "use_adaptive_entropy": True}, "use_adaptive_entropy"),
         ({"loss_type": "dapo", "entropy_coef": 0.1, "top_entropy_quantile": 0.5}, "top_entropy_quantile=0.5"),
         ({"loss_type": "dapo", "steps_per_generation": 3}, "steps_per_generation=3 with gradient_accumulation_steps=2"),
         ({"loss_type": "prompt_mean", "steps_per_generation": 4}, "a mode with prompt groups with steps_per_generation=4"),
@@ -611,3 +610,27 @@ def test_the_router_auxiliary_loss_weighs_each_micro_batch_by_its_tokens(tmp_pat
     _, ours = run(GRPOTrainer, "dapo", 1, tmp_path, tokenizer, dataset, router_aux_loss_coef=0.01)
     _, theirs = run(TRLGRPOTrainer, "dapo", 1, tmp_path, tokenizer, dataset, router_aux_loss_coef=0.01)
     assert relative_difference(theirs, ours) < 1e-5  # one micro-batch per step: the step's own, TRL's too (float32)
+
+
+def test_adaptive_entropy_follows_trls_controller_exactly(tmp_path, tokenizer, dataset):
+    """use_adaptive_entropy: the coefficient TRL's controller sets at the end of a step applies to the whole next step,
+    on the term 'entropy' (token_mean over the step). Over 3 steps the coefficients match TRL's own controller, and
+    the weights after them are the same with 1 and 2 accumulation steps and TRL's with one micro-batch per step."""
+    # plain SGD, so that the weights' moves are the gradients' sum (Adam's first steps hardly see their scale)
+    settings = {"use_adaptive_entropy": True, "entropy_target": 5.0, "entropy_coef_delta": 0.05, "entropy_coef": 0.0, "max_steps": 3, "optim": "sgd"}
+    initial = dict(tiny_model().named_parameters())
+
+    def moves(trainer):
+        return {n: p.detach().cpu() - initial[n].detach() for n, p in trainer.model.named_parameters()}
+
+    weights, coefs = {}, {}
+    for name, cls, steps in (("one", GRPOTrainer, 1), ("split", GRPOTrainer, 2), ("trl", TRLGRPOTrainer, 1)):
+        trainer, _ = run(cls, "dapo", steps, tmp_path, tokenizer, dataset, **settings)
+        weights[name] = moves(trainer)
+        coefs[name] = (trainer.entropy_coef, trainer._last_world_entropy)
+    assert coefs["one"][0] == pytest.approx(0.15) and coefs["one"][0] == coefs["trl"][0] == coefs["split"][0]
+    assert coefs["one"][1] == pytest.approx(coefs["trl"][1], rel=1e-6) and coefs["one"][1] == pytest.approx(coefs["split"][1], rel=1e-9)
+    assert relative_difference(weights["one"], weights["split"]) < 1e-6
+    assert relative_difference(weights["trl"], weights["one"]) < 1e-6
+    plain, _ = run(GRPOTrainer, "dapo", 1, tmp_path, tokenizer, dataset, max_steps=3, optim="sgd")
+    assert relative_difference(weights["one"], moves(plain)) > 1e-4, "the adaptive bonus changed nothing: the test would prove nothing"

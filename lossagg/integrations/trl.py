@@ -233,8 +233,6 @@ class GRPOTrainer(_TRLGRPOTrainer):
                 )
         if self._entropy_bonus_enabled:
             # the entropy bonus is the term 'entropy', -entropy_coef times its J on its own mode (TRL's: each micro-batch's token mean)
-            if self.use_adaptive_entropy:
-                refused.append("use_adaptive_entropy (its coefficient follows TRL's per-micro-batch entropy window; a static entropy_coef is served)")
             if self.top_entropy_quantile < 1.0:
                 refused.append(
                     f"entropy_coef with top_entropy_quantile={self.top_entropy_quantile} (the bonus's tokens are chosen inside the loss, so its "
@@ -388,11 +386,18 @@ class GRPOTrainer(_TRLGRPOTrainer):
 
         loss = term(per_token_loss, DENOMS_KEY)
         terms = self.loss_aggregation.terms
+        mode = "train" if self.model.training else "eval"
         if ENTROPY_DENOMS_KEY in inputs:  # the entropy bonus, the term 'entropy' on its own mode: -entropy_coef · J_entropy
-            loss = loss + terms["entropy"].coefficient * term(entropies, ENTROPY_DENOMS_KEY)
+            coefficient = terms["entropy"].coefficient
+            if self.use_adaptive_entropy:  # TRL's controller: the coefficient set at the end of the previous step, for the whole step
+                coefficient = -(self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0)
+            loss = loss + coefficient * term(entropies, ENTROPY_DENOMS_KEY)
+            if self.use_adaptive_entropy and mode == "train":
+                self._adapt_entropy_coef(entropies, mask)
+            if mode == "train" and self.accelerator.sync_gradients:
+                self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
         if kl_apart:  # the KL penalty, the term 'kl' on its own mode: beta · J_kl
             loss = loss + terms["kl"].coefficient * term(per_token_kl, KL_DENOMS_KEY)
-        mode = "train" if self.model.training else "eval"
         if aux_loss is not None:
             # the router's auxiliary loss, one number per micro-batch: weighted by the micro-batch's share of the step's
             # loss tokens (docs/terms.md, "Scalar terms"), where TRL divides it by the accumulation steps
@@ -404,6 +409,26 @@ class GRPOTrainer(_TRLGRPOTrainer):
         self._metrics[mode]["entropy"].append(self._global_mean(entropies[bool_mask]))
         self._metrics[mode]["clip_ratio/region_mean"].append(self._global_mean(is_clipped.expand_as(mask)[bool_mask].float()))
         return loss
+
+    def _adapt_entropy_coef(self, entropies: torch.Tensor, mask: torch.Tensor) -> None:
+        """TRL's adaptive entropy controller (``use_adaptive_entropy``; ``trl/trainer/grpo_trainer.py``,
+        ``GRPOTrainer._compute_loss``): the step's token-weighted mean entropy over every process, from each
+        micro-batch's entropy sum and token count; at the optimizer-step boundary the coefficient moves by
+        ``entropy_coef_delta`` towards more bonus when that mean is at or below ``entropy_target``, less otherwise,
+        within ``[entropy_coef_min, entropy_coef_max]``. It takes effect from the next step."""
+        stats = torch.stack([(entropies * mask).sum(), mask.sum()]).detach()
+        self._entropy_window_stats = stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
+        if not self.accelerator.sync_gradients:
+            return
+        window = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        world_entropy = (window[0] / window[1].clamp(min=1.0)).item()
+        args = self.args
+        if world_entropy <= args.entropy_target:
+            self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+        else:
+            self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+        self._last_world_entropy = world_entropy
+        self._entropy_window_stats = None
 
     def _global_mean(self, x: torch.Tensor) -> float:
         totals = self.accelerator.gather(torch.stack([x.detach().float().sum(), x.new_tensor(x.numel(), dtype=torch.float32)]).unsqueeze(0))
