@@ -64,7 +64,7 @@ def _flat(step, name, rows, leaf=None):
     return torch.cat(pieces)
 
 
-def micro_batch(step, rows, leaves, *, dp_size, whole):
+def micro_batch(step, rows, leaves, *, dp_size):
     """verl's micro-batch TensorDict and model output for ``rows`` of the step."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
@@ -90,9 +90,8 @@ def micro_batch(step, rows, leaves, *, dp_size, whole):
         },
         batch_size=[b],
     )
-    mask = step["response_mask"]
-    total = int(mask.sum()) if whole else int(mask.sum())
-    tu.assign_non_tensor(data, dp_size=dp_size, batch_num_tokens=total, global_batch_size=N)
+    # the step's totals, as verl's engine hands every micro-batch: its loss tokens over every rank, its samples
+    tu.assign_non_tensor(data, dp_size=dp_size, batch_num_tokens=int(step["response_mask"].sum()), global_batch_size=N)
     output = {name: _flat(step, name, rows, leaves[name]) for name in ("log_prob", "entropy", "vpreds")}
     return {"log_probs": output["log_prob"], "entropy": output["entropy"], "values": output["vpreds"]}, data
 
@@ -214,7 +213,7 @@ def run_split(fn, step, split, dp_size, rank):
     leaves = leaves_of(step)
     total = 0.0
     for rows in split[rank]:
-        output, data = micro_batch(step, rows, leaves, dp_size=dp_size, whole=False)
+        output, data = micro_batch(step, rows, leaves, dp_size=dp_size)
         loss, _ = fn(model_output=output, data=data)
         loss.backward()
         total += float(loss)
@@ -326,7 +325,7 @@ def test_same_numbers_as_verls_ppo_loss_where_its_mode_is_ours(ours, verls, seed
             (lambda o, d: verls_ppo_loss(actor(loss_agg_mode=verls, **settings), o, d), want),
         ):
             leaves = leaves_of(step)
-            output, data = micro_batch(step, rows, leaves, dp_size=2, whole=False)
+            output, data = micro_batch(step, rows, leaves, dp_size=2)
             loss, metrics = run(output, data)
             loss.backward()
             out += [
@@ -354,7 +353,7 @@ def test_verls_per_micro_batch_mean_moves_with_the_split():
     for split in ([list(range(N))], [[0, 1, 2], [3, 4, 5, 6, 7]]):
         leaves = leaves_of(step)
         for rows in split:
-            output, data = micro_batch(step, rows, leaves, dp_size=1, whole=False)
+            output, data = micro_batch(step, rows, leaves, dp_size=1)
             data["batch_num_tokens"] = None
             data["global_batch_size"] = None
             loss, _ = verls_ppo_loss(actor(**settings), output, data)

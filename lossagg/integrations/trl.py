@@ -28,31 +28,36 @@ sets the config's ``empty_samples`` for the config ``loss_type`` stands for (doc
 "Empty samples"): completions without a loss token then count nowhere, where TRL's own
 ``grpo`` and ``dr_grpo`` count every completion (the default, ``"count"``, keeps TRL's number).
 
-How it stays exact: when TRL generates a generation batch (which, with
-``steps_per_generation == gradient_accumulation_steps``, TRL's default, is exactly one
-optimizer step on every rank), the adapter gathers every completion's loss-token count
-over the processes, builds the step's :class:`lossagg.StepPlan` from them and stores each
-completion's denominator ``d[i]`` with it. TRL then shuffles and splits the batch into
-micro-batches; each micro-batch's loss is ``lossagg.reduce(per_token_loss, mask,
-sample_denoms=d)`` times the process count (DDP/FSDP average gradients over processes),
-so the micro-batch gradients add up to the gradient of J whatever the split.
+How it stays exact: TRL shuffles each generation batch and cuts it into ``steps_per_generation``
+micro-batches; optimizer step ``s`` takes micro-batches ``[s·A, (s+1)·A)`` on every process
+(``A = gradient_accumulation_steps``; ``steps_per_generation`` must be a multiple of it). For each
+step the adapter gathers those completions' loss-token counts over the processes, builds the
+step's :class:`lossagg.StepPlan` and writes each completion's ``d[i]`` of every term into its
+micro-batch; each micro-batch's loss is ``lossagg.reduce(per_token_loss, mask, sample_denoms=d)``
+times the process count (DDP/FSDP average gradients over processes), so the micro-batch
+gradients add up to the gradient of J whatever the split.
 
 The loss mask is TRL's (``completion_mask``, times ``tool_mask`` when present) and a weight,
 as in TRL: ``M[i]`` and ``T`` are its sums, so a fractional mask (an ``env_mask`` of
 weights, say) gives TRL's number for ``grpo``, ``dapo`` and ``dr_grpo``, and lossagg's
 modes read the same sums. A negative or non-finite entry is refused, naming its position.
 
-The per-token objective is TRL's clipped surrogate (token- or sequence-level importance
-sampling, ``epsilon_low``/``epsilon_high``, ``delta``, the ``beta`` KL term, vLLM's
-importance-sampling correction, the off-policy mask and the top-entropy mask). Parts of
-TRL whose loss is not this surrogate are refused when the trainer is built, naming the
-setting: the ``cispo``/``sapo``/``vespo``/``luspo`` objectives and a router auxiliary loss
-(normalised per micro-batch).
+The per-token objective is TRL's: the clipped surrogate (token- or sequence-level importance
+sampling, ``epsilon_low``/``epsilon_high``, ``delta``) or the ``cispo``, ``sapo``, ``vespo``
+objective, each on the mode of TRL's own reducer for it (:data:`OBJECTIVES`; ``luspo`` is the
+clipped surrogate on ``constant`` with divisor 1), with vLLM's importance-sampling correction,
+the off-policy mask and the top-entropy mask. The other terms (docs/integration.md, "TRL"):
 
-The entropy bonus (``entropy_coef``) is the term ``entropy`` of the step's plan, with coefficient
-``-entropy_coef``, on ``token_mean`` over the optimizer step (TRL takes each micro-batch's token
-mean) or on the mode of a ``loss_aggregation`` config's term ``entropy``. The adaptive coefficient
-and the bonus under ``top_entropy_quantile < 1`` (tokens chosen inside the loss) are refused.
+* the KL penalty (``beta``) stays inside the per-token loss, as TRL has it, unless a
+  ``loss_aggregation`` config names the term ``kl`` (coefficient ``beta``): then it is reduced on
+  that term's mode;
+* the entropy bonus (``entropy_coef``, or TRL's adaptive controller) is the term ``entropy``, with
+  coefficient ``-entropy_coef``, on ``token_mean`` over the optimizer step (TRL takes each
+  micro-batch's token mean) or on the mode of the config's term ``entropy``; refused under
+  ``top_entropy_quantile < 1``, where TRL picks its tokens per micro-batch;
+* a MoE router's auxiliary loss, one number per micro-batch, is weighted by the micro-batch's
+  share of the step's loss tokens (``lossagg.step.scalar_share``), where TRL divides it by the
+  accumulation steps.
 
 An empty step (no loss token on any process, ``StepPlan.empty``) skips its optimizer step, so weight
 decay and momentum do not move the weights for it; ``trainer.lossagg_skipped_steps`` counts them.
