@@ -15,7 +15,8 @@ before it, and never in a circle (tests/test_import_graph.py checks both against
 3. configuration (no torch): config.errors, config.files, config.model, config.flags, config
 4. native ops: _native, ops
 5. planning: layout, context_parallel, denominators, micro_batch, step, deferred, one_pass, sequence, testing
-6. adapters: integrations, integrations.seed, integrations.verl, integrations.megatron, integrations.trl, integrations.miles, integrations.slime
+6. adapters: integrations, integrations.seed, integrations.verl_trainer, integrations.verl, integrations.megatron,
+   integrations.trl, integrations.miles, integrations.slime
 7. front ends: demo.report, demo.train, demo, cli, __main__, lossagg
 """
 

@@ -344,7 +344,7 @@ def trl_adapter():
 
 
 def trl_step_denoms(adapter, loss_type, batch, max_completion_length):
-    """The adapter's d[i] for a generation batch, on one process."""
+    """The adapter's d[i] for a generation batch that is one optimizer step of one micro-batch, on one process."""
     fake = types.SimpleNamespace(
         accelerator=types.SimpleNamespace(gather=lambda t: t, process_index=0, num_processes=1),
         loss_aggregation=adapter.config_for_loss_type(loss_type, num_generations=2, max_completion_length=max_completion_length),
@@ -353,7 +353,10 @@ def trl_step_denoms(adapter, loss_type, batch, max_completion_length):
         num_generations_eval=2,
     )
     fake._loss_mask = types.MethodType(adapter.GRPOTrainer._loss_mask, fake)
-    return adapter.GRPOTrainer._step_denoms(fake, batch)
+    mask = fake._loss_mask(batch)
+    batch = {**batch, adapter.GROUP_KEY: torch.arange(mask.shape[0]) // 2}  # the completions' prompt groups, as tagged
+    adapter.GRPOTrainer._plan_step(fake, [batch], 2)  # one micro-batch, the whole step
+    return batch[adapter.DENOMS_KEY]
 
 
 def trl_normalised_loss(loss_type, per_token_loss, mask, max_completion_length, micro_batches):

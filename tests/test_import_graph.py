@@ -256,7 +256,8 @@ def layers(init_path: str = os.path.join(PACKAGE, "__init__.py")) -> dict[str, t
     with open(init_path, encoding="utf-8") as f:
         doc = ast.get_docstring(ast.parse(f.read())) or ""
     out: dict[str, tuple[int, str]] = {}
-    for number, title, names in re.findall(r"^(\d+)\. ([^:\n]+): (.+)$", doc, flags=re.M):
+    # a layer's list may go on over indented lines
+    for number, title, names in re.findall(r"^(\d+)\. ([^:\n]+): (.+(?:\n {3,}\S.*)*)$", doc, flags=re.M):
         for short in (n.strip() for n in names.split(",")):
             module = "lossagg" if short == "lossagg" else f"lossagg.{short}"
             assert module not in out, f"{module} is listed in two layers of lossagg/__init__.py's docstring"

@@ -279,7 +279,6 @@ class GRPOTrainer(_TRLGRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         mask = self._loss_mask(output)
-        _check_weights(mask, "tool_mask" in output and output["tool_mask"] is not None)
         n_local = mask.shape[0]
         # each completion's prompt group (TRL's advantage groups: num_generations consecutive completions of the
         # gathered batch), tagged before TRL shuffles the batch and cuts it into optimizer steps
@@ -338,6 +337,8 @@ class GRPOTrainer(_TRLGRPOTrainer):
         grpo, ``num_items_in_batch``, the gathered ``loss_mask.sum()``, for dapo): a fractional
         mask is a weight there and here alike.
         """
+        for mb in micro_batches:
+            _check_weights(self._loss_mask(mb), mb.get("tool_mask") is not None)
         counts = torch.cat([self._loss_mask(mb).sum(-1).to(torch.float64) for mb in micro_batches])
         groups = torch.cat([mb[GROUP_KEY] for mb in micro_batches])
         n_local = counts.shape[0]

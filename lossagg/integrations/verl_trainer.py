@@ -236,7 +236,7 @@ class _GlobalInfo:
 def _weighted_policy_loss(loss_mode, weights, *, config, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights):
     """verl's policy loss ``loss_mode`` with lossagg's per-sample weights: its per-token loss times
     ``weights`` (and verl's rollout weights), summed over the 0/1 mask by verl's token-sum."""
-    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn  # deferred: verl is optional
 
     weights = weights.expand_as(log_prob)
     if rollout_is_weights is not None:
@@ -255,7 +255,7 @@ def _weighted_policy_loss(loss_mode, weights, *, config, old_log_prob, log_prob,
 
 def _metric_aggregation():
     """Each micro-batch's loss is its share of the step's: the shares add up (verl's own rule with step totals)."""
-    from verl.utils.metric import AggregationType
+    from verl.utils.metric import AggregationType  # deferred: verl is optional
 
     return AggregationType.SUM
 
@@ -263,9 +263,9 @@ def _metric_aggregation():
 def ppo_loss(config, model_output, data, dp_group=None, *, aggregation: LossAggregationConfig):
     """verl's ``ppo_loss`` (``verl/workers/utils/losses.py``) with every term on its lossagg mode.
     ``aggregation`` is :func:`actor_config_for`'s config (every term the actor reduces)."""
-    from verl.trainer.ppo.core_algos import kl_penalty
-    from verl.utils.metric import AggregationType, Metric
-    from verl.workers.utils.padding import no_padding_2_padding
+    from verl.trainer.ppo.core_algos import kl_penalty  # deferred: verl is optional
+    from verl.utils.metric import AggregationType, Metric  # deferred: verl is optional
+    from verl.workers.utils.padding import no_padding_2_padding  # deferred: verl is optional
 
     log_prob = no_padding_2_padding(model_output["log_probs"], data)
     entropy = model_output.get("entropy", None)
@@ -306,7 +306,7 @@ def ppo_loss(config, model_output, data, dp_group=None, *, aggregation: LossAggr
 
 def _distillation_loss(config, distillation_config, model_output, data, *, aggregation):
     """verl's ``distillation_loss`` (``verl/trainer/distillation/losses.py``) on the term ``distillation``'s mode."""
-    from verl.trainer.distillation.losses import compute_distillation_loss_range, get_distillation_loss_fn
+    from verl.trainer.distillation.losses import compute_distillation_loss_range, get_distillation_loss_fn  # deferred: verl is optional
 
     loss_config = distillation_config.distillation_loss
     losses, metrics = get_distillation_loss_fn(loss_config.loss_mode)(
@@ -323,7 +323,7 @@ def _distillation_loss(config, distillation_config, model_output, data, *, aggre
     plan, dp_size = _step_plan(aggregation, response_mask, step)
     if not loss_config.use_policy_gradient:
         return _term(plan, "distillation", losses, response_mask, dp_size), metrics
-    from verl.workers.utils.padding import no_padding_2_padding
+    from verl.workers.utils.padding import no_padding_2_padding  # deferred: verl is optional
 
     log_prob = no_padding_2_padding(model_output["log_probs"], data)
     old_log_prob = data["old_log_probs"]
@@ -348,8 +348,8 @@ def distillation_ppo_loss(
 ):
     """verl's ``distillation_ppo_loss`` with the distillation term and the policy loss on their lossagg modes.
     Called as verl's logits processor (``student_logits`` given), it is verl's own: per-token, no reducer."""
-    from verl.trainer.distillation.losses import distillation_ppo_loss as verls
-    from verl.utils.metric import AggregationType, Metric
+    from verl.trainer.distillation.losses import distillation_ppo_loss as verls  # deferred: verl is optional
+    from verl.utils.metric import AggregationType, Metric  # deferred: verl is optional
 
     if student_logits is not None:
         return verls(config, distillation_config, model_output, data, dp_group, student_logits, data_format)
@@ -370,10 +370,10 @@ def distillation_ppo_loss(
 
 def value_loss(config, model_output, data, dp_group=None, *, aggregation: LossAggregationConfig):
     """verl's ``value_loss`` (``verl/workers/utils/losses.py``) on the term ``value``'s mode."""
-    from verl.trainer.ppo.core_algos import compute_value_loss
-    from verl.utils.metric import Metric
-    from verl.utils.torch_functional import masked_mean
-    from verl.workers.utils.padding import no_padding_2_padding
+    from verl.trainer.ppo.core_algos import compute_value_loss  # deferred: verl is optional
+    from verl.utils.metric import Metric  # deferred: verl is optional
+    from verl.utils.torch_functional import masked_mean  # deferred: verl is optional
+    from verl.workers.utils.padding import no_padding_2_padding  # deferred: verl is optional
 
     vpreds = no_padding_2_padding(model_output["values"], data)
     step = {key: data[key] for key in ("dp_size", "batch_num_tokens", "global_batch_size")}
@@ -416,7 +416,7 @@ def install(trainer, aggregation) -> dict[str, Any]:
     ``set_loss_fn``. ``trainer`` is verl's ``RayPPOTrainer`` after ``init_workers()``; ``aggregation`` a
     :class:`lossagg.LossAggregationConfig` or its settings. Every check runs before anything is handed
     over (no half-installed trainer). Returns the loss functions handed over, by role."""
-    from verl.utils.config import omega_conf_to_dataclass
+    from verl.utils.config import omega_conf_to_dataclass  # deferred: verl is optional
 
     workers = getattr(trainer, "actor_rollout_wg", None)
     if workers is None:
