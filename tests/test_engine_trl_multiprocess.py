@@ -85,6 +85,8 @@ def worker(rank, port, loss_type, out_dir, entropy_coef=0.0, steps_per_generatio
                 trainer.accelerator.unwrap_model(model), input_ids, attention, batch["completion_ids"].size(1), compute_entropy=bool(entropy_coef)
             )
             loss = -batch["advantages"].to(torch.float64)[:, None] * torch.exp(logps - logps.detach())
+            if loss_type == "cispo":  # CISPO: the ratio (1 here) capped at epsilon_high, a constant weight of the log-probability
+                loss = -min(1.0, trainer.epsilon_high) * batch["advantages"].to(torch.float64)[:, None] * logps
             values = torch.zeros(full_mask.shape, dtype=torch.float64)
             n = mask.shape[0]
             rows = torch.zeros_like(values)
@@ -150,12 +152,13 @@ def worker(rank, port, loss_type, out_dir, entropy_coef=0.0, steps_per_generatio
 
 @pytest.mark.parametrize(
     ("loss_type", "entropy_coef", "steps_per_generation"),
-    [("prompt_mean", 0.0, 2), ("dapo", 0.0, 2), ("grpo", 0.0, 2), ("grpo", 0.1, 2), ("dapo", 0.1, 4)],
+    [("prompt_mean", 0.0, 2), ("dapo", 0.0, 2), ("grpo", 0.0, 2), ("grpo", 0.1, 2), ("dapo", 0.1, 4), ("cispo", 0.0, 2), ("luspo", 0.0, 2)],
 )
 def test_two_processes_give_the_gradient_of_j(loss_type, entropy_coef, steps_per_generation, tmp_path):
     """With ``entropy_coef``, J has the entropy bonus as the term 'entropy' (token_mean over both processes' tokens);
     with ``steps_per_generation=4`` (twice the accumulation steps), J is the first optimizer step's, over half of
-    each process's generation batch (TRL's own dapo divides by the whole generation batch's tokens)."""
+    each process's generation batch (TRL's own dapo divides by the whole generation batch's tokens); ``cispo`` and
+    ``luspo``, TRL's objectives on the modes of TRL's own reducers (token_mean; constant with divisor 1)."""
     import ast
 
     out = tempfile.mkdtemp(dir=tmp_path)
