@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import socket
-import tempfile
 
 import pytest
 import torch
@@ -41,7 +40,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker(rank, port, loss_type, out_dir, entropy_coef=0.0, steps_per_generation=ACCUMULATION):
+# (loss_type, entropy_coef, steps_per_generation): every case runs in one 2-process world, one after the other
+CASES = [("prompt_mean", 0.0, 2), ("dapo", 0.0, 2), ("grpo", 0.0, 2), ("grpo", 0.1, 2), ("dapo", 0.1, 4), ("cispo", 0.0, 2), ("luspo", 0.0, 2)]
+
+
+def case_id(case) -> str:
+    return "-".join(map(str, case))
+
+
+def worker(rank, port, out_dir):
+    """Every case of :data:`CASES` on this rank, one trainer after the other in the same process group
+    (one spawn and one import of TRL for all of them); each case's result in its own file."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import test_integration_trl as base
@@ -54,95 +63,103 @@ def worker(rank, port, loss_type, out_dir, entropy_coef=0.0, steps_per_generatio
     from lossagg.integrations.trl import GROUP_KEY, GRPOTrainer
     from lossagg.testing import reference_loss
 
-    result = []
+    def one_case(loss_type, entropy_coef, steps_per_generation):
+        result = []
 
-    class Check(transformers.TrainerCallback):
-        """At the first optimizer step: the gradient held vs J's gradient, summed over processes."""
+        class Check(transformers.TrainerCallback):
+            """At the first optimizer step: the gradient held vs J's gradient, summed over processes."""
 
-        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-            if result:
-                return
-            trainer = self.trainer
-            params = [p for p in trainer.accelerator.unwrap_model(model).parameters() if p.requires_grad]
-            held = [p.grad.detach().clone() for p in params]
-            # the first optimizer step: TRL's first ACCUMULATION micro-batches of the shuffled generation batch
-            # (with steps_per_generation > ACCUMULATION, part of it), each completion tagged with its prompt group
-            chunks = trainer._buffered_inputs[:ACCUMULATION]
-            keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", GROUP_KEY)
-            batch = {key: torch.cat([c[key] for c in chunks]) for key in keys}
-            mask = trainer._loss_mask(batch)
-            width = base.MAX_COMPLETION
-            # every process's completion masks (padded to the same width) for the step totals
-            local_mask = torch.zeros(mask.shape[0], width, dtype=mask.dtype)
-            local_mask[:, : mask.shape[1]] = mask
-            all_masks = [torch.zeros_like(local_mask) for _ in range(WORLD)]
-            dist.all_gather(all_masks, local_mask)
-            full_mask = torch.cat(all_masks)
-            # this process's per-token loss on its own rows, zero elsewhere
-            input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-            attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-            logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
-                trainer.accelerator.unwrap_model(model), input_ids, attention, batch["completion_ids"].size(1), compute_entropy=bool(entropy_coef)
-            )
-            loss = -batch["advantages"].to(torch.float64)[:, None] * torch.exp(logps - logps.detach())
-            if loss_type == "cispo":  # CISPO: the ratio (1 here) capped at epsilon_high, a constant weight of the log-probability
-                loss = -min(1.0, trainer.epsilon_high) * batch["advantages"].to(torch.float64)[:, None] * logps
-            values = torch.zeros(full_mask.shape, dtype=torch.float64)
-            n = mask.shape[0]
-            rows = torch.zeros_like(values)
-            rows[rank * n : (rank + 1) * n, : mask.shape[1]] = loss
-            values = values + rows
-            cu = torch.arange(0, full_mask.numel() + 1, width)
-            all_groups = [torch.zeros_like(batch[GROUP_KEY]) for _ in range(WORLD)]
-            dist.all_gather(all_groups, batch[GROUP_KEY])
-            groups = torch.cat(all_groups)
-            pg_only = trainer.loss_aggregation.model_copy(update={"terms": {}})  # the reference reduces one term at a time
-            j_part = reference_loss(pg_only, values.reshape(-1), full_mask.reshape(-1), cu, groups)
-            if entropy_coef:  # the entropy bonus: -entropy_coef times the term 'entropy' on its mode, over both processes' tokens
-                term = trainer.loss_aggregation.terms["entropy"]
-                ent = torch.zeros(full_mask.shape, dtype=torch.float64)
-                ent_rows = torch.zeros_like(ent)
-                ent_rows[rank * n : (rank + 1) * n, : mask.shape[1]] = entropies
-                ent = ent + ent_rows
-                config = pg_only.model_copy(update={"mode": term.mode})
-                j_part = j_part + term.coefficient * reference_loss(config, ent.reshape(-1), full_mask.reshape(-1), cu, groups)
-            expected = list(torch.autograd.grad(j_part, params, allow_unused=True))
-            expected = [torch.zeros_like(p) if e is None else e for p, e in zip(params, expected, strict=True)]
-            for e in expected:
-                dist.all_reduce(e)
-            scale = max(float(e.abs().max()) for e in expected)
-            err = max(float((h - e).abs().max()) for h, e in zip(held, expected, strict=True)) / max(scale, 1e-300)
-            result.append((err, scale, dist.get_world_size(), trainer.accelerator.num_processes))
+            def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+                if result:
+                    return
+                trainer = self.trainer
+                params = [p for p in trainer.accelerator.unwrap_model(model).parameters() if p.requires_grad]
+                held = [p.grad.detach().clone() for p in params]
+                # the first optimizer step: TRL's first ACCUMULATION micro-batches of the shuffled generation batch
+                # (with steps_per_generation > ACCUMULATION, part of it), each completion tagged with its prompt group
+                chunks = trainer._buffered_inputs[:ACCUMULATION]
+                keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", GROUP_KEY)
+                batch = {key: torch.cat([c[key] for c in chunks]) for key in keys}
+                mask = trainer._loss_mask(batch)
+                width = base.MAX_COMPLETION
+                # every process's completion masks (padded to the same width) for the step totals
+                local_mask = torch.zeros(mask.shape[0], width, dtype=mask.dtype)
+                local_mask[:, : mask.shape[1]] = mask
+                all_masks = [torch.zeros_like(local_mask) for _ in range(WORLD)]
+                dist.all_gather(all_masks, local_mask)
+                full_mask = torch.cat(all_masks)
+                # this process's per-token loss on its own rows, zero elsewhere
+                input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+                attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+                logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
+                    trainer.accelerator.unwrap_model(model), input_ids, attention, batch["completion_ids"].size(1), compute_entropy=bool(entropy_coef)
+                )
+                loss = -batch["advantages"].to(torch.float64)[:, None] * torch.exp(logps - logps.detach())
+                if loss_type == "cispo":  # CISPO: the ratio (1 here) capped at epsilon_high, a constant weight of the log-probability
+                    loss = -min(1.0, trainer.epsilon_high) * batch["advantages"].to(torch.float64)[:, None] * logps
+                values = torch.zeros(full_mask.shape, dtype=torch.float64)
+                n = mask.shape[0]
+                rows = torch.zeros_like(values)
+                rows[rank * n : (rank + 1) * n, : mask.shape[1]] = loss
+                values = values + rows
+                cu = torch.arange(0, full_mask.numel() + 1, width)
+                all_groups = [torch.zeros_like(batch[GROUP_KEY]) for _ in range(WORLD)]
+                dist.all_gather(all_groups, batch[GROUP_KEY])
+                groups = torch.cat(all_groups)
+                pg_only = trainer.loss_aggregation.model_copy(update={"terms": {}})  # the reference reduces one term at a time
+                j_part = reference_loss(pg_only, values.reshape(-1), full_mask.reshape(-1), cu, groups)
+                if entropy_coef:  # the entropy bonus: -entropy_coef times the term 'entropy' on its mode, over both processes' tokens
+                    term = trainer.loss_aggregation.terms["entropy"]
+                    ent = torch.zeros(full_mask.shape, dtype=torch.float64)
+                    ent_rows = torch.zeros_like(ent)
+                    ent_rows[rank * n : (rank + 1) * n, : mask.shape[1]] = entropies
+                    ent = ent + ent_rows
+                    config = pg_only.model_copy(update={"mode": term.mode})
+                    j_part = j_part + term.coefficient * reference_loss(config, ent.reshape(-1), full_mask.reshape(-1), cu, groups)
+                expected = list(torch.autograd.grad(j_part, params, allow_unused=True))
+                expected = [torch.zeros_like(p) if e is None else e for p, e in zip(params, expected, strict=True)]
+                for e in expected:
+                    dist.all_reduce(e)
+                scale = max(float(e.abs().max()) for e in expected)
+                err = max(float((h - e).abs().max()) for h, e in zip(held, expected, strict=True)) / max(scale, 1e-300)
+                result.append((err, scale, dist.get_world_size(), trainer.accelerator.num_processes))
 
-    check = Check()
+        check = Check()
 
-    class Recorder(GRPOTrainer):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            check.trainer = self
+        class Recorder(GRPOTrainer):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                check.trainer = self
 
-        def _generate_and_score_completions(self, inputs):
-            out = super()._generate_and_score_completions(inputs)
-            self.generated = getattr(self, "generated", []) + [out]
-            return out
+            def _generate_and_score_completions(self, inputs):
+                out = super()._generate_and_score_completions(inputs)
+                self.generated = getattr(self, "generated", []) + [out]
+                return out
 
-    from pathlib import Path
+        from pathlib import Path
 
-    base.run(
-        Recorder,
-        loss_type,
-        ACCUMULATION,
-        Path(out_dir) / f"rank{rank}-run",
-        base.make_tokenizer(),
-        base.make_dataset(),
-        processes=WORLD,
-        callbacks=[check],
-        **({"entropy_coef": entropy_coef} if entropy_coef else {}),
-        **({"steps_per_generation": steps_per_generation} if steps_per_generation != ACCUMULATION else {}),
-    )
-    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write(repr(result))
-    dist.barrier()
+        base.run(
+            Recorder,
+            loss_type,
+            ACCUMULATION,
+            Path(out_dir) / f"rank{rank}-run",
+            base.make_tokenizer(),
+            base.make_dataset(),
+            processes=WORLD,
+            callbacks=[check],
+            **({"entropy_coef": entropy_coef} if entropy_coef else {}),
+            **({"steps_per_generation": steps_per_generation} if steps_per_generation != ACCUMULATION else {}),
+        )
+        return result
+
+    for case in CASES:
+        try:
+            result = one_case(*case)
+        except Exception as e:  # reported per case, the others still run
+            result = [repr(e)]
+        with open(os.path.join(out_dir, f"{case_id(case)}-rank{rank}.txt"), "w") as f:
+            f.write(repr(result))
+        dist.barrier()
     dist.destroy_process_group()
     # skip the interpreter's teardown: with accelerate's and gloo's threads still around it
     # sometimes aborts ("terminate called without an active exception") after the work is
@@ -150,22 +167,27 @@ def worker(rank, port, loss_type, out_dir, entropy_coef=0.0, steps_per_generatio
     os._exit(0)
 
 
-@pytest.mark.parametrize(
-    ("loss_type", "entropy_coef", "steps_per_generation"),
-    [("prompt_mean", 0.0, 2), ("dapo", 0.0, 2), ("grpo", 0.0, 2), ("grpo", 0.1, 2), ("dapo", 0.1, 4), ("cispo", 0.0, 2), ("luspo", 0.0, 2)],
-)
-def test_two_processes_give_the_gradient_of_j(loss_type, entropy_coef, steps_per_generation, tmp_path):
+@pytest.fixture(scope="module")
+def world_results(tmp_path_factory):
+    """One 2-process world for every case (the spawn and TRL's import once); the folder of their results."""
+    out = str(tmp_path_factory.mktemp("trl-world"))
+    mp.spawn(worker, args=(free_port(), out), nprocs=WORLD, join=True)
+    return out
+
+
+@pytest.mark.parametrize(("loss_type", "entropy_coef", "steps_per_generation"), CASES, ids=[case_id(c) for c in CASES])
+def test_two_processes_give_the_gradient_of_j(loss_type, entropy_coef, steps_per_generation, world_results):
     """With ``entropy_coef``, J has the entropy bonus as the term 'entropy' (token_mean over both processes' tokens);
     with ``steps_per_generation=4`` (twice the accumulation steps), J is the first optimizer step's, over half of
     each process's generation batch (TRL's own dapo divides by the whole generation batch's tokens); ``cispo`` and
     ``luspo``, TRL's objectives on the modes of TRL's own reducers (token_mean; constant with divisor 1)."""
     import ast
 
-    out = tempfile.mkdtemp(dir=tmp_path)
-    mp.spawn(worker, args=(free_port(), loss_type, out, entropy_coef, steps_per_generation), nprocs=WORLD, join=True)
     for rank in range(WORLD):
-        result = ast.literal_eval(open(os.path.join(out, f"rank{rank}.txt")).read())
+        name = f"{case_id((loss_type, entropy_coef, steps_per_generation))}-rank{rank}.txt"
+        result = ast.literal_eval(open(os.path.join(world_results, name)).read())
         assert result, f"rank {rank}: no optimizer step was seen"
+        assert not isinstance(result[0], str), f"rank {rank}: the case raised {result[0]}"
         err, scale, world, processes = result[0]
         assert world == WORLD and processes == WORLD, f"not a {WORLD}-process run: world={world}, accelerate processes={processes}"
         assert scale > 0, "the gradient of J is zero: the comparison would prove nothing"
