@@ -16,6 +16,9 @@ dapo          ``token_mean`` over the step's tokens (TRL's maths; equal to TRL's
 dr_grpo       ``constant`` with divisor ``max_completion_length`` (equal to TRL's result)
 bnpo          what ``dapo`` is, over the *step's* tokens: TRL divides by each micro-batch's
               tokens, so its loss changes with the accumulation split; a warning says so
+cispo, vespo  TRL's objective per token, on ``token_mean`` (TRL's reducer; equal to TRL's result)
+sapo          TRL's objective per token, on ``sample_mean`` (equal to TRL's result)
+luspo         the clipped surrogate on ``constant`` with divisor 1 (equal to TRL's result)
 a mode        any of lossagg's modes (:data:`lossagg.MODES`); a mode with prompt groups
               groups the ``num_generations`` completions of each prompt (TRL's advantage
               groups), a mode with a divisor takes it from ``loss_aggregation`` or, by
