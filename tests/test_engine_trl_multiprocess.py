@@ -15,8 +15,10 @@ processes' tokens); the same reference with sample_mean in its place is off by ~
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,8 +138,6 @@ def worker(rank, port, out_dir):
                 self.generated = getattr(self, "generated", []) + [out]
                 return out
 
-        from pathlib import Path
-
         base.run(
             Recorder,
             loss_type,
@@ -152,12 +152,67 @@ def worker(rank, port, out_dir):
         )
         return result
 
-    for case in CASES:
+    def empty_step():
+        """Every completion's loss mask empty on both processes: the step is skipped, the weights stay."""
+        before = {n: p.detach().clone() for n, p in base.tiny_model().named_parameters()}
+        trainer, grads = base.run(
+            base.EmptyStep,
+            "dapo",
+            ACCUMULATION,
+            Path(out_dir) / f"empty-rank{rank}",
+            base.make_tokenizer(),
+            base.make_dataset(),
+            processes=WORLD,
+            weight_decay=0.5,
+        )
+        moved = max(float((p.detach().cpu() - before[n]).abs().max()) for n, p in trainer.model.named_parameters())
+        return [trainer.lossagg_skipped_steps, max(float(g.abs().max()) for g in grads.values()), moved]
+
+    def router_loss():
+        """The router's auxiliary loss over both processes: doubling its coefficient adds c · aux · tokens / T to each
+        micro-batch's loss, T the step's loss tokens on both processes, times the process count (DDP averages)."""
+
+        class Uneven(base.AuxRecorder):
+            """Half the tokens of the odd prompt groups' completions out of the loss (the groups as the adapter tags
+            them), so that TRL's shuffled micro-batches hold unequal loss tokens."""
+
+            def _loss_mask(self, batch):
+                mask = super()._loss_mask(batch)
+                if GROUP_KEY not in batch:  # the generation batch before it is tagged: only its size is read
+                    return mask
+                mask = mask.clone()
+                mask[batch[GROUP_KEY] % 2 == 1, mask.shape[1] // 2 :] = 0
+                return mask
+
+        runs = {}
+        base.tiny_model, plain = base.tiny_moe, base.tiny_model
         try:
-            result = one_case(*case)
+            for coef in (0.01, 0.02):
+                runs[coef], _ = base.run(
+                    Uneven,
+                    "dapo",
+                    ACCUMULATION,
+                    Path(out_dir) / f"aux{coef}-rank{rank}",
+                    base.make_tokenizer(),
+                    base.make_dataset(),
+                    processes=WORLD,
+                    router_aux_loss_coef=coef,
+                )
+        finally:
+            base.tiny_model = plain
+        a, b = runs[0.01], runs[0.02]
+        total = torch.tensor(sum(a.tokens), dtype=torch.float64)
+        dist.all_reduce(total)
+        off = max(abs(float(b.losses[i] - a.losses[i]) - 0.01 * float(a.aux[i]) * a.tokens[i] / float(total) * WORLD) for i in range(len(a.aux)))
+        return [off, len(a.aux), float(total), [t / float(total) for t in a.tokens]]
+
+    special = {"empty-step": empty_step, "router-loss": router_loss}
+    for name, run_case in [*((case_id(case), functools.partial(one_case, *case)) for case in CASES), *special.items()]:
+        try:
+            result = run_case()
         except Exception as e:  # reported per case, the others still run
             result = [repr(e)]
-        with open(os.path.join(out_dir, f"{case_id(case)}-rank{rank}.txt"), "w") as f:
+        with open(os.path.join(out_dir, f"{name}-rank{rank}.txt"), "w") as f:
             f.write(repr(result))
         dist.barrier()
     dist.destroy_process_group()
@@ -196,3 +251,32 @@ def test_two_processes_give_the_gradient_of_j(loss_type, entropy_coef, steps_per
         # micro-batches (measured ~7e-8); a wrong convention is off by O(1) (0.5 without
         # the process factor)
         assert err < 1e-6, f"rank {rank} ({loss_type}): relative difference from J's gradient {err:.3g}"
+
+
+def _read(world_results, name):
+    import ast
+
+    results = [ast.literal_eval(open(os.path.join(world_results, f"{name}-rank{rank}.txt")).read()) for rank in range(WORLD)]
+    for rank, result in enumerate(results):
+        assert not isinstance(result[0], str), f"rank {rank}: the case raised {result[0]}"
+    return results
+
+
+def test_two_processes_skip_an_empty_step(world_results):
+    """No loss token on either process: zero gradients, the optimizer step skipped on both (weight decay 0.5 would
+    move the weights), counted in lossagg_skipped_steps."""
+    for rank, (skipped, largest_grad, moved) in enumerate(_read(world_results, "empty-step")):
+        assert skipped == 1 and largest_grad == 0.0 and moved == 0.0, (rank, skipped, largest_grad, moved)
+
+
+def test_two_processes_weigh_the_router_loss_by_the_steps_tokens(world_results):
+    """A tiny Mixtral over both processes: each micro-batch's router auxiliary loss enters with its share of the
+    step's loss tokens on both processes (float32 losses: 2e-7)."""
+    shares = []
+    for rank, (off, micro_batches, total, rank_shares) in enumerate(_read(world_results, "router-loss")):
+        assert micro_batches == ACCUMULATION and total > 0, (rank, micro_batches, total)
+        assert off < 2e-7, f"rank {rank}: the router loss's share is off by {off:.3g}"
+        shares += rank_shares
+    print(f"the micro-batches' shares of the step's loss tokens: {[round(x, 3) for x in shares]}; TRL weighs each 1/{ACCUMULATION * WORLD}")
+    assert sum(shares) == pytest.approx(1.0)
+    assert max(abs(x - 1 / (ACCUMULATION * WORLD)) for x in shares) > 1e-3, "equal shares: TRL's weights would pass too"
