@@ -110,30 +110,39 @@ def full_grads(model, engine: str) -> list[torch.Tensor]:
     return [g.full_tensor() if engine == "fsdp2" else g for g in grads]
 
 
-def reference_grads(config, step) -> list[torch.Tensor]:
+def reference_grads(config, step, session_index=None) -> list[torch.Tensor]:
     from lossagg.testing import reference_loss
 
     features, targets, mask, cu, groups = step
     model = make_model()
-    reference_loss(config, per_token_loss(model, features, targets), mask, cu, groups).backward()
+    reference_loss(config, per_token_loss(model, features, targets), mask, cu, groups, session_index=session_index).backward()
     return [p.grad for p in model.parameters()]
 
 
-def run_rank(engine, config, dp, cp, num_micro_batches, rank, step=None):
-    """One rank's step (inside an initialised gloo world of dp * cp ranks); returns (grads, expected)."""
+def run_rank(engine, config, dp, cp, num_micro_batches, rank, step=None, session_index=None):
+    """One rank's step (inside an initialised gloo world of dp * cp ranks); returns (grads, expected).
+    ``session_index``: each sample's session (global labels), for a mode with sessions (docs/modes.md)."""
     dp_rank, cp_rank = divmod(rank, cp)
     # every rank creates every DP group, in the same order
     dp_groups = [dist.new_group([d * cp + c for d in range(dp)]) for c in range(cp)]
     step = step or make_step(n_per_prompt=config.n_samples_per_prompt or 4)
     features, targets, mask, cu, groups = step
     own = torch.tensor_split(torch.arange(cu.numel() - 1), dp)[dp_rank]
+    sessions = {}
+    if session_index is not None:
+        sessions = {"session_index": session_index[own], "num_session_labels": int(session_index.max()) + 1}
     plan = lossagg.StepPlan(
-        config, lossagg.token_counts(mask, cu)[own], group_index=groups[own], process_group=dp_groups[cp_rank], num_group_labels=int(groups.max()) + 1
+        config,
+        lossagg.token_counts(mask, cu)[own],
+        group_index=groups[own],
+        process_group=dp_groups[cp_rank],
+        num_group_labels=int(groups.max()) + 1,
+        **sessions,
     )
     model = wrap(make_model(), engine)
     scale = lossagg.gradient_scale("mean", dp_size=dp, cp_size=cp)
     accumulate(model, engine, plan, local_micro_batches(step, own, num_micro_batches, cp, cp_rank), scale)
-    return full_grads(model, engine), reference_grads(config, step)
+    return full_grads(model, engine), reference_grads(config, step, session_index)
 
 
 def _demo(rank, world, engine, init_file):

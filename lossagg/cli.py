@@ -30,6 +30,10 @@ def _cmd_check(args) -> int:
         print(str(exc), file=sys.stderr)
         return 1
     print(f"{args.file}: valid loss aggregation config")
+    meanings = {"group_index": "its prompt group", "session_index": "its session, the trajectory it belongs to"}
+    needed = config.sample_indices()
+    if needed:
+        print("each sample needs: " + ", ".join(f"{name} ({meanings[name]})" for name in needed))
     print(json.dumps(config.summary(), indent=2))
     for note in config.resolution_notes:
         print(f"note: {note}")

@@ -50,8 +50,8 @@ from lossagg.micro_batch import (
 )
 from lossagg.modes import ModeSpec, default_term_mode, mode_spec
 from lossagg.step import StepPlan
-from lossagg.totals import group_sums, mode_totals, read_totals
-from lossagg.validate import as_int, check_group_index, check_holds_data, check_process_group, check_sample_weights, plain_number
+from lossagg.totals import TOTALS, mode_totals, rank_share, read_as, read_totals
+from lossagg.validate import as_int, check_group_index, check_holds_data, check_process_group, check_sample_weights, check_session_index, plain_number
 
 __all__ = ["DeferredPlan", "DeferredStep", "deferred_factors"]
 
@@ -59,7 +59,8 @@ __all__ = ["DeferredPlan", "DeferredStep", "deferred_factors"]
 def deferred_factors(spec: ModeSpec, what: str | None = None) -> tuple[tuple[str, ...], bool]:
     """(the step-level factors of ``spec``'s ``d[i]``, whether it needs whole prompt groups in each
     micro-batch), from its :class:`lossagg.DenomProduct`; ValueError naming the mode (as ``what``)
-    and the factor when ``d[i]`` cannot be served by a :class:`DeferredPlan`."""
+    and the factor when ``d[i]`` cannot be served by a :class:`DeferredPlan`. Whether it needs
+    whole sessions is :func:`whole_sessions`."""
     what = what or f"mode={spec.name}"
     product = spec.denoms
     if not isinstance(product, DenomProduct):
@@ -67,11 +68,22 @@ def deferred_factors(spec: ModeSpec, what: str | None = None) -> tuple[tuple[str
             f"DeferredPlan cannot serve {what}: its d[i] is a function, which does not declare when each of its factors is known "
             "(declare it as a lossagg.DenomProduct of the factors in docs/modes.md)"
         )
-    late = [f for f in product.factors if FACTORS[f].known not in ("setting", "sample", "group", "step")]
+    late = [f for f in product.factors if FACTORS[f].known not in ("setting", "sample", "session", "group", "step")]
     if late:
         raise ValueError(f"DeferredPlan cannot serve {what}: its factor {late[0]} is not known by the end of the step")
     step = tuple(f for f in product.factors if FACTORS[f].known == "step")
     return step, any(FACTORS[f].known == "group" for f in product.factors)
+
+
+def whole_sessions(spec: ModeSpec) -> bool:
+    """Whether ``spec``'s ``d[i]`` has a factor known when a sample's session has run (each session
+    whole in one micro-batch): ``K[s(i)]``, ``c(Ts[s(i)])``, or a group's sessions ``Sp[g(i)]``."""
+    product = spec.denoms
+    return isinstance(product, DenomProduct) and any(FACTORS[f].known == "session" for f in product.factors)
+
+
+#: The per-sample totals a micro-batch computes itself when its sessions (or groups) lie whole in it.
+_LOCAL_TOTALS = ("group_token_sums", "session_sizes", "session_token_sums", "group_sessions")
 
 
 def _value(symbols: tuple[str, ...], read: Mapping[str, Any]) -> float:
@@ -186,6 +198,9 @@ class DeferredPlan:
             numbers), and the logged values at :meth:`close`.
         group_index, num_group_labels: prompt groups, as for :class:`lossagg.StepPlan`
             (needed by a grouped mode).
+        session_index, num_session_labels: sessions, as for :class:`lossagg.StepPlan` (needed by
+            a mode with sessions; each session lies whole in one micro-batch of one rank, since
+            its samples and tokens are read when its micro-batch runs).
         sample_weights: ``[num_local_samples]`` weights, as for :class:`lossagg.StepPlan`.
         estimate: the step totals to use in the micro-batches' denominators until the final
             ones are known (``G_used``): a :class:`lossagg.StepPlan` of the step (its rollout
@@ -213,6 +228,8 @@ class DeferredPlan:
         cp_group=None,
         group_index: torch.Tensor | None = None,
         num_group_labels: int | None = None,
+        session_index: torch.Tensor | None = None,
+        num_session_labels: int | None = None,
         sample_weights: torch.Tensor | None = None,
         estimate: StepPlan | Mapping[str, Any] | None = None,
         metrics: Sequence[str] = (),
@@ -225,6 +242,7 @@ class DeferredPlan:
         self.process_group = check_process_group(process_group, "process_group", "the DP group of this rank")
         self.cp_group = check_process_group(cp_group, "cp_group", "the CP group of this rank")
         self.num_group_labels = num_group_labels
+        self.num_session_labels = num_session_labels
         self._names = (PG_TERM, *config.terms)
         self._coefficients = [1.0, *(t.coefficient for t in config.terms.values())]
         specs = {PG_TERM: mode_spec(config.mode).weighted(config.weighting)}
@@ -251,13 +269,20 @@ class DeferredPlan:
         self._step_factors = pg_step
         self._metric_step_factors, _ = deferred_factors(self._metric_spec)
         self._whole_groups = whole_groups
+        sessions = any(spec.needs_sessions for spec in specs.values())
+        self._whole_sessions = any(whole_sessions(spec) for spec in specs.values())
+        # groups holding sessions: n_samples_per_prompt counts sessions, so a group is whole when all of this rank's samples are
+        self._groups_of_samples = whole_groups and not any("group_sessions" in spec.totals for spec in specs.values())
         self.sample_weights = check_sample_weights(
             sample_weights, {PG_TERM: config.weighting, **{k: t.weighting for k, t in config.terms.items()}}, n, torch.device("cpu"), "DeferredPlan"
         )
         self.group_index = None
         if group_index is not None or whole_groups:
             self.group_index = check_group_index(group_index, n, torch.device("cpu"), specs[PG_TERM].name).long().cpu()
-        if whole_groups and config.n_samples_per_prompt is None:
+        self.session_index = None
+        if session_index is not None or sessions:
+            self.session_index = check_session_index(session_index, n, torch.device("cpu"), specs[PG_TERM].name).long().cpu()
+        if self._groups_of_samples and config.n_samples_per_prompt is None:
             raise ValueError(
                 f"DeferredPlan: mode={specs[PG_TERM].name} reads c(Sg[g(i)]), known when a micro-batch runs only if each prompt group lies "
                 "whole in it: set n_samples_per_prompt in the config so that the plan can check it"
@@ -269,6 +294,7 @@ class DeferredPlan:
         self._counts: torch.Tensor | None = None
         self._seen = torch.zeros(n, dtype=torch.bool)
         self._seen_groups: set[int] = set()
+        self._seen_sessions: set[int] = set()
         # the logged values, summed over the ranks at close(): every term's from the start, so that a
         # rank with no sample still sends the same buffer (every rank must report the same metrics)
         self._logged: dict[str, torch.Tensor] = {f"term:{n}": torch.zeros((), dtype=torch.float64) for n in self._names}
@@ -371,21 +397,44 @@ class DeferredPlan:
                 "given once, by micro_batch() or loss(); metrics() reads what they recorded)"
             )
         groups = self._check_whole_groups(pos) if self._whole_groups else []
+        sessions = self._check_whole(pos, self.session_index, self._seen_sessions, "session") if self._whole_sessions else []
+        groups = [("group", g) for g in groups] + [("session", s) for s in sessions]
         if self._counts is None:
             self._counts = torch.full((self.num_local_samples,), -1.0, dtype=torch.float64, device=kept.device)
         self._counts[pos.to(kept.device)] = kept
         self._seen[pos] = True
-        self._seen_groups.update(groups)
+        self._seen_groups.update(g for kind, g in groups if kind == "group")
+        self._seen_sessions.update(g for kind, g in groups if kind == "session")
         return groups
 
-    def _unregister(self, pos: torch.Tensor, groups: list[int]) -> None:
+    def _unregister(self, pos: torch.Tensor, groups: list[tuple[str, int]]) -> None:
         """Forget a micro-batch whose loss failed, so that nothing is half-applied."""
         with self._lock:
             self._seen[pos] = False
             self._counts[pos.to(self._counts.device)] = -1.0
-            self._seen_groups.difference_update(groups)
+            self._seen_groups.difference_update(g for kind, g in groups if kind == "group")
+            self._seen_sessions.difference_update(g for kind, g in groups if kind == "session")
+
+    def _check_whole(self, pos: torch.Tensor, index: torch.Tensor, seen: set[int], what: str) -> list[int]:
+        """Each ``what`` (session, or prompt group holding sessions) of the micro-batch holds all of
+        this rank's samples of it and none ran before; one that straddles ranks is found at :meth:`close`."""
+        labels, sizes = torch.unique(index[pos], return_counts=True)
+        all_labels, all_sizes = torch.unique(index, return_counts=True)
+        local = dict(zip(all_labels.tolist(), all_sizes.tolist(), strict=True))
+        for label, size in zip(labels.tolist(), sizes.tolist(), strict=True):
+            if size != local[label] or label in seen:
+                raise ValueError(
+                    f"DeferredPlan: {what} {label} has {size} of this rank's {local[label]} samples of it in this micro-batch"
+                    + (" and more in an earlier one" if label in seen else "")
+                    + f": mode={self._specs[PG_TERM].name} reads its samples and tokens when its micro-batch runs, which is final only if "
+                    f"each {what} lies whole in one micro-batch (put a {what}'s samples in one micro-batch, or use a StepPlan of the "
+                    "rollout masks when the filter does not change the counts)"
+                )
+        return labels.tolist()
 
     def _check_whole_groups(self, pos: torch.Tensor) -> list[int]:
+        if not self._groups_of_samples:
+            return self._check_whole(pos, self.group_index, self._seen_groups, "prompt group")
         n = self.config.n_samples_per_prompt
         labels, sizes = torch.unique(self.group_index[pos], return_counts=True)
         for label, size in zip(labels.tolist(), sizes.tolist(), strict=True):
@@ -403,11 +452,30 @@ class DeferredPlan:
         factors from the estimate, the others final."""
         kept = self._counts[pos.to(self._counts.device)]
         read = dict(self._estimate_read)
-        if "group_token_sums" in spec.totals:  # the micro-batch holds its samples' groups whole
-            dense = torch.unique(self.group_index[pos], return_inverse=True)[1].to(kept.device)
-            read["group_token_sums"] = group_sums(kept, dense)[dense]
+        read.update(self._local_totals(spec, pos, kept))
         d = spec.denoms(DenomInputs(kept, read, None if divisor is None else float(divisor)))
         return check_denoms(d, what, tuple(kept.shape), {k: v for k, v in read.items() if isinstance(v, float)}, kept.device)
+
+    def _local_totals(self, spec: ModeSpec, pos: torch.Tensor, kept: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The per-sample totals ``spec`` reads, from the micro-batch's own samples (its groups and
+        sessions lie whole in it), as the mode reads them under ``empty_samples``."""
+        out: dict[str, torch.Tensor] = {}
+        wanted = [name for name in _LOCAL_TOTALS if name in spec.totals]
+        if not wanted:
+            return out
+        share = rank_share(
+            tuple(wanted),
+            kept,
+            None if self.group_index is None else self.group_index[pos].to(kept.device),
+            mode=spec.name,
+            session_index=None if self.session_index is None else self.session_index[pos].to(kept.device),
+        )
+        empty = self.config.empty_samples
+        gathered = {}
+        for name in mode_totals(tuple(wanted), empty):
+            total = TOTALS[name]
+            gathered[name] = total.value(total.share(share), share)
+        return {name: read_as(name, gathered, empty) for name in wanted}
 
     def loss(
         self,
@@ -436,8 +504,9 @@ class DeferredPlan:
         self._logs.append(mb.log)
         return out
 
-    def _groups_of(self, pos: torch.Tensor) -> list[int]:
-        return torch.unique(self.group_index[pos]).tolist() if self._whole_groups else []
+    def _groups_of(self, pos: torch.Tensor) -> list[tuple[str, int]]:
+        groups = [("group", g) for g in torch.unique(self.group_index[pos]).tolist()] if self._whole_groups else []
+        return groups + ([("session", g) for g in torch.unique(self.session_index[pos]).tolist()] if self._whole_sessions else [])
 
     def metrics(
         self,
@@ -537,6 +606,27 @@ class DeferredPlan:
                 "DeferredPlan(..., metrics=[...])"
             )
 
+    def _check_local_totals(self, plan: StepPlan, counts: torch.Tensor) -> None:
+        """The per-sample totals the micro-batches computed from their own samples equal the step's
+        (a session or group whose samples lie on several ranks makes them differ): ValueError naming it."""
+        everything = torch.arange(self.num_local_samples)
+        for name, spec in self._specs.items():
+            local = self._local_totals(spec, everything, counts)
+            if not local:
+                continue
+            final = read_totals(spec.totals, plan.totals, self.config.empty_samples, spec.name)
+            for total, values in local.items():
+                differ = values.to(torch.float64) != final[total].to(values.device, torch.float64)
+                if bool(differ.any()):
+                    i = int(differ.nonzero()[0, 0])
+                    kind = "session" if "session" in total else "prompt group"
+                    label = (self.session_index if kind == "session" else self.group_index)[i]
+                    raise ValueError(
+                        f"DeferredPlan.close: {TOTALS[total].symbol} of sample {i} is {float(final[total][i]):g} over the step but "
+                        f"{float(values[i]):g} on this rank: its {kind} {int(label)} has samples on another rank, and "
+                        f"mode={spec.name} (term {name!r}) reads it when its micro-batch runs: keep each {kind} on one rank"
+                    )
+
     def close(self) -> DeferredStep:
         """After the last micro-batch: the step totals of the final masks (one sum all-reduce over the
         process group, plus one max all-reduce for a mode with a maximum; the logged values ride in
@@ -563,9 +653,12 @@ class DeferredPlan:
             group_index=None if self.group_index is None else self.group_index.to(counts.device),
             process_group=self.process_group,
             num_group_labels=self.num_group_labels,
+            session_index=None if self.session_index is None else self.session_index.to(counts.device),
+            num_session_labels=self.num_session_labels,
             sample_weights=self.sample_weights,
             _extra_sums=logged,
         )
+        self._check_local_totals(plan, counts)
         empty = self.config.empty_samples
         final = read_totals(tuple(FACTORS[f].reads for f in self._step_factors), plan.totals, empty, self._specs[PG_TERM].name)
         scale = _ratio(self._used, _value(self._step_factors, final))

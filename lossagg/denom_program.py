@@ -77,6 +77,11 @@ _FACTOR_ROWS = (
     Factor("L", "divisor", clamped=False, per_sample=False, known="setting"),
     Factor("c(M[i])", "token_counts", clamped=True, per_sample=True, known="sample"),
     Factor("c(Sg[g(i)])", "group_token_sums", clamped=True, per_sample=True, known="group"),
+    # sessions (docs/modes.md, "Sessions"): a session's samples and tokens, the step's sessions, a group's sessions
+    Factor("S", "num_sessions", clamped=False, per_sample=False, known="step"),
+    Factor("K[s(i)]", "session_sizes", clamped=False, per_sample=True, known="session"),
+    Factor("c(Ts[s(i)])", "session_token_sums", clamped=True, per_sample=True, known="session"),
+    Factor("Sp[g(i)]", "group_sessions", clamped=False, per_sample=True, known="group"),
     Factor("W", "weight_sum", clamped=False, per_sample=False, known="step"),
     Factor("W_abs", "abs_weight_sum", clamped=False, per_sample=False, known="step", zero_as_one=True),
 )
@@ -172,7 +177,8 @@ class DenomProduct:
     written declaratively (every built-in mode is one).
 
     The factors are those of :data:`FACTORS` (docs/modes.md): ``N``, ``P``, ``c(T)``,
-    ``c(L_max)``, ``L`` (the divisor), ``c(M[i])`` and ``c(Sg[g(i)])``. Called like any ``denoms``
+    ``c(L_max)``, ``L`` (the divisor), ``c(M[i])``, ``c(Sg[g(i)])``, the weight sums, and the
+    session factors ``S``, ``K[s(i)]``, ``c(Ts[s(i)])`` and ``Sp[g(i)]``. Called like any ``denoms``
     (on :class:`DenomInputs`) it multiplies them left to right in float64. A product whose
     factors all have a native code (:func:`code_of`) also has a native program
     (:meth:`program`) that multiplies the same numbers in the same order, so
@@ -216,8 +222,8 @@ class DenomProduct:
 
     def program(self, empty_samples: str = "count") -> tuple[int, ...] | None:
         """The native program of this product under the ``empty_samples`` convention (its factors'
-        codes, :data:`CODES`), or None where a factor has none (``P``, ``c(Sg[g(i)])``: the groups
-        are planned in Python)."""
+        codes, :data:`CODES`), or None where a factor has none (``P``, ``c(Sg[g(i)])``, the session
+        factors: the groups and sessions are planned in Python)."""
         return self._programs.get(empty_samples)
 
     def __call__(self, x: DenomInputs):

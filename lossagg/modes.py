@@ -35,7 +35,7 @@ from typing import Any
 
 from lossagg.denom_program import DenomInputs, DenomProduct  # a mode's d[i], declared (lossagg/denom_program.py)
 from lossagg.messages import did_you_mean
-from lossagg.totals import TOTALS, needs_groups
+from lossagg.totals import TOTALS, needs_groups, needs_sessions
 
 
 @dataclass(frozen=True)
@@ -44,13 +44,14 @@ class ReferenceInputs:
 
     ``numerators[i]`` is ``sum_t m*l`` of sample i (a float64 0-dim tensor, so the
     reference is differentiable), ``token_counts[i]`` its ``M[i]``, ``group_index[i]``
-    its prompt group (or None).
+    its prompt group (or None), ``session_index[i]`` its session (or None).
     """
 
     numerators: Sequence[Any]
     token_counts: Sequence[float]
     group_index: Sequence[int] | None
     divisor: float | None
+    session_index: Sequence[int] | None = None
 
 
 def _c(x: float) -> float:
@@ -91,6 +92,11 @@ class ModeSpec:
     def needs_groups(self) -> bool:
         """Whether the mode needs each sample's prompt group (``group_index``)."""
         return needs_groups(self.totals)
+
+    @property
+    def needs_sessions(self) -> bool:
+        """Whether the mode needs each sample's session (``session_index``; docs/modes.md, "Sessions")."""
+        return needs_sessions(self.totals)
 
     def weighted(self, weighting: str) -> ModeSpec:
         """The mode as a term with this ``weighting`` of per-sample weights reduces (docs/terms.md):
@@ -144,6 +150,42 @@ def _max_length_reference(r: ReferenceInputs):
     return sum(r.numerators) / (len(r.numerators) * _c(max(r.token_counts)))
 
 
+def _members(labels: Sequence[int]) -> dict[int, list[int]]:
+    """The samples of each label, in order of first appearance."""
+    members: dict[int, list[int]] = {}
+    for i, label in enumerate(labels):
+        members.setdefault(int(label), []).append(i)
+    return members
+
+
+def _session_mean_reference(r: ReferenceInputs):
+    # each session once, each of its samples equally, a token mean inside each sample
+    sessions = _members(r.session_index)
+    return sum(sum(r.numerators[i] / _c(r.token_counts[i]) for i in ids) / len(ids) for ids in sessions.values()) / len(sessions)
+
+
+def _session_token_mean_reference(r: ReferenceInputs):
+    # each session once, a token mean over the session's tokens
+    sessions = _members(r.session_index)
+    return sum(sum(r.numerators[i] for i in ids) / _c(sum(r.token_counts[i] for i in ids)) for ids in sessions.values()) / len(sessions)
+
+
+def _prompt_session_reference(r: ReferenceInputs, session_value) -> Any:
+    # each prompt group once, each of its sessions equally, each session's value as session_value says
+    groups: dict[int, dict[int, list[int]]] = {}
+    for i, (g, s) in enumerate(zip(r.group_index, r.session_index, strict=True)):
+        groups.setdefault(int(g), {}).setdefault(int(s), []).append(i)
+    return sum(sum(session_value(ids) for ids in sessions.values()) / len(sessions) for sessions in groups.values()) / len(groups)
+
+
+def _prompt_session_mean_reference(r: ReferenceInputs):
+    return _prompt_session_reference(r, lambda ids: sum(r.numerators[i] / _c(r.token_counts[i]) for i in ids) / len(ids))
+
+
+def _prompt_session_token_mean_reference(r: ReferenceInputs):
+    return _prompt_session_reference(r, lambda ids: sum(r.numerators[i] for i in ids) / _c(sum(r.token_counts[i] for i in ids)))
+
+
 _ENTRIES = (
     ModeSpec(
         name="sample_mean",
@@ -180,6 +222,34 @@ _ENTRIES = (
         formula="(1/N) Σ_i Σ_t m·l / c(L_max)",
         denoms=DenomProduct("N", "c(L_max)"),
         reference=_max_length_reference,
+    ),
+    ModeSpec(
+        name="session_mean",
+        summary="each session (trajectory) once, each of its samples equally, a token mean inside each sample",
+        formula="(1/S) Σ_s (1/K_s) Σ_{i∈s} Σ_t m·l / c(M[i])",
+        denoms=DenomProduct("S", "K[s(i)]", "c(M[i])"),
+        reference=_session_mean_reference,
+    ),
+    ModeSpec(
+        name="session_token_mean",
+        summary="each session once, a token mean over the session's tokens (slime's per-rollout divisor)",
+        formula="(1/S) Σ_s Σ_{i∈s} Σ_t m·l / c(Ts[s])",
+        denoms=DenomProduct("S", "c(Ts[s(i)])"),
+        reference=_session_token_mean_reference,
+    ),
+    ModeSpec(
+        name="prompt_session_mean",
+        summary="each prompt group once, each of its sessions equally, session_mean inside (GRPO over multi-turn rollouts)",
+        formula="(1/P) Σ_g (1/Sp_g) Σ_{s∈g} (1/K_s) Σ_{i∈s} Σ_t m·l / c(M[i])",
+        denoms=DenomProduct("P", "Sp[g(i)]", "K[s(i)]", "c(M[i])"),
+        reference=_prompt_session_mean_reference,
+    ),
+    ModeSpec(
+        name="prompt_session_token_mean",
+        summary="each prompt group once, each of its sessions equally, a token mean over each session's tokens",
+        formula="(1/P) Σ_g (1/Sp_g) Σ_{s∈g} Σ_{i∈s} Σ_t m·l / c(Ts[s])",
+        denoms=DenomProduct("P", "Sp[g(i)]", "c(Ts[s(i)])"),
+        reference=_prompt_session_token_mean_reference,
     ),
 )
 

@@ -52,6 +52,7 @@ def aggregate(
     group_index: torch.Tensor | None = None,
     rollout_mask: torch.Tensor | None = None,
     sample_denoms: torch.Tensor | None = None,
+    session_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The step scalar J of ``config.mode`` (docs/modes.md), differentiable in ``per_token_loss``.
 
@@ -59,12 +60,20 @@ def aggregate(
     denominators come from ``rollout_mask`` (default: ``mask``) through a
     :class:`lossagg.StepPlan`: masks changed after rollout change only numerators. For
     micro-batches of a larger step, pass the ``sample_denoms`` of the step's plan.
+    ``group_index`` and ``session_index`` are each sample's prompt group and session, for the
+    modes that read them.
 
     When the denominators come from ``mask`` itself (no ``rollout_mask``), the loss and the
     mask are read once (the one-pass route, above), with the bits of the plan-then-reduce route.
     """
     # the arguments read below, named as this function names them (not as the helpers it calls do)
-    for name, t in (("per_token_loss", per_token_loss), ("mask", mask), ("cu_seqlens", cu_seqlens), ("group_index", group_index)):
+    for name, t in (
+        ("per_token_loss", per_token_loss),
+        ("mask", mask),
+        ("cu_seqlens", cu_seqlens),
+        ("group_index", group_index),
+        ("session_index", session_index),
+    ):
         check_holds_data(name, t)
     if rollout_mask is not None and rollout_mask is not mask:
         check_holds_data("rollout_mask", rollout_mask)
@@ -79,12 +88,12 @@ def aggregate(
             config.check_single_term("lossagg.aggregate")
             denoms = mode_spec(config.mode).denoms
             program = denoms.program(config.empty_samples) if type(denoms) is DenomProduct else None
-            plan = lambda m: StepPlan(config, m, group_index=group_index).sample_denoms  # noqa: E731
+            plan = lambda m: StepPlan(config, m, group_index=group_index, session_index=session_index).sample_denoms  # noqa: E731
             if program is not None:
                 return reduce_by_program(per_token_loss, mask, cu_seqlens, program, config.divisor, plan)
             return reduce_with_counts(per_token_loss, mask, cu_seqlens, plan)
         LossAggregationConfig.coerce(config).check_single_term("lossagg.aggregate")
-        sample_denoms = StepPlan.from_mask(config, rollout_mask, cu_seqlens, group_index=group_index).sample_denoms
+        sample_denoms = StepPlan.from_mask(config, rollout_mask, cu_seqlens, group_index=group_index, session_index=session_index).sample_denoms
     return reduce(per_token_loss, mask, cu_seqlens=cu_seqlens, sample_denoms=sample_denoms)
 
 

@@ -65,6 +65,12 @@ class StepPlan:
         num_group_labels: how many group labels the step's ``group_index`` can take
             (with a process group). The groups actually present, ``P``, are counted from
             the data: ``plan.totals.num_groups``.
+        session_index: ``[n_local]`` session (trajectory) index of each sample; required by
+            modes with sessions (docs/modes.md, "Sessions"). With a process group the labels
+            must mean the same on every rank and lie in ``[0, num_session_labels)``, where
+            ``num_session_labels`` is given or ``global_batch_size``; a session may straddle
+            micro-batches and ranks (its totals travel in the plan's one sum all-reduce).
+        num_session_labels: how many session labels ``session_index`` can take (with a process group).
 
     ``plan.totals`` holds the step totals the mode declares and, gathered by every plan built
     here, ``num_samples`` and ``total_tokens`` (the metrics reducer and Megatron's
@@ -87,6 +93,8 @@ class StepPlan:
         group_index: torch.Tensor | None = None,
         process_group=None,
         num_group_labels: int | None = None,
+        session_index: torch.Tensor | None = None,
+        num_session_labels: int | None = None,
         sample_weights: torch.Tensor | None = None,
         _totals: Mapping[str, Any] | None = None,
         _extra_sums: torch.Tensor | None = None,
@@ -107,7 +115,14 @@ class StepPlan:
         self._specs = {PG_TERM: spec, **terms}
         # what J reads: the PG mode's totals and every other term's, gathered in the same all-reduces
         needed = tuple(dict.fromkeys((*spec.totals, *(t for term in terms.values() for t in term.totals))))
-        grouped = next((f"{s.name} (the reducer of term {n!r})" for n, s in terms.items() if s.needs_groups and not spec.needs_groups), None)
+        grouped = next(
+            (
+                f"{s.name} (the reducer of term {n!r})"
+                for n, s in terms.items()
+                if (s.needs_groups and not spec.needs_groups) or (s.needs_sessions and not spec.needs_sessions)
+            ),
+            None,
+        )
         self.totals = plan_totals(
             needed,
             counts,
@@ -121,6 +136,8 @@ class StepPlan:
             global_batch_size=config.global_batch_size,
             process_group=process_group,
             num_group_labels=num_group_labels,
+            session_index=session_index,
+            num_session_labels=num_session_labels,
             weights=self.sample_weights,
             extra_sums=_extra_sums,
         )
@@ -191,8 +208,10 @@ class StepPlan:
         (``N``, verl's ``global_batch_size``), ``num_nonempty_samples`` (``N'``, NeMo-RL's
         ``global_valid_seqs``), ``total_tokens`` (``T``, verl's ``batch_num_tokens``, TRL's
         ``num_items_in_batch``), ``max_tokens`` (``L_max``), ``num_groups`` (``P``),
-        ``num_nonempty_groups`` (``P'``) and ``group_token_sums`` (``Sg[g(i)]`` of each local
-        sample). The mode's totals (``lossagg.MODES[mode].totals``) are required, ``num_samples``
+        ``num_nonempty_groups`` (``P'``), ``group_token_sums`` (``Sg[g(i)]`` of each local
+        sample) and, for the session modes, ``num_sessions`` (``S``), ``session_sizes``
+        (``K[s(i)]``), ``session_token_sums`` (``Ts[s(i)]``) and ``group_sessions`` (``Sp[g(i)]``),
+        the per-sample ones with one entry per local sample. The mode's totals (``lossagg.MODES[mode].totals``) are required, ``num_samples``
         also for :meth:`metrics`; under ``empty_samples="skip"`` their stand-ins instead
         (``num_nonempty_samples`` for ``num_samples``, ``num_nonempty_groups`` for
         ``num_groups``). Each value is checked against this rank's own ``token_counts`` and

@@ -41,6 +41,7 @@ def reference_loss(
     cu_seqlens: torch.Tensor,
     group_index: torch.Tensor | None = None,
     rollout_mask: torch.Tensor | None = None,
+    session_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """J of the mode (docs/modes.md) in float64, from the mode's own formula (a loop over samples, for clarity).
 
@@ -67,7 +68,10 @@ def reference_loss(
     counts = [float((rollout_mask[cu[i] : cu[i + 1]] != 0).sum()) for i in range(n)]
     if spec.needs_groups and group_index is None:
         raise ValueError(f"reference_loss: mode={spec.name} needs group_index")
+    if spec.needs_sessions and session_index is None:
+        raise ValueError(f"reference_loss: mode={spec.name} needs session_index")
     groups = None if group_index is None else [int(g) for g in torch.as_tensor(group_index).tolist()]
+    sessions = None if session_index is None else [int(s) for s in torch.as_tensor(session_index).tolist()]
     if config.empty_samples == "skip":
         kept = [i for i in range(n) if counts[i] > 0]
         for i in range(n):
@@ -77,10 +81,17 @@ def reference_loss(
             return sum(numerators) * 0.0  # every sample is left out: J = 0 (differentiable, zero gradients)
         numerators, counts = [numerators[i] for i in kept], [counts[i] for i in kept]
         groups = None if groups is None else [groups[i] for i in kept]
-    return torch.as_tensor(spec.reference(ReferenceInputs(numerators, counts, groups, config.divisor)), dtype=torch.float64)
+        sessions = None if sessions is None else [sessions[i] for i in kept]
+    return torch.as_tensor(spec.reference(ReferenceInputs(numerators, counts, groups, config.divisor, sessions)), dtype=torch.float64)
 
 
-def rank_totals(config: LossAggregationConfig, token_counts: torch.Tensor, samples, group_index: torch.Tensor | None = None) -> dict[str, object]:
+def rank_totals(
+    config: LossAggregationConfig,
+    token_counts: torch.Tensor,
+    samples,
+    group_index: torch.Tensor | None = None,
+    session_index: torch.Tensor | None = None,
+) -> dict[str, object]:
     """The ``StepPlan.from_totals`` keywords of a rank holding ``samples`` of a step.
 
     ``token_counts`` (and ``group_index``) are those of every sample of the step: what a
@@ -88,7 +99,7 @@ def rank_totals(config: LossAggregationConfig, token_counts: torch.Tensor, sampl
     a rollout side that counted every response) hands each rank. Holds every total the plan of
     ``config``'s mode has, so it serves any registered mode.
     """
-    plan = StepPlan(config, token_counts, group_index=group_index)
+    plan = StepPlan(config, token_counts, group_index=group_index, session_index=session_index)
     own = torch.as_tensor(samples)
     return {name: (value[own] if TOTALS[name].per_sample else value) for name, value in plan.totals.items()}
 
@@ -100,6 +111,7 @@ def check_split_invariance(
     cu_seqlens: torch.Tensor,
     *,
     group_index: torch.Tensor | None = None,
+    session_index: torch.Tensor | None = None,
     rollout_mask: torch.Tensor | None = None,
     micro_batches: int = 2,
     dp_size: int = 2,
@@ -122,7 +134,7 @@ def check_split_invariance(
     counts = torch.stack([(rollout_mask[cu_seqlens[i] : cu_seqlens[i + 1]] != 0).sum() for i in range(n)]) if n else torch.zeros(0)
 
     ref_leaf = values.detach().clone().to(torch.float64).requires_grad_(True)
-    ref = reference_loss(config, ref_leaf, mask, cu_seqlens, group_index, rollout_mask)
+    ref = reference_loss(config, ref_leaf, mask, cu_seqlens, group_index, rollout_mask, session_index)
     if ref.requires_grad:
         ref.backward()
     ref_grad = ref_leaf.grad if ref_leaf.grad is not None else torch.zeros_like(ref_leaf)
@@ -130,7 +142,7 @@ def check_split_invariance(
     composed = torch.zeros((), dtype=torch.float64)
     # Each DP rank's StepPlan learns the step totals through one all-reduce; in one
     # process the plan of the whole step gives every rank the same numbers.
-    plan = StepPlan(config, counts, group_index=group_index)
+    plan = StepPlan(config, counts, group_index=group_index, session_index=session_index)
     for own in torch.tensor_split(torch.arange(n), dp_size):
         for mb in torch.tensor_split(own, micro_batches):
             if mb.numel() == 0:

@@ -26,7 +26,7 @@ which import it), through :func:`_torch` and :func:`_checks` when they first run
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -54,10 +54,18 @@ class RankShare:
     group_dense: Any = None
     n_samples_per_prompt: int | None = None
     weights: Any = None  # the samples' weights w_i (float64 [n_local]), for a weighted mean (docs/terms.md)
+    session_labels: Any = None  # the session labels (sessions, docs/modes.md "Sessions"), as group_labels
+    session_dense: Any = None  # the index of each sample's session label in session_labels
+    group_values: Any = None  # each sample's prompt-group label (int64), for the sessions' groups
+    sessions_per_prompt: bool = False  # n_samples_per_prompt counts sessions per group, not samples
 
     @property
     def num_labels(self) -> int:
         return 0 if self.group_labels is None else int(self.group_labels.numel())
+
+    @property
+    def num_session_labels(self) -> int:
+        return 0 if self.session_labels is None else int(self.session_labels.numel())
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,7 @@ class StepTotal:
     value: Callable[[Any, RankShare], Any]  # the step's value from the combined shares
     given: Callable[[Any, RankShare], Any]  # a value handed to from_totals, checked against the rank's own data
     per_group: bool = False  # needs each sample's prompt group
+    per_session: bool = False  # needs each sample's session (docs/modes.md, "Sessions")
     per_sample: bool = False  # the value is one entry per local sample (not one number for the step)
     count: bool = True  # a count (of samples, groups, tokens); standing in for another it is read as c(x) = max(x, 1)
 
@@ -157,7 +166,8 @@ def _group_token_sums(share: RankShare):
 
 
 def _num_groups(sizes, share: RankShare) -> int:
-    _checks().check_group_sizes(share.group_labels, sizes.long(), share.n_samples_per_prompt)
+    if not share.sessions_per_prompt:  # with sessions, n_samples_per_prompt counts a group's sessions (group_sessions checks it)
+        _checks().check_group_sizes(share.group_labels, sizes.long(), share.n_samples_per_prompt)
     return int((sizes > 0).sum().item())
 
 
@@ -240,6 +250,89 @@ def _given_group_token_sums(value, share: RankShare):
     return sums
 
 
+# ------------------------------------------------------------------ sessions
+def _session_sums(values, share: RankShare):
+    return group_sums(values, share.session_dense, share.num_session_labels)
+
+
+def _session_groups_share(share: RankShare):
+    """Per session label: its samples, its non-empty samples, and the sum and the sum of squares of
+    its samples' prompt-group labels ([4 x labels]): summed over the ranks they give each session's
+    group and show whether all its samples share one (n·Σg² = (Σg)² exactly when they do)."""
+    torch = _torch()
+    g = share.group_values.to(torch.float64)
+    ones = torch.ones_like(share.token_counts)
+    return torch.cat(
+        [_session_sums(ones, share), _session_sums(_nonempty(share.token_counts), share), _session_sums(g, share), _session_sums(g * g, share)]
+    )
+
+
+def _group_sessions(x, share: RankShare, nonempty: bool):
+    """``Sp[g(i)]`` (or ``Sp'[g(i)]``): the sessions (with a rollout token) in each local sample's
+    prompt group, from the summed :func:`_session_groups_share`; a session whose samples lie in
+    several prompt groups, and under ``n_samples_per_prompt`` a group without that many sessions,
+    are errors naming them."""
+    torch = _torch()
+    k = share.num_session_labels
+    sizes, kept, g1, g2 = (x[j * k : (j + 1) * k] for j in range(4))
+    present = sizes > 0
+    labels = share.session_labels[present.to(share.session_labels.device)]
+    n, s1, s2 = sizes[present].round().long(), g1[present].round().long(), g2[present].round().long()
+    split = s2 * n != s1 * s1
+    if bool(split.any()):
+        j = int(split.nonzero()[0, 0])
+        raise ValueError(
+            f"session_index: session {int(labels[j])} holds samples of more than one prompt group (group_index): a session "
+            "(one trajectory) answers one prompt, so all its samples must carry its group's label"
+        )
+    groups = torch.div(s1, n.clamp(min=1), rounding_mode="floor")
+    per_prompt = share.n_samples_per_prompt
+    if per_prompt is not None and groups.numel():
+        uniq, sessions = torch.unique(groups, return_counts=True)
+        wrong = sessions != per_prompt
+        if bool(wrong.any()):
+            j = int(wrong.nonzero()[0, 0])
+            raise ValueError(
+                f"n_samples_per_prompt ({per_prompt}) counts the sessions of each prompt group under a mode with sessions in prompt "
+                f"groups; group {int(uniq[j])} has {int(sessions[j])} session(s) ({int(wrong.sum())} group(s) of the wrong size)"
+            )
+    counted = groups[kept[present] > 0] if nonempty else groups
+    uniq, sessions = torch.unique(counted, return_counts=True)
+    own = share.group_values.to(uniq.device)
+    if not uniq.numel():
+        return torch.zeros(own.shape, dtype=torch.float64, device=share.token_counts.device)
+    at = torch.searchsorted(uniq, own).clamp(max=uniq.numel() - 1)
+    hit = uniq[at] == own
+    return torch.where(hit, sessions[at], torch.zeros_like(sessions[at])).to(torch.float64).to(share.token_counts.device)
+
+
+def _given_per_sample(name: str, what: str, own: Callable[[Any], Any], at_least: str) -> Callable[[Any, RankShare], Any]:
+    """A per-sample total handed to from_totals: one entry per local sample, each >= the sample's own share."""
+
+    def check(value, share: RankShare):
+        counts = share.token_counts
+        values = _checks().check_token_counts(value, name=name).to(counts.device)
+        if values.shape != counts.shape:
+            raise ValueError(f"{name} must have one entry per local sample ({counts.shape[0]}), got shape {tuple(values.shape)}")
+        least = own(counts)
+        short = values < least
+        if bool(short.any()):
+            i = int(short.nonzero()[0, 0])
+            raise ValueError(f"{name}[{i}] ({what}) must be >= {at_least} ({float(least[i]):g}), got {float(values[i]):g}")
+        return values
+
+    return check
+
+
+def _given_num_sessions(value, share: RankShare) -> int:
+    return _checks().as_int("num_sessions", value, minimum=1 if share.token_counts.shape[0] else 0)
+
+
+def _given_num_nonempty_sessions(value, share: RankShare) -> int:
+    own = bool(_nonempty(share.token_counts).any())
+    return _checks().as_int("num_nonempty_sessions", value, minimum=1 if own else 0)
+
+
 def _local_max(counts) -> float:
     return float(counts.max()) if counts.numel() else 0.0
 
@@ -313,6 +406,85 @@ _ENTRIES = (
         per_sample=True,
     ),
     StepTotal(
+        name="num_sessions",
+        symbol="S",
+        combine="sum",
+        meaning="sessions (trajectories) present in the step",
+        share=lambda s: _session_sums(_torch().ones_like(s.token_counts), s),
+        value=lambda x, s: int((x > 0).sum().item()),
+        given=_given_num_sessions,
+        per_session=True,
+    ),
+    StepTotal(
+        name="num_nonempty_sessions",
+        symbol="S'",
+        combine="sum",
+        meaning="sessions in the step with at least one rollout token",
+        share=lambda s: _session_sums(_nonempty(s.token_counts), s),
+        value=lambda x, s: int((x > 0).sum().item()),
+        given=_given_num_nonempty_sessions,
+        per_session=True,
+    ),
+    StepTotal(
+        name="session_sizes",
+        symbol="K[s(i)]",
+        combine="sum",
+        meaning="samples of each local sample's session",
+        share=lambda s: _session_sums(_torch().ones_like(s.token_counts), s),
+        value=lambda x, s: x[s.session_dense],
+        given=_given_per_sample("session_sizes", "K, the samples of the sample's session", lambda c: _torch().ones_like(c), "1"),
+        per_session=True,
+        per_sample=True,
+    ),
+    StepTotal(
+        name="nonempty_session_sizes",
+        symbol="K'[s(i)]",
+        combine="sum",
+        meaning="samples with at least one rollout token in each local sample's session",
+        share=lambda s: _session_sums(_nonempty(s.token_counts), s),
+        value=lambda x, s: x[s.session_dense],
+        given=_given_per_sample("nonempty_session_sizes", "K', the non-empty samples of the sample's session", _nonempty, "1 for a non-empty sample"),
+        per_session=True,
+        per_sample=True,
+    ),
+    StepTotal(
+        name="session_token_sums",
+        symbol="Ts[s(i)]",
+        combine="sum",
+        meaning="rollout tokens of each local sample's session",
+        share=lambda s: _session_sums(s.token_counts, s),
+        value=lambda x, s: x[s.session_dense],
+        given=_given_per_sample("session_token_sums", "Ts, the tokens of the sample's session", lambda c: c, "the sample's own tokens"),
+        per_session=True,
+        per_sample=True,
+    ),
+    StepTotal(
+        name="group_sessions",
+        symbol="Sp[g(i)]",
+        combine="sum",
+        meaning="sessions in each local sample's prompt group",
+        share=_session_groups_share,
+        value=lambda x, s: _group_sessions(x, s, nonempty=False),
+        given=_given_per_sample("group_sessions", "Sp, the sessions of the sample's prompt group", lambda c: _torch().ones_like(c), "1"),
+        per_group=True,
+        per_session=True,
+        per_sample=True,
+    ),
+    StepTotal(
+        name="nonempty_group_sessions",
+        symbol="Sp'[g(i)]",
+        combine="sum",
+        meaning="sessions with at least one rollout token in each local sample's prompt group",
+        share=_session_groups_share,
+        value=lambda x, s: _group_sessions(x, s, nonempty=True),
+        given=_given_per_sample(
+            "nonempty_group_sessions", "Sp', the non-empty sessions of the sample's prompt group", _nonempty, "1 for a non-empty sample"
+        ),
+        per_group=True,
+        per_session=True,
+        per_sample=True,
+    ),
+    StepTotal(
         name="weight_sum",
         symbol="W",
         combine="sum",
@@ -376,6 +548,9 @@ EMPTY_SAMPLES: Mapping[str, Mapping[str, str]] = MappingProxyType(
                 "num_groups": "num_nonempty_groups",
                 "weight_sum": "nonempty_weight_sum",
                 "abs_weight_sum": "nonempty_abs_weight_sum",
+                "num_sessions": "num_nonempty_sessions",
+                "session_sizes": "nonempty_session_sizes",
+                "group_sessions": "nonempty_group_sessions",
             }
         ),
     }
@@ -391,6 +566,10 @@ def stand_in(name: str, empty_samples: str = DEFAULT_EMPTY_SAMPLES) -> str:
 # ------------------------------------------------------------------ group labels
 def needs_groups(names: Iterable[str]) -> bool:
     return any(TOTALS[name].per_group for name in names)
+
+
+def needs_sessions(names: Iterable[str]) -> bool:
+    return any(TOTALS[name].per_session for name in names)
 
 
 def check_group_label_count(num_labels: int, what: str = "num_group_labels") -> None:
@@ -459,9 +638,10 @@ def read_as(name: str, totals: Mapping[str, Any], empty_samples: str = DEFAULT_E
     read as ``c(x) = max(x, 1)`` (a step whose samples are all empty has J = 0 whatever N is; a
     count of 0 would make every d[i] 0); a weight sum standing in is read as it is."""
     gathered = stand_in(name, empty_samples)
-    if gathered == name:
-        return totals[gathered]
-    return max(totals[gathered], 1) if TOTALS[gathered].count else totals[gathered]
+    value = totals[gathered]
+    if gathered == name or not TOTALS[gathered].count:
+        return value
+    return value.clamp(min=1.0) if TOTALS[gathered].per_sample else max(value, 1)
 
 
 def rank_share(
@@ -475,36 +655,88 @@ def rank_share(
     process_group=None,
     num_group_labels=None,
     weights=None,
+    session_index=None,
+    num_session_labels=None,
 ) -> RankShare:
     """This rank's own data for the step totals ``totals``: its counts and, with prompt groups,
     its samples' group labels (the distinct labels it holds; with a process group, labels
-    ``0..num_group_labels-1`` shared by every rank, given or ``global_batch_size // n_samples_per_prompt``)."""
-    torch, checks = _torch(), _checks()
-    if num_group_labels is not None:
-        num_group_labels = checks.as_int("num_group_labels", num_group_labels, minimum=1)
-    if not needs_groups(totals):
-        return RankShare(counts, n_samples_per_prompt=n_samples_per_prompt, weights=weights)
-    labels_from = "num_group_labels"
-    if process_group is not None and num_group_labels is None:
-        if global_batch_size is None or n_samples_per_prompt is None:
-            raise ValueError(
-                f"with a process group, mode={mode} needs the number of group labels in the step: set global_batch_size and "
-                "n_samples_per_prompt in the config or pass num_group_labels"
-            )
-        num_group_labels = global_batch_size // n_samples_per_prompt
-        labels_from = "num_group_labels (global_batch_size // n_samples_per_prompt of the config)"
-    group_index = checks.check_group_index(group_index, counts.shape[0], counts.device, mode)
+    ``0..num_group_labels-1`` shared by every rank, given or ``global_batch_size // n_samples_per_prompt``);
+    with sessions, its samples' session labels the same way (with a process group, labels
+    ``0..num_session_labels-1``, given or ``global_batch_size``: a step holds at most that many sessions)."""
+    checks = _checks()
+    for name, value in (("num_group_labels", num_group_labels), ("num_session_labels", num_session_labels)):
+        if value is not None:
+            checks.as_int(name, value, minimum=1)
+    totals = tuple(totals)
+    groups, sessions = needs_groups(totals), needs_sessions(totals)
+    share = RankShare(counts, n_samples_per_prompt=n_samples_per_prompt, weights=weights)
+    if groups:
+        share = _with_groups(share, group_index, mode, process_group, num_group_labels, global_batch_size, n_samples_per_prompt)
+    if sessions:
+        share = _with_sessions(share, session_index, mode, process_group, num_session_labels, global_batch_size)
+        in_groups = any(name in ("group_sessions", "nonempty_group_sessions") for name in totals)
+        share = replace(share, group_values=share.group_values if groups else None, sessions_per_prompt=in_groups)
+    return share
+
+
+def _labels(index, what: str, count, process_group, default, default_from: str, counts):
+    """(labels, each sample's index among them) of ``index``: its distinct values, or with a process
+    group ``0..count-1`` (``count`` given, else ``default``), every value checked to lie there."""
+    torch = _torch()
+    name = f"num_{what}_labels"
+    if count is not None:
+        count = int(count)
     if process_group is None:
-        labels, dense = torch.unique(group_index, return_inverse=True)
-        return RankShare(counts, labels, dense, n_samples_per_prompt, weights)
-    g = num_group_labels
-    check_group_label_count(g, labels_from)
-    if group_index.numel() and (group_index.min() < 0 or group_index.max() >= g):
+        labels, dense = torch.unique(index, return_inverse=True)
+        return labels, dense
+    labels_from = name
+    if count is None:
+        if default is None:
+            raise ValueError(default_from)
+        count, labels_from = default
+    check_group_label_count(count, labels_from)
+    if index.numel() and (index.min() < 0 or index.max() >= count):
         raise ValueError(
-            f"group_index must lie in [0, {g}) (global prompt index within the step), "
-            f"got values in [{int(group_index.min())}, {int(group_index.max())}]"
+            f"{what}_index must lie in [0, {count}) (the global {what} index within the step, the same on every rank), "
+            f"got values in [{int(index.min())}, {int(index.max())}]"
         )
-    return RankShare(counts, torch.arange(g, device=counts.device), group_index.long(), n_samples_per_prompt, weights)
+    return torch.arange(count, device=counts.device), index.long()
+
+
+def _with_groups(share: RankShare, group_index, mode, process_group, num_group_labels, global_batch_size, n_samples_per_prompt) -> RankShare:
+    counts = share.token_counts
+    group_index = _checks().check_group_index(group_index, counts.shape[0], counts.device, mode)
+    default = None
+    if global_batch_size is not None and n_samples_per_prompt is not None:
+        default = (global_batch_size // n_samples_per_prompt, "num_group_labels (global_batch_size // n_samples_per_prompt of the config)")
+    labels, dense = _labels(
+        group_index,
+        "group",
+        num_group_labels,
+        process_group,
+        default,
+        f"with a process group, mode={mode} needs the number of group labels in the step: set global_batch_size and "
+        "n_samples_per_prompt in the config or pass num_group_labels",
+        counts,
+    )
+    return replace(share, group_labels=labels, group_dense=dense, group_values=group_index.long())
+
+
+def _with_sessions(share: RankShare, session_index, mode, process_group, num_session_labels, global_batch_size) -> RankShare:
+    counts = share.token_counts
+    session_index = _checks().check_session_index(session_index, counts.shape[0], counts.device, mode)
+    default = None if global_batch_size is None else (global_batch_size, "num_session_labels (global_batch_size of the config)")
+    labels, dense = _labels(
+        session_index,
+        "session",
+        num_session_labels,
+        process_group,
+        default,
+        f"with a process group, mode={mode} needs the number of session labels in the step: set global_batch_size in the "
+        "config or pass num_session_labels",
+        counts,
+    )
+    return replace(share, session_labels=labels, session_dense=dense)
 
 
 def _gather(names: Iterable[str], share: RankShare, process_group=None, mode: str | None = None, extra_sums=None) -> StepTotals:
@@ -565,7 +797,8 @@ def _consistency(values: Mapping[str, Any], n_samples_per_prompt: int | None) ->
     if n is not None and p is not None:
         if p > n:
             raise ValueError(f"num_groups (P, {p}) cannot exceed num_samples (N, {n}): every group holds at least one sample")
-        if n_samples_per_prompt is not None and n != n_samples_per_prompt * p:
+        sessions = values.get("group_sessions", values.get("nonempty_group_sessions"))  # then n_samples_per_prompt counts sessions
+        if n_samples_per_prompt is not None and sessions is None and n != n_samples_per_prompt * p:
             raise ValueError(
                 f"num_samples (N, {n}) must equal n_samples_per_prompt ({n_samples_per_prompt}) × num_groups (P, {p}) = "
                 f"{n_samples_per_prompt * p}: the config promises whole groups of n_samples_per_prompt samples"

@@ -126,6 +126,21 @@ def check_group_index(group_index, num_samples: int, device=None, mode: str = "p
     return group_index
 
 
+def check_session_index(session_index, num_samples: int, device=None, mode: str = "session_mean") -> torch.Tensor:
+    """``session_index`` validated: present (required by modes with sessions), one integer per sample."""
+    if session_index is None:
+        raise ValueError(
+            f"session_index is required under mode={mode}: every sample needs the index of its session (the trajectory it "
+            "belongs to: slime's rollout_id, a multi-turn episode's id; docs/modes.md, 'Sessions')"
+        )
+    session_index = _as_tensor("session_index", session_index, "a 1-D tensor of integer session indices (map session ids to integers first)", device)
+    if session_index.dim() != 1 or session_index.shape[0] != num_samples:
+        raise ValueError(f"session_index must be a 1-D tensor with one entry per sample (N = {num_samples}), got shape {tuple(session_index.shape)}")
+    if session_index.is_floating_point() or session_index.is_complex() or session_index.dtype == torch.bool:
+        raise TypeError(f"session_index must hold integers, got dtype {session_index.dtype}")
+    return session_index
+
+
 def check_group_sizes(labels: torch.Tensor, sizes: torch.Tensor, n_samples_per_prompt: int | None) -> None:
     """Every group present in the step holds exactly ``n_samples_per_prompt`` samples."""
     if n_samples_per_prompt is None:

@@ -237,3 +237,25 @@ def policy_batch(seed=0, layout="padded", lengths=(3, 0, 9, 5, 1, 7, 4, 6), spre
     return PolicyBatch(
         log_prob.reshape(-1)[pick].clone().requires_grad_(True), old.reshape(-1)[pick].clone(), mask.reshape(-1)[pick].clone(), cu, advantages
     )
+
+
+# ------------------------------------------------------------------------ sessions
+def sessions_in(groups: torch.Tensor, size: int = 2) -> torch.Tensor:
+    """Session labels nested in the prompt groups (docs/modes.md, "Sessions"): each run of a group's
+    samples, in order, cut into sessions of ``size`` samples (the last may hold fewer); labels
+    0, 1, ... in order, so a split of the step into blocks cuts some sessions apart."""
+    labels, current, count, last = [], -1, 0, None
+    for g in torch.as_tensor(groups).tolist():
+        if g != last or count == size:
+            current, count = current + 1, 0
+        labels.append(current)
+        count, last = count + 1, g
+    return torch.tensor(labels, dtype=torch.int64)
+
+
+def per_prompt(mode: str, n: int | None, size: int = 2) -> int | None:
+    """The config's ``n_samples_per_prompt`` for a step of groups of ``n`` samples under ``mode``:
+    the sessions of a group (:func:`sessions_in`) under a mode with sessions in prompt groups, else ``n``."""
+    if n is None or "group_sessions" not in lossagg.MODES[mode].totals:
+        return n
+    return -(-n // size)

@@ -20,6 +20,7 @@ from lossagg.testing import reference_loss
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import torch_engines  # noqa: E402  (the model, the step and the CP-sharded micro-batches of the engine recipe)
+from batches import sessions_in  # noqa: E402
 
 SAMPLE_THRESHOLD = 0.9
 TOKEN_THRESHOLD = 2.5
@@ -40,7 +41,7 @@ def reference(config, step):
     model = torch_engines.make_model()
     loss = torch_engines.per_token_loss(model, features, targets)
     final = keep(loss, mask, cu)
-    j = reference_loss(config, loss, final, cu, groups)
+    j = reference_loss(config, loss, final, cu, groups, session_index=sessions_in(groups))
     j.backward()
     return [p.grad for p in model.parameters()], float(j.detach()), final
 

@@ -227,6 +227,11 @@ LOSSAGG_MODE_ARGUMENTS = {
     "constant": {"loss_scale_factor": 4},
     "max_length": {},
     "prompt_mean": {"group_index": torch.tensor([0, 0, 1, 1, 2])},
+    # sessions (docs/modes.md, "Sessions"): rows 0 and 1 one trajectory, nested in the prompt groups
+    "session_mean": {"session_index": torch.tensor([0, 0, 1, 2, 3])},
+    "session_token_mean": {"session_index": torch.tensor([0, 0, 1, 2, 3])},
+    "prompt_session_mean": {"group_index": torch.tensor([0, 0, 1, 1, 2]), "session_index": torch.tensor([0, 0, 1, 2, 3])},
+    "prompt_session_token_mean": {"group_index": torch.tensor([0, 0, 1, 1, 2]), "session_index": torch.tensor([0, 0, 1, 2, 3])},
 }
 
 

@@ -11,6 +11,7 @@ import filtered_step
 import pytest
 import torch
 import torch_engines
+from batches import per_prompt, sessions_in
 
 import lossagg
 from lossagg.deferred import deferred_factors
@@ -48,7 +49,7 @@ def _run(config, step, layout, estimate=None, size=4):
     """(the step's J and gradient from a deferred plan, the closed step)."""
     groups = step[4]
     model = torch_engines.make_model()
-    plan = lossagg.DeferredPlan(config, groups.numel(), group_index=groups, estimate=estimate)
+    plan = lossagg.DeferredPlan(config, groups.numel(), group_index=groups, session_index=sessions_in(groups), estimate=estimate)
     total = 0.0
     for samples, x, y, m, cu in _micro_batches(step, layout, size):
         loss = torch_engines.per_token_loss(model, x, y)
@@ -63,7 +64,7 @@ def _run(config, step, layout, estimate=None, size=4):
 def _configs():
     for mode, spec in lossagg.MODES.items():
         for empty in ("count", "skip"):
-            yield lossagg.LossAggregationConfig(mode=mode, n_samples_per_prompt=4, empty_samples=empty, **spec.example_settings)
+            yield lossagg.LossAggregationConfig(mode=mode, n_samples_per_prompt=per_prompt(mode, 4), empty_samples=empty, **spec.example_settings)
 
 
 def test_the_filter_drops_samples_and_tokens():
@@ -82,7 +83,7 @@ def test_every_mode_gives_the_filtered_steps_value_and_gradient(config, layout, 
     step = _step()
     features, targets, mask, cu, groups = step
     want, want_j, final = filtered_step.reference(config, step)
-    rollout = lossagg.StepPlan.from_mask(config, mask, cu, group_index=groups)
+    rollout = lossagg.StepPlan.from_mask(config, mask, cu, group_index=groups, session_index=sessions_in(groups))
     given = {"none": None, "rollout plan": rollout, "mapping": dict(rollout.totals)}[estimate]
     j, grads, closed = _run(config, step, layout, given)
     assert abs(j - want_j) <= 1e-12 * max(abs(want_j), 1.0)
@@ -90,7 +91,7 @@ def test_every_mode_gives_the_filtered_steps_value_and_gradient(config, layout, 
         torch.testing.assert_close(g, e, rtol=1e-11, atol=1e-14)
     assert closed.loss == pytest.approx(want_j, rel=1e-12, abs=1e-15)
     assert torch.equal(closed.plan.token_counts, lossagg.token_counts(final, cu).double())
-    final_plan = lossagg.StepPlan.from_mask(config, final, cu, group_index=groups)
+    final_plan = lossagg.StepPlan.from_mask(config, final, cu, group_index=groups, session_index=sessions_in(groups))
     torch.testing.assert_close(closed.plan.sample_denoms, final_plan.sample_denoms, rtol=0, atol=0)
     if estimate == "none":  # every step-level factor read as 1 until the end: the rescale is 1 / G
         assert closed.scale == pytest.approx(float(final_plan.sample_denoms[0] / closed.plan.sample_denoms[0]) * closed.scale, rel=1e-15)

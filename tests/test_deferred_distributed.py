@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch_engines
+from batches import per_prompt, sessions_in
 from worlds import report, run_world
 
 import lossagg
@@ -82,17 +83,27 @@ def torch_worker(rank, world, engine, init_file, results_dir):
         for mode in _servable():
             spec = lossagg.MODES[mode]
             for empty in ("count", "skip"):
-                config = lossagg.LossAggregationConfig(mode=mode, n_samples_per_prompt=4, empty_samples=empty, **spec.example_settings)
+                config = lossagg.LossAggregationConfig(
+                    mode=mode, n_samples_per_prompt=per_prompt(mode, 4), empty_samples=empty, **spec.example_settings
+                )
                 step = torch_engines.make_step(n_per_prompt=4, seed=1)
                 features, targets, mask, cu, groups = step
                 want, want_j, final = filtered_step.reference(config, step)
                 dp_rank, cp_rank, own, batches = filtered_step.rank_share(step, DP, CP, MICRO_BATCHES, rank)
+                sessions = {"session_index": sessions_in(groups)[own], "num_session_labels": 8}  # two per group (docs/modes.md, "Sessions")
                 # the rollout plan as the estimate: the rescale is then the ratio of the filtered totals to the rollout ones
                 rollout = lossagg.StepPlan(
-                    config, lossagg.token_counts(mask, cu)[own], group_index=groups[own], process_group=dp_group, num_group_labels=4
+                    config, lossagg.token_counts(mask, cu)[own], group_index=groups[own], process_group=dp_group, num_group_labels=4, **sessions
                 )
                 plan = lossagg.DeferredPlan(
-                    config, own.numel(), process_group=dp_group, cp_group=cp_group, group_index=groups[own], num_group_labels=4, estimate=rollout
+                    config,
+                    own.numel(),
+                    process_group=dp_group,
+                    cp_group=cp_group,
+                    group_index=groups[own],
+                    num_group_labels=4,
+                    estimate=rollout,
+                    **sessions,
                 )
                 model = torch_engines.make_model() if engine == "sum" else torch_engines.wrap(torch_engines.make_model(), engine)
                 scale = 1.0 if engine == "sum" else lossagg.gradient_scale("mean", dp_size=DP, cp_size=CP)
@@ -191,12 +202,20 @@ def megatron_worker(rank, world, init_file, results_dir):
         rank_in_world = parallel_state.get_data_parallel_rank() * CP + parallel_state.get_context_parallel_rank()
         for mode in _servable():
             spec = lossagg.MODES[mode]
-            config = lossagg.LossAggregationConfig(mode=mode, n_samples_per_prompt=4, global_batch_size=16, **spec.example_settings)
+            config = lossagg.LossAggregationConfig(mode=mode, n_samples_per_prompt=per_prompt(mode, 4), global_batch_size=16, **spec.example_settings)
             step = torch_engines.make_step(n_per_prompt=4, seed=1)
             features, targets, mask, cu, groups = step
             want, _, _ = filtered_step.reference(config, step)
             _, _, own, batches = filtered_step.rank_share(step, DP, CP, MICRO_BATCHES, rank_in_world)
-            plan = lossagg.DeferredPlan(config, own.numel(), process_group=dp_group, cp_group=cp_group, group_index=groups[own], num_group_labels=4)
+            plan = lossagg.DeferredPlan(
+                config,
+                own.numel(),
+                process_group=dp_group,
+                cp_group=cp_group,
+                group_index=groups[own],
+                num_group_labels=4,
+                session_index=sessions_in(groups)[own],  # labels below global_batch_size
+            )
             tconfig = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, context_parallel_size=CP, params_dtype=torch.float64)
             ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, grad_reduce_in_fp32=False, use_distributed_optimizer=False)
             model = DistributedDataParallel(tconfig, ddp_config, _MegatronModel(tconfig))

@@ -28,6 +28,7 @@ def test_demo_runs_all_modes(tmp_path, capsys):
     for mode in list(MODES):
         assert f"| {mode} |" in out
     assert "gives the unsplit gradient (checked for every mode)" in out
+    assert "each rollout is a session of one sample" in out
     if importlib.util.find_spec("matplotlib") is not None:
         assert os.path.getsize(tmp_path / "demo.png") > 1000
     else:  # matplotlib is optional (the demo extra): the demo says why there is no figure

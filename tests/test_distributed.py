@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from batches import per_prompt, sessions_in
 
 import lossagg
 
@@ -54,7 +55,7 @@ def reference_grads(config, step):
     features, targets, mask, cu, groups = step
     model = make_model().double()
     loss = per_token_loss(model, features.double(), targets.double())
-    j = reference_loss(config, loss, mask, cu, groups)
+    j = reference_loss(config, loss, mask, cu, groups, session_index=sessions_in(groups))
     j.backward()
     return [p.grad.float() for p in model.parameters()]
 
@@ -83,9 +84,10 @@ def worker(rank, world, init_file, convention, results_dir, setup=None, modes=No
 
     failures = []
     for mode, extra in modes.items():
-        config = LossAggregationConfig(mode=mode, n_samples_per_prompt=N_PER_PROMPT, global_batch_size=n, **extra)
+        config = LossAggregationConfig(mode=mode, n_samples_per_prompt=per_prompt(mode, N_PER_PROMPT), global_batch_size=n, **extra)
         model = make_model()
-        plan = StepPlan(config, rollout_counts, group_index=groups[own], process_group=dp_group)
+        # sessions of two samples in each group (docs/modes.md, "Sessions"), read by the session modes
+        plan = StepPlan(config, rollout_counts, group_index=groups[own], session_index=sessions_in(groups)[own], process_group=dp_group)
         scale = gradient_scale(convention, dp_size=DP, cp_size=CP, num_micro_batches=MICRO_BATCHES)
         for mb_local in torch.tensor_split(torch.arange(own.numel()), MICRO_BATCHES):
             mb = own[mb_local]

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from batches import per_prompt, sessions_in
 from worlds import report, run_world
 
 import lossagg
@@ -287,7 +288,8 @@ def test_the_metrics_reducer_follows_the_setting(mode):
     means = [entropy[cu[i] : cu[i + 1]][mask[cu[i] : cu[i + 1]]].mean() for i in range(counts.numel()) if counts[i] > 0]
     for empty, n in (("count", counts.numel()), ("skip", len(means))):
         config = LossAggregationConfig(mode=mode, empty_samples=empty, **lossagg.MODES[mode].example_settings)
-        got = StepPlan(config, counts, group_index=groups).metrics({"entropy": entropy}, mask, slice(None), cu)["entropy"]
+        plan = StepPlan(config, counts, group_index=groups, session_index=sessions_in(groups))
+        got = plan.metrics({"entropy": entropy}, mask, slice(None), cu)["entropy"]
         want = entropy[mask].mean() if mode == "token_mean" else sum(means) / n
         torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
 
@@ -320,8 +322,10 @@ def test_a_registered_mode_that_reads_n_follows_the_setting():
 def test_split_invariance_of_skip(mode, split):
     micro_batches, dp, cp = split
     values, mask, cu, groups = packed_step(12 + split[0])
-    config = skip(mode=mode, n_samples_per_prompt=4, **lossagg.MODES[mode].example_settings)
-    result = check_split_invariance(config, values, mask, cu, group_index=groups, micro_batches=micro_batches, dp_size=dp, cp_size=cp)
+    config = skip(mode=mode, n_samples_per_prompt=per_prompt(mode, 4), **lossagg.MODES[mode].example_settings)
+    result = check_split_invariance(
+        config, values, mask, cu, group_index=groups, session_index=sessions_in(groups), micro_batches=micro_batches, dp_size=dp, cp_size=cp
+    )
     assert result.ok, str(result)
 
 
@@ -344,11 +348,15 @@ def test_n_prime_travels_in_the_one_sum_all_reduce(mode, monkeypatch):
     for empty in EMPTY_SAMPLES:
         calls.clear()
         config = LossAggregationConfig(
-            mode=mode, empty_samples=empty, n_samples_per_prompt=2, global_batch_size=8, **lossagg.MODES[mode].example_settings
+            mode=mode, empty_samples=empty, n_samples_per_prompt=per_prompt(mode, 2), global_batch_size=8, **lossagg.MODES[mode].example_settings
         )
-        StepPlan(config, counts, group_index=torch.tensor([0, 0, 1, 1]), process_group=with_fake_group(monkeypatch))
+        groups = torch.tensor([0, 0, 1, 1])
+        StepPlan(config, counts, group_index=groups, session_index=sessions_in(groups), process_group=with_fake_group(monkeypatch))
         seen[empty] = list(calls)
     assert [op for op, _ in seen["skip"]] == [op for op, _ in seen["count"]]  # the same collectives
+    if lossagg.MODES[mode].needs_sessions:  # S', K', Sp' ride in it too (their sizes: tests/test_sessions_distributed.py counts the collectives)
+        assert len(seen["skip"]) == 1 and seen["skip"][0][1] > seen["count"][0][1] + 1
+        return
     labels = 8 // 2 if lossagg.MODES[mode].needs_groups else 0  # P' is one more float64 per group label
     assert seen["skip"][0][1] == seen["count"][0][1] + 1 + labels  # N' rides in the sum all-reduce
 
@@ -371,6 +379,7 @@ def dp_worker(rank, world, init_file, results_dir):
     dist.all_reduce = counting
     try:
         values, mask, cu, groups = packed_step(20)
+        sessions = sessions_in(groups)
         n = groups.numel()
         counts = lossagg.token_counts(mask, cu)
         lengths = cu[1:] - cu[:-1]
@@ -379,10 +388,10 @@ def dp_worker(rank, world, init_file, results_dir):
             gathered = {}
             for empty in EMPTY_SAMPLES:
                 config = LossAggregationConfig(
-                    mode=mode, empty_samples=empty, n_samples_per_prompt=N_PER_PROMPT, global_batch_size=n, **spec.example_settings
+                    mode=mode, empty_samples=empty, n_samples_per_prompt=per_prompt(mode, N_PER_PROMPT), global_batch_size=n, **spec.example_settings
                 )
                 collectives.clear()
-                plan = StepPlan(config, counts[own], group_index=groups[own], process_group=dist.group.WORLD)
+                plan = StepPlan(config, counts[own], group_index=groups[own], session_index=sessions[own], process_group=dist.group.WORLD)
                 gathered[empty] = list(collectives)
                 leaf = values.clone().requires_grad_(True)
                 contribution = torch.zeros((), dtype=F64)
@@ -398,7 +407,7 @@ def dp_worker(rank, world, init_file, results_dir):
                 for t in (j, grad, metric):
                     real_all_reduce(t)
                 ref_leaf = values.clone().requires_grad_(True)
-                ref = reference_loss(config, ref_leaf, mask, cu, groups)
+                ref = reference_loss(config, ref_leaf, mask, cu, groups, session_index=sessions)
                 ref.backward()
                 ran += 1
                 if not torch.allclose(j, ref, rtol=1e-10, atol=1e-14) or not torch.allclose(grad, ref_leaf.grad, rtol=1e-10, atol=1e-14):
@@ -439,9 +448,9 @@ def test_from_totals_with_a_trainers_n_prime_agrees_with_the_all_reduce():
     counts = lossagg.token_counts(mask, cu)
     own = torch.arange(8, 16)
     for mode, spec in lossagg.MODES.items():
-        config = skip(mode=mode, n_samples_per_prompt=4, **spec.example_settings)
-        whole = StepPlan(config, counts, group_index=groups)
-        totals = rank_totals(config, counts, own, groups)
+        config = skip(mode=mode, n_samples_per_prompt=per_prompt(mode, 4), **spec.example_settings)
+        whole = StepPlan(config, counts, group_index=groups, session_index=sessions_in(groups))
+        totals = rank_totals(config, counts, own, groups, sessions_in(groups))
         assert totals["num_nonempty_samples"] == int((counts > 0).sum())
         rank = StepPlan.from_totals(config, counts[own], **totals)
         assert torch.equal(rank.sample_denoms, whole.sample_denoms[own]), mode

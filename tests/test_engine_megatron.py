@@ -27,6 +27,7 @@ import sys
 
 import pytest
 import torch
+from batches import per_prompt, sessions_in
 from stand_ins import install_megatron_core_stand_ins
 from worlds import report, run_world
 
@@ -96,7 +97,7 @@ def reference_grads(config, step):
 
     lengths, cu, features, mask, groups = step
     model = TinyModel(None)
-    reference_loss(config, model(features), mask, cu, groups).backward()
+    reference_loss(config, model(features), mask, cu, groups, session_index=sessions_in(groups)).backward()
     return [p.grad.clone() for p in model.parameters()]
 
 
@@ -161,7 +162,9 @@ def worker(rank, world, dp, cp, init_file, results_dir):
         all_counts = lossagg.token_counts(mask, cu)
 
         for mode, spec in lossagg.MODES.items():
-            config = LossAggregationConfig(mode=mode, n_samples_per_prompt=N_PER_PROMPT, global_batch_size=n, **spec.example_settings)
+            config = LossAggregationConfig(
+                mode=mode, n_samples_per_prompt=per_prompt(mode, N_PER_PROMPT), global_batch_size=n, **spec.example_settings
+            )
             expected = reference_grads(config, step)
             for per_token in (False, True):
                 # two variants per (mode, per_token loss) keep the run short and still pair
@@ -170,9 +173,17 @@ def worker(rank, world, dp, cp, init_file, results_dir):
                     if True:
                         if True:
                             if plan_kind == "all_reduce":
-                                plan = StepPlan(config, all_counts[own], group_index=groups[own], process_group=dp_group, num_group_labels=PROMPTS)
+                                plan = StepPlan(
+                                    config,
+                                    all_counts[own],
+                                    group_index=groups[own],
+                                    session_index=sessions_in(groups)[own],
+                                    process_group=dp_group,
+                                    num_group_labels=PROMPTS,
+                                )
                             else:
-                                plan = StepPlan.from_totals(config, all_counts[own], **rank_totals(config, all_counts, own, groups))
+                                totals = rank_totals(config, all_counts, own, groups, sessions_in(groups))
+                                plan = StepPlan.from_totals(config, all_counts[own], **totals)
                             tconfig = TransformerConfig(
                                 num_layers=1,
                                 hidden_size=8,

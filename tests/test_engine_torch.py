@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from batches import per_prompt, sessions_in
 from worlds import report, run_world
 
 import lossagg
@@ -31,8 +32,10 @@ def worker(rank, world, engine, init_file, results_dir):
     failures, ran = [], 0
     try:
         for mode, spec in lossagg.MODES.items():
-            config = lossagg.LossAggregationConfig(mode=mode, n_samples_per_prompt=4, **spec.example_settings)
-            grads, expected = torch_engines.run_rank(engine, config, DP, CP, MICRO_BATCHES, rank)
+            config = lossagg.LossAggregationConfig(mode=mode, n_samples_per_prompt=per_prompt(mode, 4), **spec.example_settings)
+            step = torch_engines.make_step(n_per_prompt=4)
+            # sessions of two samples in each group of four (docs/modes.md, "Sessions"), read by the session modes
+            grads, expected = torch_engines.run_rank(engine, config, DP, CP, MICRO_BATCHES, rank, step, sessions_in(step[4]))
             ran += 1
             for g, e in zip(grads, expected, strict=True):
                 err = float((g - e).abs().max() / e.abs().max().clamp(min=1e-300))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from batches import per_prompt, sessions_in
 from hostile_numbers import PROPERTY, int_like, numbers, refused_naming
 from hypothesis import given
 from hypothesis import strategies as st
@@ -48,7 +49,7 @@ def megatron_schedule(config, per_token_loss_on, seed):
     for own in torch.tensor_split(torch.arange(n), DP):
         model.zero_grad()
         # what a trainer hands each rank: the step totals, no collective
-        plan = lossagg.StepPlan.from_totals(config, all_counts[own], **rank_totals(config, all_counts, own, groups))
+        plan = lossagg.StepPlan.from_totals(config, all_counts[own], **rank_totals(config, all_counts, own, groups, sessions_in(groups)))
         for local in torch.tensor_split(torch.arange(own.numel()), MICRO_BATCHES):
             samples = own[local]
             lo, hi = int(cu[samples[0]]), int(cu[samples[-1] + 1])
@@ -68,14 +69,14 @@ def megatron_schedule(config, per_token_loss_on, seed):
     else:
         grad = sum(rank_grads) / DP  # averaged over DP
     model.zero_grad()
-    reference_loss(config, per_token_loss(model, features), mask, cu, groups).backward()
+    reference_loss(config, per_token_loss(model, features), mask, cu, groups, session_index=sessions_in(groups)).backward()
     return grad, model.weight.grad
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("per_token_loss_on", [False, True])
 def test_megatron_schedule_gives_the_gradient_of_j(mode, per_token_loss_on):
-    config = lossagg.LossAggregationConfig(mode=mode, n_samples_per_prompt=N_PER_PROMPT, **MODES[mode].example_settings)
+    config = lossagg.LossAggregationConfig(mode=mode, n_samples_per_prompt=per_prompt(mode, N_PER_PROMPT), **MODES[mode].example_settings)
     grad, expected = megatron_schedule(config, per_token_loss_on, seed=sum(map(ord, mode)) % 100)  # str hash() changes from run to run
     torch.testing.assert_close(grad, expected, rtol=1e-9, atol=1e-12)
 

@@ -108,6 +108,20 @@ CASES = {
         {"mode": "prompt_mean"},
         {},
     ),
+    # sessions (docs/modes.md, "Sessions"): a training sample is a sample, its rollout its session
+    "session_token_mean_is_slime": (
+        ["--loss-aggregation", "session_token_mean", *TERMS]
+        + ["--loss-aggregation-term", f"entropy:{-ENTROPY_COEF}:session_token_mean", "--loss-aggregation-term", f"kl:{KL_COEF}:session_token_mean"],
+        {"mode": "session_token_mean"},
+        {"entropy": "session_token_mean", "kl": "session_token_mean"},
+    ),
+    "session_mean": (["--loss-aggregation", "session_mean", *TERMS], {"mode": "session_mean"}, {}),
+    "prompt_session_mean_skip": (
+        ["--loss-aggregation", "prompt_session_mean", "--loss-aggregation-empty-samples", "skip", *TERMS]
+        + ["--loss-aggregation-term", f"kl:{KL_COEF}:prompt_session_token_mean", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "14"],
+        {"mode": "prompt_session_mean", "empty_samples": "skip"},
+        {"kl": "prompt_session_token_mean"},
+    ),
     "prompt_mean_dynamic": (
         ["--loss-aggregation", "prompt_mean", *TERMS, "--loss-aggregation-term", f"kl:{KL_COEF}:token_mean"]
         + ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "14"],
@@ -115,6 +129,9 @@ CASES = {
         {"kl": "token_mean"},
     ),
 }
+
+#: cases launched through lossagg whose reference is slime's own reducer: the same J, by another name
+SAME_AS_SLIME = ("session_token_mean_is_slime",)
 
 PARSE = (
     slime_peer.TYPING
@@ -166,7 +183,7 @@ def parse_launches(launches: dict[str, tuple[bool, list[str]]], timeout: float =
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
     need_slime()
-    parsed = parse_launches({name: (config is not None, BASE_ARGV + flags) for name, (flags, config, _) in CASES.items()})
+    parsed = parse_launches({name: (config is not None or name in SAME_AS_SLIME, BASE_ARGV + flags) for name, (flags, config, _) in CASES.items()})
     out = {}
     for name, (kind, value, stderr) in parsed.items():
         assert kind == "args", f"{name}: the launch exited with {value}: {stderr[-3000:]}"
@@ -330,7 +347,7 @@ def reference_j(case, samples, step, args, *, mutated=False):
     from lossagg.testing import reference_loss
 
     _, case_config, term_modes = CASES[case]
-    if mutated:  # slime's per-rollout default where the case has its mode
+    if mutated or case in SAME_AS_SLIME:  # slime's per-rollout default (where the case has its mode: mutated)
         case_config, term_modes = None, {}
     chosen = step_rollouts(postprocessed(samples) if case == "user_postprocess" else samples, step)
     model = ToyLM(dtype=torch.float64)
@@ -359,17 +376,26 @@ def reference_j(case, samples, step, args, *, mutated=False):
     # a rollout is one lossagg sample: its training samples' tokens side by side
     ids = sorted(set(rollout_of))
     order = [j for r in ids for j in range(len(chosen)) if rollout_of[j] == r]
-    cu = lossagg.cu_seqlens_from_lengths(torch.tensor([sum(lengths[j] for j in order if rollout_of[j] == r) for r in ids]), dtype=torch.int64)
+    cu_rollouts = lossagg.cu_seqlens_from_lengths(
+        torch.tensor([sum(lengths[j] for j in order if rollout_of[j] == r) for r in ids]), dtype=torch.int64
+    )
+    cu = cu_rollouts
     groups = torch.tensor([r // N_PER_PROMPT for r in ids])
     groups = torch.unique(groups, return_inverse=True)[1]
+    sessions = None
+    if CASES[case][1] is not None and any(lossagg.MODES[m].needs_sessions for m in (CASES[case][1]["mode"], *CASES[case][2].values())):
+        # under a mode with sessions a training sample is a sample, its rollout its session (the same tokens, cut finer)
+        cu = lossagg.cu_seqlens_from_lengths(torch.tensor([lengths[j] for j in order]), dtype=torch.int64)
+        sessions = torch.tensor([rollout_of[j] for j in order])
+        groups = torch.unique(sessions // N_PER_PROMPT, return_inverse=True)[1]
     mask = torch.cat([masks[j] for j in order])
     numerator = torch.cat([kept[j] for j in order]) if tis else mask
     cat = {k: torch.cat([v[j] for j in order]) for k, v in values.items()}
-    rollout_tokens = torch.tensor([float(mask[cu[i] : cu[i + 1]].sum()) for i in range(len(ids))], dtype=torch.float64)
+    rollout_tokens = torch.tensor([float(mask[cu_rollouts[i] : cu_rollouts[i + 1]].sum()) for i in range(len(ids))], dtype=torch.float64)
     sample_tokens = torch.tensor([float(m.sum()) for m in masks], dtype=torch.float64)
 
     def slime_default(x, num):
-        sums = torch.stack([(x[cu[i] : cu[i + 1]] * num[cu[i] : cu[i + 1]]).sum() for i in range(len(ids))])
+        sums = torch.stack([(x[cu_rollouts[i] : cu_rollouts[i + 1]] * num[cu_rollouts[i] : cu_rollouts[i + 1]]).sum() for i in range(len(ids))])
         if per_token:
             return sums.sum() / sample_tokens.clamp(min=1).sum()  # slime's per-token path: Σ max(M[j], 1) over training samples
         return (sums / rollout_tokens.clamp(min=1)).sum() / len(ids)
@@ -379,7 +405,7 @@ def reference_j(case, samples, step, args, *, mutated=False):
         reducers = {}
     else:
         config = lossagg.LossAggregationConfig(n_samples_per_prompt=N_PER_PROMPT, **case_config)
-        j = reference_loss(config, cat["pg"], numerator, cu, groups, **({"rollout_mask": mask} if tis else {}))
+        j = reference_loss(config, cat["pg"], numerator, cu, groups, session_index=sessions, **({"rollout_mask": mask} if tis else {}))
         default = default_term_mode(config.mode)
         reducers = {
             k: lossagg.LossAggregationConfig(n_samples_per_prompt=N_PER_PROMPT, mode=term_modes.get(k, default), empty_samples=config.empty_samples)
@@ -391,7 +417,7 @@ def reference_j(case, samples, step, args, *, mutated=False):
         if k not in reducers or tis:  # slime's own reducer (rebuilt inside policy_loss_function under TIS: modified masks, rollout totals)
             term = slime_default(cat[k], numerator)
         else:
-            term = reference_loss(reducers[k], cat[k], mask, cu, groups)
+            term = reference_loss(reducers[k], cat[k], mask, cu, groups, session_index=sessions)
         j = j + coef * term
     return j, model, float(sample_tokens.clamp(min=1).sum())
 

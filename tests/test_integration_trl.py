@@ -156,7 +156,10 @@ def relative_difference(a, b) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a) / scale
 
 
-OUR_LOSS_TYPES = [*TRL_LOSS_TYPES, *MODES]  # TRL's names and every registered mode
+# TRL's names and every registered mode but those with sessions, which the trainer refuses (its batch has no
+# trajectory id: test_a_config_with_more_than_one_unweighted_term_is_refused)
+SERVED_MODES = [m for m in MODES if not MODES[m].needs_sessions]
+OUR_LOSS_TYPES = [*TRL_LOSS_TYPES, *SERVED_MODES]
 
 
 @pytest.mark.parametrize("loss_type", OUR_LOSS_TYPES)
@@ -202,7 +205,7 @@ class Recorder(GRPOTrainer):
         return loss
 
 
-@pytest.mark.parametrize("loss_type", [*MODES, "dr_grpo"])
+@pytest.mark.parametrize("loss_type", [*SERVED_MODES, "dr_grpo"])
 def test_step_loss_is_the_reference_j(loss_type, tmp_path, tokenizer, dataset):
     """At the first step the ratio is 1, so the per-token loss is -advantage; the micro-batch
     losses of the step add up to J (docs/modes.md) over the generation batch."""
@@ -409,6 +412,11 @@ def test_trl_numbers(num_generations, max_completion_length, loss_type):
         ({"mode": "grpo", "terms": {"kl": {"coefficient": 0.01}}}, r"loss_aggregation term 'kl' with GRPOConfig.beta=0"),
         ({"mode": "grpo", "terms": {"entropy": {"coefficient": -0.01}}}, r"loss_aggregation term 'entropy' without GRPOConfig.entropy_coef"),
         ({"mode": "grpo", "weighting": "multiply"}, r"loss_aggregation with weighting=multiply"),
+        # a batch without trajectory ids: the session modes are refused by name (docs/modes.md, "Sessions")
+        (
+            {"mode": "session_mean"},
+            r"mode=session_mean weighs each session \(multi-turn trajectory\) once and needs each sample's session, which TRL",
+        ),
     ],
 )
 def test_a_config_with_more_than_one_unweighted_term_is_refused(settings, message, tmp_path, tokenizer, dataset):

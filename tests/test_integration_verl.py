@@ -102,6 +102,15 @@ def test_lossagg_modes_through_the_adapter():
     torch.testing.assert_close(j.double(), expected.double())
     with pytest.raises(ValueError, match="Invalid loss_agg_mode"):
         agg_loss(loss, mask, "nope")
+    # a multi-turn trajectory's rows: each session once (docs/modes.md, "Sessions"), the micro-batch the whole step
+    sessions = torch.tensor([0, 0, 0, 1])
+    j = agg_loss(loss, mask, "session_mean", session_index=sessions)
+    rows = sums / counts.clamp(min=1)
+    torch.testing.assert_close(j.double(), (0.5 * (rows[:3].mean() + rows[3])).double())
+    with pytest.raises(ValueError, match="session_index is required under mode=session_mean"):
+        agg_loss(loss, mask, "session_mean")
+    with pytest.raises(ValueError, match="loss_agg_mode=session_mean needs the step total\\(s\\) num_sessions, session_sizes"):
+        agg_loss(loss, mask, "session_mean", dp_size=2, global_batch_size=8, session_index=sessions)
 
 
 @pytest.mark.parametrize("mode", VERL_MODES)

@@ -257,6 +257,14 @@ def test_before_train_step_outside_miles_train_one_step():
         adapter.before_train_step(configured("sample_mean"), 0, 0, None, None, None)
 
 
+def test_a_session_mode_is_refused_naming_it():
+    # miles-rl 0.0.2's training data holds no per-sample trajectory id (docs/modes.md, "Sessions")
+    with pytest.raises(
+        ConfigError, match=r"--loss-aggregation: mode=session_token_mean weighs each session .* which miles-rl 0.0.2's step hook does not carry"
+    ):
+        adapter.configure(miles_args("session_token_mean"))
+
+
 def test_the_fsdp_backend_is_refused_naming_the_flag():
     # miles-rl 0.0.2's FSDP actor never calls the before-train-step hook that plans each step
     with pytest.raises(

@@ -109,8 +109,8 @@ def _config(mode):
     return lossagg.LossAggregationConfig(mode=mode, **dict(spec.example_settings))
 
 
-def _plan_then_reduce(config, values, mask, cu, groups):
-    d = lossagg.StepPlan.from_mask(config, mask, cu, group_index=groups).sample_denoms
+def _plan_then_reduce(config, values, mask, cu, groups, sessions=None):
+    d = lossagg.StepPlan.from_mask(config, mask, cu, group_index=groups, session_index=sessions).sample_denoms
     return lossagg.reduce(values, mask, cu_seqlens=cu, sample_denoms=d)
 
 
@@ -121,10 +121,11 @@ def test_aggregate_has_the_bits_of_plan_then_reduce(device, registered_mode, lay
     for mode in MODES:
         b = make_batch(layout, dtype=dtype, mask_dtype=mask_dtype, device=device, requires_grad=True)
         groups = torch.tensor([0, 0, 1, 1, 2, 2], device=device)
+        sessions = torch.tensor([0, 0, 1, 2, 3, 3], device=device)  # nested in the groups (docs/modes.md, "Sessions")
         config = _config(mode)
-        got = lossagg.aggregate(config, b.values, b.mask, cu_seqlens=b.cu_seqlens, group_index=groups)
+        got = lossagg.aggregate(config, b.values, b.mask, cu_seqlens=b.cu_seqlens, group_index=groups, session_index=sessions)
         (g_got,) = torch.autograd.grad(got, b.values)
-        want = _plan_then_reduce(config, b.values, b.mask, b.cu_seqlens, groups)
+        want = _plan_then_reduce(config, b.values, b.mask, b.cu_seqlens, groups, sessions)
         (g_want,) = torch.autograd.grad(want, b.values)
         assert got.dtype == want.dtype and torch.equal(bits(got), bits(want)), (mode, got, want)
         assert torch.equal(bits(g_got), bits(g_want)), mode

@@ -9,7 +9,7 @@ import json
 import math
 
 import torch
-from batches import BYTE_MASK_DTYPES, LAYOUTS, VALUE_DTYPES, WEIGHT_MASK_DTYPES
+from batches import BYTE_MASK_DTYPES, LAYOUTS, VALUE_DTYPES, WEIGHT_MASK_DTYPES, per_prompt, sessions_in
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from reference import ref_reduce, ref_reduce_grad, ref_segment_sum
@@ -76,17 +76,29 @@ def steps(draw):
     cu = lossagg.cu_seqlens_from_lengths(lengths, dtype=torch.int64)
     values = torch.randn(int(cu[-1]), generator=g, dtype=torch.float64)
     mask = torch.rand(int(cu[-1]), generator=g) < 0.8
-    config = lossagg.LossAggregationConfig(mode=mode, n_samples_per_prompt=n, **MODES[mode].example_settings)
+    size = draw(st.integers(1, 3))  # samples per session (docs/modes.md, "Sessions"), nested in the groups
+    config = lossagg.LossAggregationConfig(mode=mode, n_samples_per_prompt=per_prompt(mode, n, size), **MODES[mode].example_settings)
     split = (draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(st.integers(1, 3)))
-    return config, values, mask, cu, torch.arange(n_groups).repeat_interleave(n), split
+    groups = torch.arange(n_groups).repeat_interleave(n)
+    return config, values, mask, cu, groups, sessions_in(groups, size), split
 
 
 @SETTINGS
 @given(steps())
 def test_any_split_of_a_step_gives_j(step):
-    config, values, mask, cu, groups, (micro_batches, dp, cp) = step
+    config, values, mask, cu, groups, sessions, (micro_batches, dp, cp) = step
     report = check_split_invariance(
-        config, values, mask, cu, group_index=groups, micro_batches=micro_batches, dp_size=dp, cp_size=cp, rtol=1e-9, atol=1e-12
+        config,
+        values,
+        mask,
+        cu,
+        group_index=groups,
+        session_index=sessions,
+        micro_batches=micro_batches,
+        dp_size=dp,
+        cp_size=cp,
+        rtol=1e-9,
+        atol=1e-12,
     )
     assert report.ok, str(report)
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from batches import random_step
+from batches import per_prompt, random_step, sessions_in
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,8 +29,10 @@ PROMPT_MEAN_PAIRS = LossAggregationConfig(mode="prompt_mean", n_samples_per_prom
 def test_split_invariance(mode, split):
     micro_batches, dp, cp = split
     values, mask, cu, groups = random_step(seed=hash((mode, split)) % 1000)
-    config = LossAggregationConfig(mode=mode, n_samples_per_prompt=4, **MODES[mode])
-    report = check_split_invariance(config, values, mask, cu, group_index=groups, micro_batches=micro_batches, dp_size=dp, cp_size=cp)
+    config = LossAggregationConfig(mode=mode, n_samples_per_prompt=per_prompt(mode, 4), **MODES[mode])
+    report = check_split_invariance(
+        config, values, mask, cu, group_index=groups, session_index=sessions_in(groups), micro_batches=micro_batches, dp_size=dp, cp_size=cp
+    )
     assert report.ok, str(report)
 
 
@@ -39,11 +41,12 @@ def test_rollout_mask_sets_denominators_only(mode):
     values, mask, cu, groups = random_step(seed=5)
     rollout = mask.clone()
     mask = mask & (torch.rand(mask.shape, generator=torch.Generator().manual_seed(1)) < 0.5)  # rejection after rollout
-    config = LossAggregationConfig(mode=mode, n_samples_per_prompt=4, **MODES[mode])
-    report = check_split_invariance(config, values, mask, cu, group_index=groups, rollout_mask=rollout)
+    config = LossAggregationConfig(mode=mode, n_samples_per_prompt=per_prompt(mode, 4), **MODES[mode])
+    sessions = sessions_in(groups)
+    report = check_split_invariance(config, values, mask, cu, group_index=groups, session_index=sessions, rollout_mask=rollout)
     assert report.ok, str(report)
-    full = lossagg.aggregate(config, values, mask, cu_seqlens=cu, group_index=groups, rollout_mask=rollout)
-    expected = reference_loss(config, values, mask, cu, groups, rollout)
+    full = lossagg.aggregate(config, values, mask, cu_seqlens=cu, group_index=groups, session_index=sessions, rollout_mask=rollout)
+    expected = reference_loss(config, values, mask, cu, groups, rollout, sessions)
     torch.testing.assert_close(full.double(), expected, rtol=1e-5, atol=1e-6)
 
 
@@ -89,9 +92,9 @@ def test_zero_token_step_gives_zero_and_finite_gradients():
     mask = torch.zeros(5, dtype=torch.bool)
     cu = torch.tensor([0, 2, 5])
     for mode, extra in MODES.items():
-        config = LossAggregationConfig(mode=mode, n_samples_per_prompt=2, **extra)
+        config = LossAggregationConfig(mode=mode, n_samples_per_prompt=per_prompt(mode, 2), **extra)
         values.grad = None
-        j = lossagg.aggregate(config, values, mask, cu_seqlens=cu, group_index=torch.tensor([0, 0]))
+        j = lossagg.aggregate(config, values, mask, cu_seqlens=cu, group_index=torch.tensor([0, 0]), session_index=torch.tensor([0, 0]))
         j.backward()
         assert j.item() == 0.0
         assert torch.isfinite(values.grad).all() and (values.grad == 0).all()
@@ -122,11 +125,21 @@ def test_denominators_from_another_step_are_rejected():
 def test_plan_denominators_per_mode():
     counts = torch.tensor([2, 0, 6, 4])
     groups = torch.tensor([0, 0, 1, 1])
-    d = {m: StepPlan(LossAggregationConfig(mode=m, n_samples_per_prompt=2, **MODES[m]), counts, group_index=groups).sample_denoms for m in MODES}
+    sessions = sessions_in(groups)  # [0, 0, 1, 1]: one session of two samples per group
+    d = {
+        m: StepPlan(
+            LossAggregationConfig(mode=m, n_samples_per_prompt=per_prompt(m, 2), **MODES[m]), counts, group_index=groups, session_index=sessions
+        ).sample_denoms
+        for m in MODES
+    }
     assert d["sample_mean"].tolist() == [8.0, 4.0, 24.0, 16.0]  # N * max(M, 1)
     assert d["prompt_mean"].tolist() == [4.0, 4.0, 20.0, 20.0]  # P * Sg
     assert d["token_mean"].tolist() == [12.0] * 4  # T
     assert d["constant"].tolist() == [256.0] * 4  # N * L
+    assert d["session_mean"].tolist() == [8.0, 4.0, 24.0, 16.0]  # S * K * max(M, 1)
+    assert d["session_token_mean"].tolist() == [4.0, 4.0, 20.0, 20.0]  # S * Ts
+    assert d["prompt_session_mean"].tolist() == [8.0, 4.0, 24.0, 16.0]  # P * Sp * K * max(M, 1)
+    assert d["prompt_session_token_mean"].tolist() == [4.0, 4.0, 20.0, 20.0]  # P * Sp * Ts
 
 
 def test_prompt_mask_sums_vectorised():
@@ -141,9 +154,10 @@ def test_metrics_use_default_reducer():
     kl = torch.rand(values.shape)
     for mode in MODES:
         plan = StepPlan(
-            LossAggregationConfig(mode=mode, n_samples_per_prompt=4, **MODES[mode]),
+            LossAggregationConfig(mode=mode, n_samples_per_prompt=per_prompt(mode, 4), **MODES[mode]),
             lossagg.token_counts(mask, cu),
             group_index=groups,
+            session_index=sessions_in(groups),
         )
         got = plan.metrics({"entropy": entropy, "kl": kl}, mask, slice(None), cu)
         reducer = "token_mean" if mode == "token_mean" else "sample_mean"

@@ -265,10 +265,12 @@ def test_from_totals_refuses_an_integral_float_count():
 def test_from_totals_and_the_all_reduce_agree_for_every_mode(empty_samples):
     """The same numbers by both paths (the step is this rank's samples)."""
     groups = torch.tensor([0, 0, 1, 1])
+    sessions = torch.tensor([0, 1, 2, 2])  # group 0: two sessions of one sample; group 1: one of two
     for name, spec in lossagg.MODES.items():
-        config = LossAggregationConfig(mode=name, n_samples_per_prompt=2, empty_samples=empty_samples, **spec.example_settings)
-        gathered = StepPlan(config, COUNTS, group_index=groups)
-        from_totals = StepPlan.from_totals(config, COUNTS, **rank_totals(config, COUNTS, torch.arange(4), groups))
+        per_prompt = None if "group_sessions" in spec.totals else 2  # groups of 1 and 2 sessions: no one size
+        config = LossAggregationConfig(mode=name, n_samples_per_prompt=per_prompt, empty_samples=empty_samples, **spec.example_settings)
+        gathered = StepPlan(config, COUNTS, group_index=groups, session_index=sessions)
+        from_totals = StepPlan.from_totals(config, COUNTS, **rank_totals(config, COUNTS, torch.arange(4), groups, sessions))
         assert torch.equal(gathered.sample_denoms, from_totals.sample_denoms), name
         assert torch.equal(gathered.metric_denoms, from_totals.metric_denoms), name
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from batches import per_prompt, sessions_in
 
 import lossagg
 from lossagg import ConfigError, LossAggregationConfig, StepPlan
@@ -58,9 +59,9 @@ def weighted_reference(config, values, mask, cu, groups, weights, weighting):
     sample's weight; a weighted mean has the mode's sample count (N, or c(N') under skip) replaced
     by the weights' sum over the samples that count (every one, or the non-empty ones under skip)."""
     if weighting == "none":
-        return reference_loss(config, values, mask, cu, groups)
+        return reference_loss(config, values, mask, cu, groups, session_index=sessions_in(groups))
     per_token = torch.repeat_interleave(weights, cu[1:] - cu[:-1])
-    j = reference_loss(config, values * per_token, mask, cu, groups)
+    j = reference_loss(config, values * per_token, mask, cu, groups, session_index=sessions_in(groups))
     if weighting == "multiply":
         return j
     counted = lossagg.token_counts(mask, cu) > 0 if config.empty_samples == "skip" else torch.ones(weights.shape[0], dtype=torch.bool)
@@ -155,11 +156,11 @@ def test_every_term_is_its_own_modes_reference(term_mode, padded, empty):
     values, mask, cu, groups = batch(padded=padded)
     packed_values, packed_mask, packed_cu, _ = batch(padded=False)  # the same step, packed, for the reference
     term = {"mode": term_mode, "coefficient": -0.3, **lossagg.MODES[term_mode].example_settings}
-    settings = {"mode": "sample_mean", "n_samples_per_prompt": N_PER_PROMPT, "empty_samples": empty}
+    settings = {"mode": "sample_mean", "n_samples_per_prompt": per_prompt(term_mode, N_PER_PROMPT), "empty_samples": empty}
     config = LossAggregationConfig.from_dict({**settings, "terms": {"nll": term, "kl": {"mode": "token_mean", "coefficient": 0.05}}})
     names = ("pg", "nll", "kl")
     leaves = {k: values[k].clone().requires_grad_(True) for k in names}
-    plan = StepPlan.from_mask(config, mask, cu, group_index=groups)
+    plan = StepPlan.from_mask(config, mask, cu, group_index=groups, session_index=sessions_in(groups))
     j = plan.loss(leaves, mask, slice(None), cu)
     ref_leaves = {k: packed_values[k].clone().requires_grad_(True) for k in names}
     want = reference(config, ref_leaves, packed_mask, packed_cu, groups)
@@ -177,7 +178,7 @@ def test_micro_batches_add_up_to_the_step():
     values, mask, cu, groups = batch(seed=3)
     config = term_config()
     values = {k: values[k] for k in ("pg", "entropy", "kl")}
-    plan = StepPlan.from_mask(config, mask, cu, group_index=groups)
+    plan = StepPlan.from_mask(config, mask, cu, group_index=groups, session_index=sessions_in(groups))
     whole = plan.loss(values, mask, slice(None), cu)
     total = 0.0
     lengths = cu[1:] - cu[:-1]
@@ -193,7 +194,7 @@ def test_micro_batches_add_up_to_the_step():
 def test_the_pg_term_alone_has_the_bits_of_plan_loss(mode):
     values, mask, cu, groups = batch(seed=5, n=40, dtype=torch.float32)
     config = LossAggregationConfig.from_dict({"mode": mode, **lossagg.MODES[mode].example_settings})
-    plan = StepPlan.from_mask(config, mask, cu, group_index=groups)
+    plan = StepPlan.from_mask(config, mask, cu, group_index=groups, session_index=sessions_in(groups))
     v = values["pg"].clone().requires_grad_(True)
     a = plan.loss({"pg": v}, mask, slice(None), cu)
     (ga,) = torch.autograd.grad(a, v)
@@ -223,7 +224,7 @@ def test_a_grouped_term_without_groups_is_named():
 
 def test_the_terms_given_must_be_the_configs():
     values, mask, cu, groups = batch()
-    plan = StepPlan.from_mask(term_config(), mask, cu, group_index=groups)
+    plan = StepPlan.from_mask(term_config(), mask, cu, group_index=groups, session_index=sessions_in(groups))
     with pytest.raises(ValueError, match="missing kl"):
         plan.loss({"pg": values["pg"], "entropy": values["entropy"]}, mask, slice(None), cu)
     with pytest.raises(ValueError, match="not terms of the config: 'nll'"):
@@ -332,7 +333,7 @@ def test_the_megatron_loss_func_returns_the_whole_loss(per_token):
     values, mask, cu, groups = batch(seed=8)
     values = {k: values[k] for k in ("pg", "entropy", "kl")}
     config = term_config(pg="token_mean" if per_token else "prompt_mean")
-    plan = StepPlan.from_mask(config, mask, cu, group_index=groups)
+    plan = StepPlan.from_mask(config, mask, cu, group_index=groups, session_index=sessions_in(groups))
     lengths = cu[1:] - cu[:-1]
     total, tokens, reports = 0.0, 0, {}
     for samples in (torch.arange(0, 6), torch.arange(6, 12)):
@@ -368,7 +369,13 @@ def _weights_for(n, seed=4):
 def test_a_weighted_term_is_its_reference(mode, weighting, empty):
     spec = lossagg.MODES[mode]
     has_n = isinstance(spec.denoms, lossagg.DenomProduct) and "N" in spec.denoms.factors
-    settings = {"mode": mode, "weighting": weighting, "empty_samples": empty, "n_samples_per_prompt": N_PER_PROMPT, **spec.example_settings}
+    settings = {
+        "mode": mode,
+        "weighting": weighting,
+        "empty_samples": empty,
+        "n_samples_per_prompt": per_prompt(mode, N_PER_PROMPT),
+        **spec.example_settings,
+    }
     if weighting != "multiply" and not has_n:
         with pytest.raises(ConfigError, match=f"weighting={weighting} replaces the sample count N"):
             LossAggregationConfig.from_dict(settings)
@@ -376,7 +383,7 @@ def test_a_weighted_term_is_its_reference(mode, weighting, empty):
     values, mask, cu, groups = batch(seed=9)
     weights = _weights_for(cu.numel() - 1)
     config = LossAggregationConfig.from_dict({**settings, "terms": {"kl": {"mode": "token_mean", "coefficient": 0.5, "weighting": "multiply"}}})
-    plan = StepPlan.from_mask(config, mask, cu, group_index=groups, sample_weights=weights)
+    plan = StepPlan.from_mask(config, mask, cu, group_index=groups, session_index=sessions_in(groups), sample_weights=weights)
     leaves = {k: values[k].clone().requires_grad_(True) for k in ("pg", "kl")}
     j = plan.loss(leaves, mask, slice(None), cu)
     ref_leaves = {k: v.detach().clone().requires_grad_(True) for k, v in leaves.items()}

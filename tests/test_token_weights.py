@@ -12,7 +12,7 @@ import re
 
 import pytest
 import torch
-from batches import random_float64_step
+from batches import per_prompt, random_float64_step, sessions_in
 
 import lossagg
 from lossagg import LossAggregationConfig, StepPlan, gradient_scale
@@ -55,7 +55,7 @@ ALL_MODES = [*lossagg.MODES, REGISTERED]
 
 def config_of(name: str) -> LossAggregationConfig:
     settings = lossagg.MODES[name].example_settings
-    return LossAggregationConfig(mode=name, n_samples_per_prompt=4, **settings)
+    return LossAggregationConfig(mode=name, n_samples_per_prompt=per_prompt(name, 4), **settings)
 
 
 def step(seed=3):
@@ -91,7 +91,7 @@ def micro_batches(cu: torch.Tensor, layout: str, parts: int, *tensors: torch.Ten
 def test_the_weighted_masked_sum_is_the_plans_loss_and_adds_up_to_j(mode, layout):
     values, mask, cu, groups, counts = step()
     config = config_of(mode)
-    plan = StepPlan(config, counts, group_index=groups)
+    plan = StepPlan(config, counts, group_index=groups, session_index=sessions_in(groups))
     total = torch.zeros((), dtype=torch.float64)
     for samples, mb_cu, (v, m) in micro_batches(cu, layout, 3, values, mask):
         w = plan.token_weights(m, samples, mb_cu, convention="sum", dtype=torch.float64)
@@ -105,7 +105,7 @@ def test_the_weighted_masked_sum_is_the_plans_loss_and_adds_up_to_j(mode, layout
         theirs.backward()
         torch.testing.assert_close(by_weights.grad, by_plan.grad, **F64)
         total = total + ours.detach()
-    torch.testing.assert_close(total, reference_loss(config, values, mask, cu, groups), **F64)
+    torch.testing.assert_close(total, reference_loss(config, values, mask, cu, groups, session_index=sessions_in(groups)), **F64)
 
 
 @pytest.mark.parametrize("convention", GRADIENT_CONVENTIONS)
@@ -171,7 +171,7 @@ def ppo_inputs(values, seed=0):
 def test_scaled_advantages_give_the_plans_ppo_clip_loss_and_gradient(mode, layout, dual_clip):
     values, mask, cu, groups, counts = step(seed=11)
     logp, old, adv = ppo_inputs(values)
-    plan = StepPlan(config_of(mode), counts, group_index=groups)
+    plan = StepPlan(config_of(mode), counts, group_index=groups, session_index=sessions_in(groups))
     for samples, mb_cu, (lp, o, a, m) in micro_batches(cu, layout, 2, logp, old, adv, mask):
         w = plan.token_weights(m, samples, mb_cu, convention="sum", dtype=torch.float64)
         by_advantages = lp.clone().requires_grad_(True)

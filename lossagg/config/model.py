@@ -150,10 +150,22 @@ class LossAggregationConfig(BaseModel):
     )
     calculate_per_token_loss: StrictBool | None = Field(None, description=f"Legacy Megatron flag; true means {_PER_TOKEN_MODE} when mode is unset.")
     n_samples_per_prompt: StrictInt | None = Field(
-        None, ge=1, le=MAX_COUNT, description="Samples per prompt group (n); when given, every group of a step must hold exactly n samples."
+        None,
+        ge=1,
+        le=MAX_COUNT,
+        description=(
+            "Samples per prompt group (n); when given, every group of a step must hold exactly n samples "
+            "(under a mode with sessions in prompt groups: n sessions)."
+        ),
     )
     global_batch_size: StrictInt | None = Field(
-        None, ge=1, le=MAX_COUNT, description="Samples per optimizer step; a multiple of n_samples_per_prompt under prompt_mean."
+        None,
+        ge=1,
+        le=MAX_COUNT,
+        description=(
+            "Samples per optimizer step; a multiple of n_samples_per_prompt under prompt_mean; with a process group, the default "
+            "number of session labels under a mode with sessions."
+        ),
     )
     empty_samples: EmptySamples = Field(
         DEFAULT_EMPTY_SAMPLES,
@@ -226,6 +238,16 @@ class LossAggregationConfig(BaseModel):
             asks.append(f"weighting={self.weighting} (StepPlan's sample_weights)")
         if asks:
             raise ValueError(f"{where} reduces the PG term alone, unweighted, and the config asks for {' and '.join(asks)}; see docs/terms.md")
+
+    def sample_indices(self) -> tuple[str, ...]:
+        """The per-sample indices a plan of this config needs besides the masks: ``group_index``
+        when a term's mode has prompt groups, ``session_index`` when one has sessions (docs/modes.md)."""
+        specs = [mode_spec(m) for m in (self.mode, *(t.mode or default_term_mode(self.mode) for t in self.terms.values()))]
+        return tuple(
+            name
+            for name, needed in (("group_index", any(s.needs_groups for s in specs)), ("session_index", any(s.needs_sessions for s in specs)))
+            if needed
+        )
 
     def summary(self) -> dict[str, Any]:
         out = self.model_dump(mode="json")
@@ -320,7 +342,8 @@ def _rule_problems(model: LossAggregationConfig, mode) -> list[tuple[str, str, t
     n = model.n_samples_per_prompt
     for name, term in model.terms.items():
         problems += _term_problems(name, term, mode, model)
-    if spec.needs_groups and model.global_batch_size is not None and n is not None and model.global_batch_size % n != 0:
+    problems += _group_size_problems(model)
+    if _whole_groups_of_samples(spec) and model.global_batch_size is not None and n is not None and model.global_batch_size % n != 0:
         problems.append(
             (
                 "global_batch_size",
@@ -330,6 +353,35 @@ def _rule_problems(model: LossAggregationConfig, mode) -> list[tuple[str, str, t
             )
         )
     return problems
+
+
+def _sessions_in_groups(spec: ModeSpec) -> bool:
+    """Whether the mode holds sessions inside prompt groups: its ``n_samples_per_prompt`` counts a group's
+    sessions (docs/modes.md, "Sessions"), and a group holds any number of samples."""
+    return "group_sessions" in spec.totals
+
+
+def _whole_groups_of_samples(spec: ModeSpec) -> bool:
+    return spec.needs_groups and not _sessions_in_groups(spec)
+
+
+def _group_size_problems(model: LossAggregationConfig) -> list[tuple[str, str, tuple[str, ...]]]:
+    """``n_samples_per_prompt`` means one thing for the whole config: samples per group, or sessions per group."""
+    if model.n_samples_per_prompt is None:
+        return []
+    modes = [model.mode, *(t.mode or default_term_mode(model.mode) for t in model.terms.values())]
+    samples = next((m for m in modes if _whole_groups_of_samples(mode_spec(m))), None)
+    sessions = next((m for m in modes if _sessions_in_groups(mode_spec(m))), None)
+    if samples is None or sessions is None:
+        return []
+    return [
+        (
+            "n_samples_per_prompt",
+            f"n_samples_per_prompt counts the samples of a prompt group under mode={samples} and its sessions under mode={sessions}: "
+            "give the terms modes that agree on what a group holds, or leave n_samples_per_prompt unset",
+            ("mode", "terms", "n_samples_per_prompt"),
+        )
+    ]
 
 
 def _weighting_problems(at: str, weighting: str, spec: ModeSpec, depends: tuple[str, ...]) -> list[tuple[str, str, tuple[str, ...]]]:
@@ -358,7 +410,7 @@ def _term_problems(name: str, term: LossTerm, mode: str, model: LossAggregationC
     elif not spec.needs_divisor and term.divisor is not None:
         problems.append((f"{at}.divisor", f"divisor is only used with a mode that divides by L, got it with the term's mode={term_mode}", ("terms",)))
     n = model.n_samples_per_prompt
-    if spec.needs_groups and model.global_batch_size is not None and n is not None and model.global_batch_size % n != 0:
+    if _whole_groups_of_samples(spec) and model.global_batch_size is not None and n is not None and model.global_batch_size % n != 0:
         problems.append(
             (
                 f"{at}.mode",

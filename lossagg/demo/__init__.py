@@ -120,6 +120,12 @@ def run_demo(args) -> int:
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(table + "\n")
     print("split invariance: one step split into 4 micro-batches gives the unsplit gradient " + ("(checked for every mode)" if ok else "-- FAILED"))
+    sessions = [m for m in args.modes if MODES[m].needs_sessions]
+    if sessions:
+        print(
+            f"sessions: the task is single-turn, so each rollout is a session of one sample and {', '.join(sessions)} "
+            "give their one-sample form (docs/modes.md, 'Sessions')"
+        )
     figure = write_figure(results, args.out)
     if figure:
         print(f"figure: {figure}")

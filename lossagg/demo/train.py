@@ -125,7 +125,11 @@ def rollout(policy, prompts_per_step, n, generator):
         old_logp = policy.logprobs(k, tokens)
     mask = torch.arange(MAX_LEN)[None] < lengths[:, None]
     group_index = torch.arange(prompts_per_step).repeat_interleave(n)
-    return dict(k=k, tokens=tokens, lengths=lengths, reward=r, adv=adv, old_logp=old_logp, mask=mask, group_index=group_index)
+    # the task is single-turn: each rollout is a session of one sample, so a session mode is its one-sample form
+    session_index = torch.arange(prompts_per_step * n)
+    return dict(
+        k=k, tokens=tokens, lengths=lengths, reward=r, adv=adv, old_logp=old_logp, mask=mask, group_index=group_index, session_index=session_index
+    )
 
 
 def invariance_check(policy, config, batch, clip):
@@ -133,7 +137,7 @@ def invariance_check(policy, config, batch, clip):
     grads = []
     for micro_batches in (1, 4):
         policy.zero_grad()
-        plan = StepPlan(config, batch["lengths"], group_index=batch["group_index"])
+        plan = StepPlan(config, batch["lengths"], group_index=batch["group_index"], session_index=batch["session_index"])
         pg_step_loss(policy, batch, plan, micro_batches, clip)
         grads.append(torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None]))
     policy.zero_grad()
@@ -160,7 +164,7 @@ def train_mode(mode, args, progress):
         batch = rollout(policy, args.prompts_per_step, n, generator)
         if invariance is None and step >= args.steps // 2:
             invariance = invariance_check(policy, config, batch, args.clip)
-        plan = StepPlan(config, batch["lengths"], group_index=batch["group_index"])
+        plan = StepPlan(config, batch["lengths"], group_index=batch["group_index"], session_index=batch["session_index"])
         opt.zero_grad()
         _, agg_seconds = pg_step_loss(policy, batch, plan, args.micro_batches, args.clip)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), 1e9))

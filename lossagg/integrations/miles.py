@@ -58,7 +58,7 @@ from importlib import import_module
 import torch
 
 from lossagg.config import ConfigError, LossAggregationConfig
-from lossagg.integrations import seed
+from lossagg.integrations import seed, session_refusal
 from lossagg.modes import mode_spec
 from lossagg.step import StepPlan
 
@@ -120,6 +120,13 @@ def configure(args) -> LossAggregationConfig | None:
     if config is None:
         return None
     inner, issues = seed.loss_issues(args, config, HOOKS, f"miles-rl {MILES_VERSION}", REBUILT)
+    refused = session_refusal(
+        config,
+        f"miles-rl {MILES_VERSION}'s step hook",
+        "its training data holds no trajectory id per sample: its rollout_id numbers the rollout, not a sample's trajectory",
+    )
+    if refused:
+        issues.append(("--loss-aggregation", refused))
     backend = getattr(args, "train_backend", "megatron")
     if backend != "megatron":
         issues.append(

@@ -34,6 +34,14 @@ step's longest rollout, and an empty sample (``empty_samples: skip``) a rollout 
 token in any of its training samples. So ``sample_mean`` is slime's default, bit for bit in
 exact arithmetic; the other modes are the table of ``docs/modes.md`` over rollouts.
 
+**Sessions.** Under a mode with sessions (``session_mean``, ``session_token_mean``, their
+``prompt_`` forms; docs/modes.md, "Sessions") lossagg's sample is slime's training sample and
+its session the training sample's rollout (``rollout_ids``), so ``session_token_mean`` is
+slime's default again, now with the training samples in view, and ``session_mean`` weighs
+each rollout once and each of its training samples equally. ``n_samples_per_prompt`` then
+counts the rollouts (sessions) of a prompt group, and the default reducer (the terms the
+config does not name, the metrics) is ``sample_mean`` over training samples.
+
 **Every term.** slime's ``policy_loss_function`` reduces pg_loss, entropy (``-entropy_coef``), KL
 (``+kl_loss_coef`` under ``--use-kl-loss``) and its metrics. The config's ``terms`` name them
 ``entropy`` and ``kl``, each on its own mode; a term the config does not name, and every metric,
@@ -234,8 +242,10 @@ def plan_rollout(args, rollout_data, *, dp_group=None) -> SlimeRollout:
     global _ROLLOUT
     config = _runtime_config(args)
     names = ("pg", *config.terms)
-    spec = mode_spec(config.mode)
-    needs_groups = spec.needs_groups or any(mode_spec(t.mode).needs_groups for t in config.terms.values())
+    modes = [mode_spec(m) for m in (config.mode, *(t.mode for t in config.terms.values() if t.mode))]
+    needs_groups = any(m.needs_groups for m in modes)
+    # under a mode with sessions a lossagg sample is one training sample and its session its rollout (module docstring)
+    sessions = any(m.needs_sessions for m in modes)
     masks = rollout_data["loss_masks"]
     partition = [int(p) for p in rollout_data["partition"]]
     n_local = len(masks)
@@ -259,6 +269,11 @@ def plan_rollout(args, rollout_data, *, dp_group=None) -> SlimeRollout:
     indices = rollout_data.get("sample_indices")
     if needs_groups and indices is None:
         raise ValueError(f"lossagg: mode={config.mode} needs each rollout's prompt group, read from the rollout's sample_indices, which it has not")
+    if sessions and rollout_ids is None:
+        raise ValueError(
+            f"lossagg: mode={config.mode} needs each training sample's session, its rollout_id, which the rollout data does not hold "
+            "(slime's rollout side sets rollout_ids)"
+        )
     local_rows = []
     for j, p in enumerate(partition):
         # a sample with no rollout id is a rollout of its own (slime numbers them so on the rollout side)
@@ -281,8 +296,9 @@ def plan_rollout(args, rollout_data, *, dp_group=None) -> SlimeRollout:
     rows_of_table = table.tolist()
     batch_sizes = [int(b) for b in rollout_data["global_batch_sizes"]]
     per_token = bool(args.calculate_per_token_loss)
-    local_rollout = [-1] * n_local  # each local sample's rollout, as a row of its step's plan
+    local_rollout = [-1] * n_local  # each local sample's row in its step's plan: its rollout's, or its own under sessions
     plans, scales, step_tables = [], [], []
+    rollout_tokens_of: dict[tuple[int, int], int] = {}  # (step, rollout_id) -> the rollout's loss tokens
     for s, gbs in enumerate(batch_sizes):
         rows = [p for p, row in enumerate(rows_of_table) if row[_PRESENT] == 1 and row[_STEP] == s + 1]
         order: dict[int, int] = {}
@@ -292,6 +308,18 @@ def plan_rollout(args, rollout_data, *, dp_group=None) -> SlimeRollout:
             raise RuntimeError(
                 f"lossagg: step {s} holds {len(order)} rollouts over the DP ranks, slime divides it by global_batch_size {gbs} (its rollouts)"
             )
+        for p in rows:
+            key = (s, rows_of_table[p][_ROLLOUT_ID])
+            rollout_tokens_of[key] = rollout_tokens_of.get(key, 0) + rows_of_table[p][_COUNT]
+        if sessions:
+            plan, of_position = _session_plan(config, rows, rows_of_table, order, needs_groups)
+            plans.append(plan)
+            scales.append(sum(max(rows_of_table[p][_COUNT], 1) for p in rows) if per_token else gbs)
+            step_tables.append({**plan.term_denoms, METRIC: plan.metric_denoms})
+            for j, p in enumerate(partition):
+                if steps[j] == s:
+                    local_rollout[j] = of_position[p]
+            continue
         counts = [0] * len(order)
         group = [-1] * len(order)
         prints: dict[int, int] = {}
@@ -306,16 +334,7 @@ def plan_rollout(args, rollout_data, *, dp_group=None) -> SlimeRollout:
                     raise ValueError(f"lossagg: rollout {row[_ROLLOUT_ID]} has training samples of prompt groups {group[r]} and {row[_GROUP]}")
                 group[r] = row[_GROUP]
                 prints.setdefault(r, row[_PRINT])  # the rollout's first training sample's prompt
-        group_index = None
-        if needs_groups:
-            keys, group_index = torch.unique(torch.tensor(group, dtype=torch.int64), return_inverse=True)
-            for k in range(keys.numel()):
-                seen = {prints[r] for r in torch.nonzero(group_index == k).flatten().tolist()}
-                if len(seen) != 1:
-                    raise ValueError(
-                        f"lossagg: the rollouts of prompt group {int(keys[k])} (sample_index // n_samples_per_prompt, as slime's data source "
-                        "numbers them) have different prompts: this rollout's samples are not numbered by group"
-                    )
+        group_index = _group_index(group, prints) if needs_groups else None
         plan = StepPlan(config, torch.tensor(counts, dtype=torch.int64), group_index=group_index)
         plans.append(plan)
         scales.append(sum(max(rows_of_table[p][_COUNT], 1) for p in rows) if per_token else gbs)
@@ -332,11 +351,41 @@ def plan_rollout(args, rollout_data, *, dp_group=None) -> SlimeRollout:
                 denoms[name][torch.tensor(mine)] = step_tables[s][name][at]
     # slime's own reducer (rebuilt inside policy_loss_function under TIS) divides by rollout_mask_sums: the
     # rollouts' token totals of the masks the steps were planned from (a user's postprocess may have changed them)
-    rollout_tokens = [float(plans[steps[j]].token_counts[local_rollout[j]]) for j in range(n_local)]
+    rollout_tokens = [float(rollout_tokens_of[(steps[j], rows_of_table[partition[j]][_ROLLOUT_ID])]) for j in range(n_local)]
     if "rollout_mask_sums" in rollout_data:
         rollout_data["rollout_mask_sums"] = torch.tensor(rollout_tokens, dtype=torch.float32, device=device)
     _ROLLOUT = SlimeRollout(masks, steps, denoms, scales, plans, per_token)
     return _ROLLOUT
+
+
+def _group_index(group: list[int], prints: dict[int, int]) -> torch.Tensor:
+    """Dense prompt-group labels of the plan's samples, each group checked to hold one prompt."""
+    keys, group_index = torch.unique(torch.tensor(group, dtype=torch.int64), return_inverse=True)
+    for k in range(keys.numel()):
+        seen = {prints[r] for r in torch.nonzero(group_index == k).flatten().tolist()}
+        if len(seen) != 1:
+            raise ValueError(
+                f"lossagg: the rollouts of prompt group {int(keys[k])} (sample_index // n_samples_per_prompt, as slime's data source "
+                "numbers them) have different prompts: this rollout's samples are not numbered by group"
+            )
+    return group_index
+
+
+def _session_plan(config, rows: list[int], table: list[list[int]], order: dict[int, int], needs_groups: bool):
+    """The plan of one step under a mode with sessions: its samples are the step's training samples (in
+    the order of the rollout's table), its sessions their rollouts; returns the plan and each table
+    row's position in it."""
+    of_position = {p: k for k, p in enumerate(rows)}
+    counts = torch.tensor([table[p][_COUNT] for p in rows], dtype=torch.int64)
+    session_index = torch.tensor([order[table[p][_ROLLOUT_ID]] for p in rows], dtype=torch.int64)
+    group_index = None
+    if needs_groups:
+        for p in rows:  # a rollout answers one prompt
+            first = table[rows[int((session_index == order[table[p][_ROLLOUT_ID]]).nonzero()[0, 0])]][_GROUP]
+            if table[p][_GROUP] != first:
+                raise ValueError(f"lossagg: rollout {table[p][_ROLLOUT_ID]} has training samples of prompt groups {first} and {table[p][_GROUP]}")
+        group_index = _group_index([table[p][_GROUP] for p in rows], {k: table[p][_PRINT] for k, p in enumerate(rows)})
+    return StepPlan(config, counts, group_index=group_index, session_index=session_index), of_position
 
 
 def rollout_data_postprocess(args, rollout_id, rollout_data):

@@ -83,6 +83,7 @@ except ImportError as exc:  # pragma: no cover - a TRL without GRPOTrainer, or o
     raise ImportError(f"lossagg.integrations.trl needs TRL with its GRPOTrainer (written against TRL 1.16): {exc}") from exc
 
 from lossagg.config import ConfigError, LossAggregationConfig
+from lossagg.integrations import session_refusal
 from lossagg.modes import ALIASES, MODES, canonical_mode, divisor_for
 from lossagg.ops import reduce
 from lossagg.step import StepPlan, scalar_share
@@ -270,6 +271,9 @@ class GRPOTrainer(_TRLGRPOTrainer):
                 f"a mode with prompt groups with steps_per_generation={spg} > gradient_accumulation_steps={accumulation} (TRL shuffles the "
                 "generation batch before cutting it into optimizer steps, so a prompt's completions straddle steps)"
             )
+        sessions = session_refusal(config, "TRL's GRPOTrainer", "each completion is a sample of its own, with no trajectory id in its batch")
+        if sessions:
+            refused.append(sessions)
         if refused:
             raise ValueError("lossagg.integrations.trl.GRPOTrainer does not support: " + "; ".join(refused))
         self.loss_aggregation = config

@@ -23,7 +23,8 @@ Where verl's arithmetic has a hole, this one does not:
   tokens or sequences itself).
 
 lossagg's own modes (every registered one, ``lossagg.MODES``) are accepted too:
-``group_index`` for a mode with prompt groups, ``loss_scale_factor`` as the divisor of a
+``group_index`` for a mode with prompt groups, ``session_index`` for one with sessions (a
+multi-turn trajectory's rows, docs/modes.md "Sessions"), ``loss_scale_factor`` as the divisor of a
 mode that takes one (the padded width when not given). Their ``d[i]`` is made of token
 counts, so their ``loss_mask`` must be 0/1 (a fractional entry is refused, naming it).
 With no global-batch argument and ``dp_size=1`` the micro-batch is the whole step;
@@ -173,7 +174,9 @@ def _padded_width(loss_mask: torch.Tensor) -> int:
 _VERL_TOTALS = {"num_samples": "global_batch_size", "total_tokens": "batch_num_tokens"}
 
 
-def _lossagg_denoms(loss_mask, mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor, group_index, empty_samples) -> torch.Tensor:
+def _lossagg_denoms(
+    loss_mask, mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor, group_index, empty_samples, session_index=None
+) -> torch.Tensor:
     """d[i] of a lossagg mode: the micro-batch alone when it is the whole step, else from verl's global-batch arguments."""
     spec = MODES[mode]
     convention = DEFAULT_EMPTY_SAMPLES if empty_samples is None else empty_samples
@@ -200,7 +203,7 @@ def _lossagg_denoms(loss_mask, mode, dp_size, batch_num_tokens, global_batch_siz
     config = LossAggregationConfig(mode=mode, empty_samples=convention, **({} if divisor is None else {"divisor": divisor}))
     counts = token_counts(loss_mask)
     if dp_size == 1 and batch_num_tokens is None and global_batch_size is None:
-        return StepPlan(config, counts, group_index=group_index).sample_denoms
+        return StepPlan(config, counts, group_index=group_index, session_index=session_index).sample_denoms
     totals = {}
     if global_batch_size is not None:
         n = as_int("global_batch_size", global_batch_size, minimum=0)
@@ -255,12 +258,14 @@ def agg_loss(
     *,
     group_index: torch.Tensor | None = None,
     empty_samples: str | None = None,
+    session_index: torch.Tensor | None = None,
 ):
     """verl's ``agg_loss``: ``loss_mat`` and ``loss_mask`` are ``(bs, response_length)``.
 
     Returns a 0-dim tensor, differentiable in ``loss_mat``. ``loss_agg_mode`` is one of
     verl's modes (:data:`VERL_MODES`), where ``loss_mask`` is a weight (bool, integer or
     floating, finite and >= 0), or one of lossagg's (``group_index`` for ``prompt_mean``,
+    ``session_index`` for a mode with sessions,
     ``empty_samples`` for how samples without a loss token count, the config's setting),
     where it must be 0/1. ``-`` and ``_`` count as the same in either's names
     (``seq_mean_token_mean`` is verl's ``seq-mean-token-mean``); ``token_mean`` is lossagg's.
@@ -295,7 +300,9 @@ def agg_loss(
         d, after = _verl_denoms(loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
     elif loss_agg_mode in MODES:
         d = (
-            _lossagg_denoms(loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor, group_index, empty_samples)
+            _lossagg_denoms(
+                loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor, group_index, empty_samples, session_index
+            )
             / dp_size
         )
     else:
