@@ -35,7 +35,8 @@ from lossagg.messages import did_you_mean
 COMBINES = ("sum", "max")
 # A bound on the group labels of one step (the all-reduce buffer holds two float64 per label,
 # three with empty_samples=skip): 2**24 prompt groups is far beyond any real step and keeps the
-# buffer at 256 MiB (384 MiB).
+# buffer at 256 MiB (384 MiB). The same bound holds the session labels (up to twelve float64 each
+# under prompt_session_mean with skip; a step's session labels default to its global_batch_size).
 MAX_GROUP_LABELS = 2**24
 
 
@@ -575,7 +576,8 @@ def needs_sessions(names: Iterable[str]) -> bool:
 def check_group_label_count(num_labels: int, what: str = "num_group_labels") -> None:
     if num_labels > MAX_GROUP_LABELS:
         raise ValueError(
-            f"{what} must be <= {MAX_GROUP_LABELS} (the planner all-reduces two float64 per label, three with empty_samples=skip), got {num_labels}"
+            f"{what} must be <= {MAX_GROUP_LABELS} (the planner all-reduces a few float64 per label: two per group label, "
+            f"three with empty_samples=skip, and up to twelve per session label), got {num_labels}"
         )
 
 

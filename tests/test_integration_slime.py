@@ -577,11 +577,11 @@ def worker(rank, world, layouts, launches_path, init_file, results_dir):
                         err = float((g.double() - e).abs().max() / e.abs().max().clamp(min=1e-300))
                         if not err <= TOLERANCE:
                             failures.append(f"dp={dp} cp={cp} rank={rank} case={name} step={step} {pname}: relative error {err:.3g}")
-                    if name == "prompt_mean":  # the mutated reference must fail
+                    if name in ("prompt_mean", "session_mean"):  # the mutated reference (slime's per-rollout default) must fail
                         wrong = reference_grads(name, samples, step, args, mutated=True)
                         err = max(float((g.double() - e).abs().max() / e.abs().max()) for g, e in zip(optimizer.grads[step], wrong, strict=True))
                         if not err > 100 * TOLERANCE:
-                            failures.append(f"dp={dp} cp={cp} step={step}: slime's default reference matches prompt_mean's gradient ({err:.3g})")
+                            failures.append(f"dp={dp} cp={cp} step={step}: slime's default reference matches {name}'s gradient ({err:.3g})")
             mpu.destroy_model_parallel()
         if not used["current_device"] or not used["zeros"] or not used["accelerator"]:
             failures.append(f"rank {rank}: a stand-in was never used ({used}); the test no longer exercises what it says")
