@@ -259,3 +259,17 @@ def per_prompt(mode: str, n: int | None, size: int = 2) -> int | None:
     if n is None or "group_sessions" not in lossagg.MODES[mode].totals:
         return n
     return -(-n // size)
+
+
+#: The session modes the multi-process engine worlds run: between them they hold every session
+#: factor (session_mean: S, K[s(i)]; prompt_session_token_mean: P, Sp[g(i)], c(Ts[s(i)])), so each
+#: engine meets each factor; every session mode runs in tests/test_sessions.py,
+#: tests/test_sessions_distributed.py and the single-process split checks (checked by
+#: tests/test_sessions.py::test_the_engine_worlds_meet_every_session_factor).
+ENGINE_SESSION_MODES = ("session_mean", "prompt_session_token_mean")
+
+
+def engine_modes() -> list[str]:
+    """The modes a multi-process engine world runs: every registered mode without sessions, and
+    :data:`ENGINE_SESSION_MODES`."""
+    return [m for m, spec in lossagg.MODES.items() if not spec.needs_sessions or m in ENGINE_SESSION_MODES]

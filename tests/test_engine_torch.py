@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from batches import per_prompt, sessions_in
+from batches import engine_modes, per_prompt, sessions_in
 from worlds import report, run_world
 
 import lossagg
@@ -31,7 +31,8 @@ def worker(rank, world, engine, init_file, results_dir):
     torch.set_num_threads(1)
     failures, ran = [], 0
     try:
-        for mode, spec in lossagg.MODES.items():
+        for mode in engine_modes():
+            spec = lossagg.MODES[mode]
             config = lossagg.LossAggregationConfig(mode=mode, n_samples_per_prompt=per_prompt(mode, 4), **spec.example_settings)
             step = torch_engines.make_step(n_per_prompt=4)
             # sessions of two samples in each group of four (docs/modes.md, "Sessions"), read by the session modes
@@ -54,4 +55,4 @@ def test_engine_leaves_the_gradient_of_j(engine, tmp_path):
     world = DP * CP
     failures, runs = run_world(worker, world, (engine,), tmp_path)
     assert not failures, "\n".join(failures)[:6000]
-    assert runs == world * len(lossagg.MODES)
+    assert runs == world * len(engine_modes())

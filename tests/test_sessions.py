@@ -296,3 +296,12 @@ def test_lossagg_check_names_the_session_index(tmp_path, capsys):
     )
     assert cli_main(["check", str(path)]) == 1
     assert "n_samples_per_prompt" in capsys.readouterr().err
+
+
+def test_the_engine_worlds_meet_every_session_factor():
+    from batches import ENGINE_SESSION_MODES, engine_modes
+
+    factors = {f for m in SESSION_MODES for f in lossagg.MODES[m].denoms.factors if lossagg.denom_program.FACTORS[f].reads != "token_counts"}
+    met = {f for m in ENGINE_SESSION_MODES for f in lossagg.MODES[m].denoms.factors}
+    assert factors <= met, factors - met
+    assert set(ENGINE_SESSION_MODES) <= set(engine_modes())

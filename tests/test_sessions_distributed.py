@@ -74,7 +74,8 @@ def worker(rank, world, init_file, results_dir):
     torch.set_num_threads(1)
     dp_rank, cp_rank = divmod(rank, CP)
     dp_groups = [dist.new_group([d * CP + c for d in range(DP)]) for c in range(CP)]
-    dp_group = dp_groups[cp_rank]
+    cp_groups = [dist.new_group([d * CP + c for c in range(CP)]) for d in range(DP)]
+    dp_group, cp_group = dp_groups[cp_rank], cp_groups[dp_rank]
     step = make_step()
     features, targets, mask, cu, groups, sessions = step
     n = cu.numel() - 1
@@ -123,6 +124,21 @@ def worker(rank, world, init_file, results_dir):
                 if torch.allclose(local.sample_denoms, plan.sample_denoms):
                     failures.append(f"rank {rank} {mode}: sessions cut at the rank boundary give the same denominators")
             ran += 1
+        # a DeferredPlan reads a session's samples and tokens when its micro-batch runs: a session cut across ranks is named at close()
+        plan = lossagg.DeferredPlan(
+            config_of("session_token_mean", "count", n), own.numel(), process_group=dp_group, cp_group=cp_group, session_index=sessions[own]
+        )
+        mb_cu = lossagg.cu_seqlens_from_lengths(lengths[own], dtype=torch.int64)
+        idx = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in own.tolist()])
+        shard = zigzag_shard(mask[idx], mb_cu, CP, cp_rank, pad_value=False)
+        plan.loss(zigzag_shard(targets[idx], mb_cu, CP, cp_rank), shard, torch.arange(own.numel()), zigzag_local_cu_seqlens(mb_cu, CP))
+        try:
+            plan.close()
+            failures.append(f"rank {rank}: a DeferredPlan closed a step whose sessions lie on both ranks")
+        except ValueError as exc:
+            if "has samples on another rank" not in str(exc) or "session " not in str(exc):
+                failures.append(f"rank {rank}: DeferredPlan.close named another problem: {exc}")
+        ran += 1
     except Exception as exc:  # reported with the rank
         import traceback
 
@@ -134,7 +150,7 @@ def worker(rank, world, init_file, results_dir):
 def test_sessions_straddling_micro_batches_and_ranks(tmp_path):
     failures, runs = run_world(worker, DP * CP, (), tmp_path)
     assert not failures, "\n".join(failures)[:6000]
-    assert runs == DP * CP * len(CASES)
+    assert runs == DP * CP * (len(CASES) + 1)
 
 
 def test_the_worlds_sessions_straddle():

@@ -377,6 +377,8 @@ def _actor_error(aggregation, distilling=None, **settings):
     ("aggregation", "settings", "distilling", "named"),
     [
         ({"mode": "prompt_mean", "n_samples_per_prompt": 4}, {}, None, ["mode=prompt_mean", "num_groups"]),
+        # a session mode: verl's batch carries no trajectory id, and its engine no session totals (docs/modes.md, "Sessions")
+        ({"mode": "session_mean"}, {}, None, ["mode=session_mean", "num_sessions, session_sizes"]),
         ({"mode": "max_length"}, {}, None, ["mode=max_length", "max_tokens"]),
         ({"mode": "sample_mean", "empty_samples": "skip"}, {}, None, ["empty_samples=skip", "num_nonempty_samples"]),
         (

@@ -72,7 +72,11 @@ FLAGS: tuple[Flag, ...] = (
         "calculate_per_token_loss",
         dict(action="store_true", default=None, help="legacy flag: means --loss-aggregation token_mean when no mode is given"),
     ),
-    Flag("--n-samples-per-prompt", "n_samples_per_prompt", dict(type=int, default=None, help="samples per prompt group")),
+    Flag(
+        "--n-samples-per-prompt",
+        "n_samples_per_prompt",
+        dict(type=int, default=None, help="samples per prompt group (its sessions under a prompt_session_ mode)"),
+    ),
     Flag("--global-batch-size", "global_batch_size", dict(type=int, default=None, help="samples per optimizer step")),
     Flag(
         "--loss-aggregation-empty-samples",
