@@ -817,6 +817,15 @@ def _consistency(values: Mapping[str, Any], n_samples_per_prompt: int | None) ->
             )
         if n_ne > 0 and p_ne == 0:
             raise ValueError(f"num_nonempty_groups (P') is 0 but num_nonempty_samples (N') is {n_ne}: a non-empty sample makes its group non-empty")
+    s, s_ne = values.get("num_sessions"), values.get("num_nonempty_sessions")
+    for count, name, symbol, of, of_name in (
+        (s, "num_sessions", "S", n, "num_samples (N"),
+        (s_ne, "num_nonempty_sessions", "S'", n_ne, "num_nonempty_samples (N'"),
+    ):
+        if count is not None and of is not None and count > of:
+            raise ValueError(f"{name} ({symbol}, {count}) cannot exceed {of_name}, {of}): every session holds at least one such sample")
+    if s is not None and s_ne is not None and s_ne > s:
+        raise ValueError(f"num_nonempty_sessions (S', {s_ne}) cannot exceed num_sessions (S, {s}): the non-empty sessions are part of the step's")
     t, sg, lmax = values.get("total_tokens"), values.get("group_token_sums"), values.get("max_tokens")
     if t is not None and n_ne is not None and (t > 0) != (n_ne > 0):
         raise ValueError(

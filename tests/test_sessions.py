@@ -305,3 +305,16 @@ def test_the_engine_worlds_meet_every_session_factor():
     met = {f for m in ENGINE_SESSION_MODES for f in lossagg.MODES[m].denoms.factors}
     assert factors <= met, factors - met
     assert set(ENGINE_SESSION_MODES) <= set(engine_modes())
+
+
+def test_from_totals_refuses_session_counts_that_contradict_the_others():
+    counts = torch.tensor([3.0, 0.0, 2.0])
+    cfg = lossagg.LossAggregationConfig(mode="session_mean")
+    sizes = torch.ones(3)
+    with pytest.raises(ValueError, match=r"num_sessions \(S, 5\) cannot exceed num_samples \(N, 4\)"):
+        lossagg.StepPlan.from_totals(cfg, counts, num_sessions=5, session_sizes=sizes, num_samples=4)
+    skip = lossagg.LossAggregationConfig(mode="session_mean", empty_samples="skip")
+    with pytest.raises(ValueError, match=r"num_nonempty_sessions \(S', 3\) cannot exceed num_sessions \(S, 2\)"):
+        lossagg.StepPlan.from_totals(skip, counts, num_nonempty_sessions=3, num_sessions=2, nonempty_session_sizes=sizes)
+    plan = lossagg.StepPlan.from_totals(cfg, counts, num_sessions=2, session_sizes=torch.tensor([2.0, 2.0, 1.0]), num_samples=3)
+    assert plan.sample_denoms.tolist() == [2 * 2 * 3.0, 2 * 2 * 1.0, 2 * 1 * 2.0]
