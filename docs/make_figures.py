@@ -23,7 +23,8 @@ def token_weights(mode: str, lengths: torch.Tensor, n: int) -> torch.Tensor:
     extra = {} if divisor is None else {"divisor": divisor}
     config = lossagg.LossAggregationConfig(mode=mode, n_samples_per_prompt=n, **extra)
     group_index = torch.arange(lengths.numel()) // n
-    plan = lossagg.StepPlan(config, lengths, group_index=group_index)
+    # single-turn samples: each its own session (a session mode's weights depend on its sessions: docs/modes.md, "Sessions")
+    plan = lossagg.StepPlan(config, lengths, group_index=group_index, session_index=torch.arange(lengths.numel()))
     return 1.0 / plan.sample_denoms
 
 
@@ -32,7 +33,9 @@ def main(out: str = os.path.join(os.path.dirname(__file__), "length_bias.png")) 
     n = 8
     lengths = torch.logspace(4, 11, 64, base=2).round()
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    for mode in lossagg.MODES:
+    for mode, spec in lossagg.MODES.items():
+        if spec.needs_sessions:  # with single-turn samples each session mode is its one-sample form, a curve already drawn
+            continue
         w = token_weights(mode, lengths, n)
         ax.plot(lengths, w / w.mean(), marker=".", label=mode)
     ax.set(

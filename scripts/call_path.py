@@ -68,12 +68,13 @@ def main() -> None:
     leaves = "--leaves" in sys.argv
     counts = torch.tensor([3.0, 0.0, 5.0, 2.0])
     groups = torch.tensor([0, 0, 1, 1])
+    sessions = torch.tensor([0, 0, 1, 2])  # read by the session modes (docs/modes.md, "Sessions")
     worst = (0, 0, 0)
     for mode, spec in lossagg.MODES.items():
         settings = {"mode": mode, **spec.example_settings}
         config = lossagg.LossAggregationConfig.from_dict(settings)
-        lossagg.StepPlan(config, counts, group_index=groups)  # warm: first-use imports are not the path
-        stops = call_path(lambda config=config: lossagg.StepPlan(config, counts, group_index=groups), leaves)
+        lossagg.StepPlan(config, counts, group_index=groups, session_index=sessions)  # warm: first-use imports are not the path
+        stops = call_path(lambda config=config: lossagg.StepPlan(config, counts, group_index=groups, session_index=sessions), leaves)
         n, modules, returns = summary(stops)
         worst = max(worst, (n, modules, returns))
         short = [s.removeprefix("lossagg.") for s in stops]
