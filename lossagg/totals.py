@@ -57,7 +57,7 @@ class RankShare:
     weights: Any = None  # the samples' weights w_i (float64 [n_local]), for a weighted mean (docs/terms.md)
     session_labels: Any = None  # the session labels (sessions, docs/modes.md "Sessions"), as group_labels
     session_dense: Any = None  # the index of each sample's session label in session_labels
-    group_values: Any = None  # each sample's prompt-group label (int64), for the sessions' groups
+    group_values: Any = None  # each sample's prompt group, as its index in group_labels (int64), for the sessions' groups
     sessions_per_prompt: bool = False  # n_samples_per_prompt counts sessions per group, not samples
 
     @property
@@ -279,14 +279,23 @@ def _group_sessions(x, share: RankShare, nonempty: bool):
     present = sizes > 0
     labels = share.session_labels[present.to(share.session_labels.device)]
     n, s1, s2 = sizes[present].round().long(), g1[present].round().long(), g2[present].round().long()
-    split = s2 * n != s1 * s1
+    # exact in float64 while every Σg² < 2**53: (group labels - 1)² x the largest session's samples
+    largest = int(n.max()) if n.numel() else 0
+    if (max(share.num_labels, 1) - 1) ** 2 * largest >= 2**53:
+        raise ValueError(
+            f"session_index: {share.num_labels} group labels and a session of {largest} samples are too many for the exact check that a "
+            "session lies in one prompt group (the labels' squares must sum below 2**53): number the groups densely from 0"
+        )
+    # one group exactly when n | Σg and Σg² = (Σg / n)·Σg (n·Σg² >= (Σg)², equal only for equal labels), in int64
+    g = torch.div(s1, n.clamp(min=1), rounding_mode="floor")
+    split = (s1 != g * n) | (s2 != g * s1)
     if bool(split.any()):
         j = int(split.nonzero()[0, 0])
         raise ValueError(
             f"session_index: session {int(labels[j])} holds samples of more than one prompt group (group_index): a session "
             "(one trajectory) answers one prompt, so all its samples must carry its group's label"
         )
-    groups = torch.div(s1, n.clamp(min=1), rounding_mode="floor")
+    groups = g
     per_prompt = share.n_samples_per_prompt
     if per_prompt is not None and groups.numel():
         uniq, sessions = torch.unique(groups, return_counts=True)
@@ -295,7 +304,8 @@ def _group_sessions(x, share: RankShare, nonempty: bool):
             j = int(wrong.nonzero()[0, 0])
             raise ValueError(
                 f"n_samples_per_prompt ({per_prompt}) counts the sessions of each prompt group under a mode with sessions in prompt "
-                f"groups; group {int(uniq[j])} has {int(sessions[j])} session(s) ({int(wrong.sum())} group(s) of the wrong size)"
+                f"groups; group {int(share.group_labels[int(uniq[j])])} has {int(sessions[j])} session(s) "
+                f"({int(wrong.sum())} group(s) of the wrong size)"
             )
     counted = groups[kept[present] > 0] if nonempty else groups
     uniq, sessions = torch.unique(counted, return_counts=True)
@@ -721,7 +731,7 @@ def _with_groups(share: RankShare, group_index, mode, process_group, num_group_l
         "n_samples_per_prompt in the config or pass num_group_labels",
         counts,
     )
-    return replace(share, group_labels=labels, group_dense=dense, group_values=group_index.long())
+    return replace(share, group_labels=labels, group_dense=dense, group_values=dense.long())
 
 
 def _with_sessions(share: RankShare, session_index, mode, process_group, num_session_labels, global_batch_size) -> RankShare:

@@ -318,3 +318,24 @@ def test_from_totals_refuses_session_counts_that_contradict_the_others():
         lossagg.StepPlan.from_totals(skip, counts, num_nonempty_sessions=3, num_sessions=2, nonempty_session_sizes=sizes)
     plan = lossagg.StepPlan.from_totals(cfg, counts, num_sessions=2, session_sizes=torch.tensor([2.0, 2.0, 1.0]), num_samples=3)
     assert plan.sample_denoms.tolist() == [2 * 2 * 3.0, 2 * 2 * 1.0, 2 * 1 * 2.0]
+
+
+def test_the_sessions_group_check_is_exact_for_any_labels():
+    """Group labels as trainers hand them (large, sparse, negative) and sessions of many samples: the
+    check that a session lies in one prompt group reads dense labels, so it is exact."""
+    n = 64
+    counts = torch.ones(2 * n)
+    groups = torch.tensor([2**40 + 7] * n + [-(2**35)] * n)  # two prompts, labels far apart
+    sessions = torch.tensor([5] * n + [9] * n)  # one session of 64 samples each
+    plan = lossagg.StepPlan(
+        lossagg.LossAggregationConfig(mode="prompt_session_mean", n_samples_per_prompt=1), counts, group_index=groups, session_index=sessions
+    )
+    assert plan.sample_denoms.tolist() == [2 * 1 * n * 1.0] * (2 * n)
+    moved = groups.clone()
+    moved[3] = -(2**35)  # one sample of session 5 in the other group
+    with pytest.raises(ValueError, match="session 5 holds samples of more than one prompt group"):
+        lossagg.StepPlan(lossagg.LossAggregationConfig(mode="prompt_session_mean"), counts, group_index=moved, session_index=sessions)
+    with pytest.raises(ValueError, match=r"n_samples_per_prompt \(2\) counts the sessions .* group -34359738368 has 1 session"):
+        lossagg.StepPlan(
+            lossagg.LossAggregationConfig(mode="prompt_session_mean", n_samples_per_prompt=2), counts, group_index=groups, session_index=sessions
+        )
