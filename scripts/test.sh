@@ -22,8 +22,8 @@ bash scripts/test_min_python.sh || { wait "$peers"; exit 1; }
 wait "$peers"
 cat build/logs/peers-summary.txt
 
-# two workers when pytest-xdist is there; the multi-process tests keep to their groups
-# (xdist_group "engines", "miles", "slime"), each on one worker, while the workers share the rest
+# two workers when pytest-xdist is there; the multi-process engine tests share one of them
+# (xdist_group "engines") while the other runs the rest
 xdist=()
 "$PY" -c "import xdist" 2>/dev/null && xdist=(-n "${LOSSAGG_PYTEST_WORKERS:-2}" --dist loadgroup)
 "$PY" -m pytest tests "${xdist[@]}" "$@"

@@ -42,9 +42,7 @@ from worlds import report, run_world
 import lossagg
 from lossagg.modes import default_term_mode
 
-# miles' worlds keep to one xdist worker, apart from the other engines' (a group of their own lets the two
-# workers share the multi-process tests: the engines' group alone had grown to the whole run's length)
-pytestmark = pytest.mark.xdist_group("miles")
+pytestmark = pytest.mark.xdist_group("engines")
 
 N_PER_PROMPT, PROMPTS, STEPS, MICRO_BATCH_SIZE = 2, 8, 2, 2
 VOCAB, HIDDEN, PROMPT_LEN = 7, 4, 3
