@@ -14,7 +14,7 @@ before it, and never in a circle (tests/test_import_graph.py checks both against
 2. declarations (no torch at import): totals, denom_program, modes
 3. configuration (no torch): config.errors, config.files, config.model, config.flags, config
 4. native ops: _native, ops
-5. planning: layout, context_parallel, denominators, micro_batch, step, deferred, one_pass, sequence, testing
+5. planning: layout, context_parallel, samples, denominators, micro_batch, ledger, step, deferred, one_pass, sequence, testing
 6. adapters: integrations, integrations.seed, integrations.verl_trainer, integrations.verl, integrations.megatron,
    integrations.trl, integrations.miles, integrations.slime
 7. front ends: demo.report, demo.train, demo, cli, __main__, lossagg
@@ -74,6 +74,7 @@ _EXPORTS = {
     "token_counts": "lossagg.layout",
     "prompt_mask_sums": "lossagg.denominators",
     "StepPlan": "lossagg.step",
+    "RankSamples": "lossagg.samples",
     "MicroBatch": "lossagg.micro_batch",
     "DeferredPlan": "lossagg.deferred",
     "DeferredStep": "lossagg.deferred",
@@ -124,6 +125,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: every name of _EXPORTS, from it
     from lossagg.micro_batch import MicroBatch  # noqa: F401
     from lossagg.modes import ALIASES, MODES, REFUSED_NAMES, ModeSpec, ReferenceInputs, register_mode, unregister_mode  # noqa: F401
     from lossagg.one_pass import aggregate  # noqa: F401
+    from lossagg.samples import RankSamples  # noqa: F401
     from lossagg.ops import reduce, reduce_terms, segment_sum  # noqa: F401
     from lossagg.sequence import (  # noqa: F401
         SEQUENCE_OBJECTIVES,

@@ -38,9 +38,10 @@ def sample_positions(samples: Samples, n: int, device) -> torch.Tensor:
     return positions_and_run(samples, n, device)[0]
 
 
-def positions_and_run(samples: Samples, n: int, device) -> tuple[torch.Tensor, slice | None]:
+def positions_and_run(samples: Samples, n: int, device, pieces: bool = False) -> tuple[torch.Tensor, slice | None]:
     """(:func:`sample_positions`, the same positions as a slice when they are one run of consecutive
-    samples, else None): a plan's tables are then cut as views, with no gather."""
+    samples, else None): a plan's tables are then cut as views, with no gather. With ``pieces`` a
+    sample may be named several times (each segment of the layout a piece of the sample it names)."""
     check_holds_data("samples", samples)
     if isinstance(samples, slice):
         lo, hi, step = samples.indices(n)
@@ -71,7 +72,7 @@ def positions_and_run(samples: Samples, n: int, device) -> tuple[torch.Tensor, s
             run = slice(lo, hi + 1) if hi - lo + 1 == pos.numel() else None
             return pos.to(device=device, dtype=torch.long), run
         distinct, counts = torch.unique(pos, return_counts=True)
-        if distinct.numel() != pos.numel():
+        if distinct.numel() != pos.numel() and not pieces:
             first = int(torch.nonzero(counts > 1)[0, 0])
             raise ValueError(
                 f"samples must name each sample of the micro-batch once, got position {int(distinct[first])} {int(counts[first])} times "
@@ -134,6 +135,17 @@ def term_tables(denoms: torch.Tensor, weights: torch.Tensor | None, device) -> d
     return {torch.float32: (d32, w32), torch.float64: (denoms, weights)}
 
 
+def stack_term_tables(terms, denoms: Mapping[str, torch.Tensor], weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The loss's terms (``config.loss_terms``) as :func:`lossagg.reduce_terms` takes them: ``d_k[i]``
+    ``[K, B]`` from each term's row ``denoms[name]`` and the weights ``[K, B]`` (the samples' weights
+    for a term that weighs them, 1 for one that does not; None when no term does)."""
+    d = torch.stack([denoms[t.name] for t in terms])
+    if all(t.weighting == "none" for t in terms):
+        return d, None
+    ones = torch.ones_like(weights)
+    return d, torch.stack([ones if t.weighting == "none" else weights for t in terms])
+
+
 class MicroBatch:
     """One micro-batch of a plan, checked once: made by ``plan.micro_batch(...)``, reduced by
     ``plan.loss(values, mb)`` and ``plan.metrics(metrics, mb)``.
@@ -184,21 +196,41 @@ def given_micro_batch(plan, micro_batch, samples, cu_seqlens, what: str) -> Micr
 
 class MicroBatchLog:
     """What a :class:`lossagg.DeferredPlan` keeps of one micro-batch until ``close()``: its samples
-    and the terms' ``J_k`` its loss returned (None until it runs; set by the loss, compiled or not)."""
+    and each term's ``J_k`` its loss returned, by name (filled by the loss, compiled or not; each
+    term once: a second reduction of a term on one micro-batch would count in the gradients twice
+    and in the step's J once)."""
 
     def __init__(self, samples: torch.Tensor):
         self.samples = samples
-        self.parts: Any = None
+        self.parts: dict[str, torch.Tensor] = {}
 
 
 # --------------------------------------------------------------------------------- the reduction
-def _term_values(values, names: tuple[str, ...], what: str) -> list:
-    """The values of every term in order, from one tensor (a config with the PG term only) or a mapping."""
+def _selected(mb: MicroBatch, terms, what: str) -> tuple[tuple[str, ...], list[int]]:
+    """The terms a call reduces (all of the micro-batch's, or ``terms``: a name or a sequence of names)
+    and their rows in its tables."""
+    if terms is None:
+        return mb.names, list(range(len(mb.names)))
+    names = (terms,) if isinstance(terms, str) else tuple(terms) if isinstance(terms, (list, tuple)) else None
+    if not names or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"{what}: terms must be a term's name or a list of them (of {', '.join(mb.names)}), got {terms!r}")
+    unknown = [n for n in names if n not in mb.names]
+    if unknown or len(set(names)) != len(names):
+        why = f"not terms of the config: {', '.join(map(repr, unknown))}" if unknown else "a term named twice"
+        raise ValueError(f"{what}: terms must name terms of the loss ({', '.join(mb.names)}) once each, got {list(names)}: {why}")
+    return names, [mb.names.index(n) for n in names]
+
+
+def _term_values(values, names: tuple[str, ...], what: str, every: bool = True) -> list:
+    """The values of the terms ``names`` in order (``every`` term of the loss, or those a call names),
+    from one tensor (one term) or a mapping."""
     if isinstance(values, torch.Tensor):
         if len(names) != 1:
             raise ValueError(
-                f"{what}: the config has the terms {', '.join(names[1:])} besides 'pg', so the loss takes a mapping of every term's "
+                f"{what}: the config has the terms {', '.join(names[1:])} besides {names[0]!r}, so the loss takes a mapping of every term's "
                 f"per-token values by name ({', '.join(map(repr, names))}), got one tensor (it would be the PG term alone)"
+                if every
+                else f"{what}: terms names {', '.join(map(repr, names))}, so values must map each to its per-token values, got one tensor"
             )
         return [values]
     if not isinstance(values, Mapping):
@@ -208,9 +240,13 @@ def _term_values(values, names: tuple[str, ...], what: str) -> list:
         unknown = [n for n in values if n not in names]
         got = ", ".join(map(repr, values)) or "none"
         raise ValueError(
-            f"{what}: values must hold exactly the loss's terms, {', '.join(names)} ('pg' and the config's terms), got {got}"
+            (
+                f"{what}: values must hold exactly the loss's terms, {', '.join(names)} ('pg' and the config's terms), got {got}"
+                if every
+                else f"{what}: values must hold exactly the terms it names (terms=), {', '.join(names)}, got {got}"
+            )
             + (f": missing {', '.join(missing)}" if missing else "")
-            + (f"; not terms of the config: {', '.join(map(repr, unknown))}" if unknown else "")
+            + (f"; not terms {'of the config' if every else 'named here'}: {', '.join(map(repr, unknown))}" if unknown else "")
         )
     return [values[n] for n in names]
 
@@ -228,14 +264,14 @@ def _plain(seq: list, mask) -> bool:
     return True
 
 
-def _labels(names: tuple[str, ...]) -> tuple[str, ...]:
-    """The values as the user passed them: ``values`` alone, or ``values['kl']`` of a mapping."""
-    return ("values",) if names == ("pg",) else tuple(f"values[{n!r}]" for n in names)
+def _labels(names: tuple[str, ...], one: bool) -> tuple[str, ...]:
+    """The values as the user passed them: ``values`` alone (``one`` tensor), or ``values['kl']`` of a mapping."""
+    return ("values",) if one else tuple(f"values[{n!r}]" for n in names)
 
 
-def _check_values(names, seq, mb: MicroBatch, what: str) -> None:
+def _check_values(labels, seq, mb: MicroBatch, what: str) -> None:
     """Each term's values named as the user passed them: a tensor holding data with the token shape of the mask."""
-    for label, t in zip(_labels(names), seq, strict=True):
+    for label, t in zip(labels, seq, strict=True):
         check_holds_data(label, t)
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(mb.mask.shape):
             got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
@@ -246,36 +282,58 @@ def _check_values(names, seq, mb: MicroBatch, what: str) -> None:
             raise ValueError(f"{what}: {label} must be on the device of the micro-batch's mask ({mb.mask.device}), got {t.device}")
 
 
-def reduce_micro_batch(values, mb: MicroBatch, *, parts: bool = False, what: str = "plan.loss"):
-    """``J_mb = Σ_k c_k J_k`` of one micro-batch (module docstring): a 0-dim tensor differentiable in
-    every term's values, in the widest accumulation dtype of the terms; with ``parts``, also each
-    term's ``J_k`` before its coefficient, detached, by name."""
-    names = mb.names
-    seq = _term_values(values, names, what)
+def reduce_micro_batch(values, mb: MicroBatch, *, terms=None, coefficients: bool = True, parts: bool = False, what: str = "plan.loss"):
+    """``J_mb = Σ_k c_k J_k`` of one micro-batch (module docstring) over its terms, or over the terms
+    ``terms`` names (without their coefficients when ``coefficients`` is False: one term's ``J_k`` as
+    a trainer that applies the coefficient itself takes it): a 0-dim tensor differentiable in every
+    term's values, in the widest accumulation dtype of the terms; with ``parts``, also each term's
+    ``J_k`` before its coefficient, detached, by name."""
+    names, rows = _selected(mb, terms, what)
+    seq = _term_values(values, names, what, terms is None)
+    labels = _labels(names, isinstance(values, torch.Tensor))
     if not _plain(seq, mb.mask):
-        _check_values(names, seq, mb, what)
+        _check_values(labels, seq, mb, what)
+    if mb.log is not None:
+        again = [n for n in names if n in mb.log.parts]
+        if again:
+            raise ValueError(
+                f"{what}: the term(s) {', '.join(again)} of this micro-batch were already reduced: a DeferredPlan counts each term of a "
+                "micro-batch once (a second reduction would count twice in the gradients and once in the step's J); make a new "
+                "micro-batch for other samples"
+            )
+    coefs = [mb.coefficients[k] if coefficients else 1.0 for k in rows]
+    whole = len(rows) == len(mb.names)
     first = seq[0]
     if all(v.dtype is first.dtype for v in seq):
         d, w = mb.tables[torch.float64 if first.dtype is torch.float64 else torch.float32]
-        if len(seq) == 1 and w is None and mb.coefficients[0] == 1.0:
+        if not whole:
+            d, w = _rows(d, rows), None if w is None else _rows(w, rows)
+        if len(seq) == 1 and w is None and coefs[0] == 1.0:
             total = reduce(first, mb.mask, cu_seqlens=mb.cu_seqlens, sample_denoms=d[0])
-            split = total.detach().reshape(1)
+            split = [total.detach()]
         else:
-            total, split = reduce_terms_of(seq, mb.mask, mb.cu_seqlens, d, w, mb.coefficients, _labels(names))
+            total, split = reduce_terms_of(seq, mb.mask, mb.cu_seqlens, d, w, coefs, labels)
+            split = list(split)
     else:  # one reduce_terms per term, each accumulating as reduce does for its dtype; the total in the widest
         total, split = None, []
-        for k, v in enumerate(seq):
+        for j, (k, v) in enumerate(zip(rows, seq, strict=True)):
             d, w = mb.tables[torch.float64 if v.dtype is torch.float64 else torch.float32]
-            j_k, part = reduce_terms_of(
-                [v], mb.mask, mb.cu_seqlens, d[k : k + 1], None if w is None else w[k : k + 1], [mb.coefficients[k]], _labels(names[k : k + 1])
-            )
+            table = None if w is None else w[k : k + 1]
+            j_k, part = reduce_terms_of([v], mb.mask, mb.cu_seqlens, d[k : k + 1], table, [coefs[j]], labels[j : j + 1])
             split.append(part[0])
             total = j_k if total is None else total + j_k
     if mb.log is not None:
-        mb.log.parts = split
+        mb.log.parts.update(zip(names, split, strict=True))
     if parts:
-        return total, {n: split[k] for k, n in enumerate(names)}
+        return total, dict(zip(names, split, strict=True))
     return total
+
+
+def _rows(table: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Rows of a ``[K, B]`` table: a view for one row or a run of rows, else a gather."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return table[rows[0] : rows[0] + len(rows)]
+    return table[rows]
 
 
 def reduce_metrics(metrics: Mapping[str, torch.Tensor], mask, cu_seqlens, denoms: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -300,4 +358,52 @@ def reduce_metrics(metrics: Mapping[str, torch.Tensor], mask, cu_seqlens, denoms
     return {k: contrib[i] for i, k in enumerate(names)}
 
 
-__all__ = ["MicroBatch", "reduce_micro_batch", "reduce_metrics", "sample_positions"]
+# --------------------------------------------------------------------------------- the plans' entrance
+class Plan:
+    """What both plans share (:class:`lossagg.StepPlan`, :class:`lossagg.DeferredPlan`): the micro-batch
+    handle (``micro_batch``, each plan's own) and its reduction, :meth:`loss`, the one way a micro-batch's
+    share of the step's loss is computed (:func:`reduce_micro_batch`)."""
+
+    def _made(self, samples, mask, cu_seqlens) -> MicroBatch:  # the plan's own handle of (mask, samples, cu_seqlens)
+        raise NotImplementedError
+
+    def _handle(self, micro_batch, samples, cu_seqlens, what: str) -> tuple[MicroBatch, bool]:
+        """The micro-batch a call names: a :class:`MicroBatch` of this plan, or (mask, samples, cu_seqlens),
+        made here (then True)."""
+        mb = given_micro_batch(self, micro_batch, samples, cu_seqlens, what)
+        return (mb, False) if mb is not None else (self._made(samples, micro_batch, cu_seqlens), True)
+
+    def _reduce(self, values, mb: MicroBatch, made: bool, **how):
+        return reduce_micro_batch(values, mb, **how)
+
+    def loss(self, values, micro_batch, samples=None, cu_seqlens=None, *, terms=None, coefficients: bool = True, parts: bool = False):
+        """This micro-batch's contribution to the whole loss ``J = Σ_k c_k J_k`` (docs/terms.md), on
+        this CP rank's tokens if sharded: summed over every micro-batch and rank it is the step's
+        J, and so is its gradient, ``c_k · w_k[i] · m[t] / d_k[i(t)]`` for each term's values.
+
+        ``values``: the per-token loss (one tensor, for a config with the PG term only), or a
+        mapping of every term's per-token values by name (``"pg"``, the config's own mode and
+        coefficient 1, and each of ``config.terms``, its own reducer and coefficient); a config
+        with terms given one tensor is refused, naming the terms. ``micro_batch``: a
+        :class:`lossagg.MicroBatch` from ``plan.micro_batch`` (checked once: the call that a
+        trainer compiles), or the micro-batch's ``mask``, followed by ``samples`` and
+        ``cu_seqlens``.
+
+        ``terms`` (a term's name or a list of them) reduces those terms only: ``values`` then holds
+        exactly them (one tensor for one term); with ``coefficients=False`` their ``J_k`` are summed
+        without their coefficients (one term's share as a trainer that applies the coefficient
+        itself takes it). With ``parts=True`` returns ``(J_mb, {name: J_k})``, each term's
+        contribution before its coefficient, detached (summed over micro-batches and ranks: each
+        term's step value, for a tracker).
+
+        One term, unweighted, is one :func:`lossagg.reduce`; the terms of one dtype one
+        :func:`lossagg.reduce_terms` (each ``J_k`` added as ``reduce`` adds it); terms of several
+        dtypes one call each, each accumulating as ``reduce`` does for its dtype, the total in
+        the widest (lossagg/micro_batch.py).
+        """
+        what = f"{type(self).__name__}.loss"
+        mb, made = self._handle(micro_batch, samples, cu_seqlens, what)
+        return self._reduce(values, mb, made, terms=terms, coefficients=coefficients, parts=parts, what=what)
+
+
+__all__ = ["MicroBatch", "Plan", "reduce_micro_batch", "reduce_metrics", "sample_positions"]

@@ -23,23 +23,25 @@ import torch
 
 from lossagg.config import LossAggregationConfig
 from lossagg.config.model import PG_TERM
-from lossagg.denominators import denoms_from_totals
+from lossagg.denominators import check_denoms, denoms_from_totals
 from lossagg.layout import token_counts as _token_counts
 from lossagg.micro_batch import (
     MicroBatch,
+    Plan,
     Samples,
     check_layout,
     cut_from_step,
     given_micro_batch,
     positions_and_run,
     reduce_metrics,
-    reduce_micro_batch,
     sample_positions,
+    stack_term_tables,
     term_tables,
 )
-from lossagg.modes import METRIC_MODE, default_term_mode, mode_spec
-from lossagg.totals import mode_totals, plan_totals, read_totals
-from lossagg.validate import as_int, check_holds_data, check_process_group, check_sample_weights, check_token_counts
+from lossagg.modes import METRIC_MODE, mode_spec
+from lossagg.samples import RankSamples
+from lossagg.totals import StepTotals, mode_totals, plan_totals, read_totals
+from lossagg.validate import as_int, check_holds_data, check_process_group
 
 GRADIENT_CONVENTIONS = ("sum", "mean", "micro_batch_mean", "megatron")
 _ALL = slice(None)
@@ -50,13 +52,14 @@ def _holds_data(t) -> bool:
     return isinstance(t, torch.Tensor) and t.layout is _STRIDED and not t.is_meta
 
 
-class StepPlan:
+class StepPlan(Plan):
     """Global per-sample denominators ``sample_denoms`` (``d[i]``) of one optimizer step, for this rank's samples.
 
     Args:
         config: the aggregation config.
         token_counts: ``[n_local]`` rollout token counts ``M[i]`` of this rank's samples
-            (all its micro-batches), from the full rollout masks.
+            (all its micro-batches), from the full rollout masks; or this rank's
+            :class:`lossagg.RankSamples` (then no other per-sample argument).
         group_index: ``[n_local]`` prompt-group index of each sample; required by modes
             with prompt groups. With a process group the labels must mean the same on
             every rank and lie in ``[0, num_group_labels)``, where ``num_group_labels`` is
@@ -71,24 +74,28 @@ class StepPlan:
             ``num_session_labels`` is given or ``global_batch_size``; a session may straddle
             micro-batches and ranks (its totals travel in the plan's one sum all-reduce).
         num_session_labels: how many session labels ``session_index`` can take (with a process group).
+        sample_weights: ``[n_local]`` weights, for a term that weighs its samples (docs/terms.md).
 
     ``plan.totals`` holds the step totals the mode declares and, gathered by every plan built
     here, ``num_samples`` and ``total_tokens`` (the metrics reducer and Megatron's
     per-token-loss scale use them), by name. Under ``config.empty_samples == "skip"`` it holds the
     stand-ins the mode reads instead (``num_nonempty_samples`` for ``N``, ``num_nonempty_groups``
-    for ``P``; gathered in the same all-reduce), and ``num_samples`` still.
+    for ``P``; gathered in the same all-reduce), and ``num_samples`` still. With a process group,
+    a check that fails on one rank (a label out of range) makes every rank raise after the one sum
+    all-reduce, that rank naming it (docs/composition.md).
 
     ``_totals`` is private: :meth:`from_totals` hands a trainer's step totals through it
     (checked by :func:`lossagg.totals.plan_totals` instead of gathered), so that every plan is
-    built by this one constructor. So is ``_extra_sums``: float64 values summed over the
-    process group in the plan's own sum all-reduce, in place (a :class:`lossagg.DeferredPlan`'s
-    logged values).
+    built by this one constructor. So are ``_extra_sums`` (float64 values summed over the process
+    group in the plan's own sum all-reduce, in place: a :class:`lossagg.DeferredPlan`'s logged
+    values), ``_problem`` (what a deferred plan found its rank lacks, raised on every rank) and
+    ``_fingerprint`` (what else every rank must agree on).
     """
 
     def __init__(
         self,
         config: LossAggregationConfig,
-        token_counts: torch.Tensor,
+        token_counts: torch.Tensor | RankSamples,
         *,
         group_index: torch.Tensor | None = None,
         process_group=None,
@@ -98,82 +105,85 @@ class StepPlan:
         sample_weights: torch.Tensor | None = None,
         _totals: Mapping[str, Any] | None = None,
         _extra_sums: torch.Tensor | None = None,
+        _problem: Exception | None = None,
+        _fingerprint: str = "",
     ):
         if not isinstance(config, LossAggregationConfig):
             config = LossAggregationConfig.coerce(config)
-        counts = check_token_counts(token_counts)
         process_group = check_process_group(process_group, "process_group", "the DP group of this rank")
+        if isinstance(token_counts, RankSamples):
+            given = [
+                n for n, v in (("group_index", group_index), ("session_index", session_index), ("sample_weights", sample_weights)) if v is not None
+            ]
+            given += [n for n, v in (("num_group_labels", num_group_labels), ("num_session_labels", num_session_labels)) if v is not None]
+            if given:
+                raise TypeError(f"StepPlan: the RankSamples record holds the samples' indices and weights; pass it alone, without {', '.join(given)}")
+            samples = token_counts
+        else:
+            samples = RankSamples.of(
+                config,
+                token_counts,
+                group_index=group_index,
+                session_index=session_index,
+                sample_weights=sample_weights,
+                num_group_labels=num_group_labels,
+                num_session_labels=num_session_labels,
+                indices_required=_totals is None,
+            )
         self.config = config
-        self.token_counts = counts
-        self.device = counts.device
+        self.samples = samples
+        self.token_counts = samples.token_counts
+        self.sample_weights = samples.sample_weights
+        self.device = samples.token_counts.device
+        self._terms = config.loss_terms
         empty = config.empty_samples
-        weightings = {PG_TERM: config.weighting, **{name: term.weighting for name, term in config.terms.items()}}
-        self.sample_weights = check_sample_weights(sample_weights, weightings, counts.shape[0], counts.device)
-        # each term's mode, as a weighted mean where its weighting says so (N replaced by W or W_abs)
-        spec = mode_spec(config.mode).weighted(config.weighting)
-        terms = {name: mode_spec(term.mode).weighted(term.weighting) for name, term in config.terms.items()}
-        self._specs = {PG_TERM: spec, **terms}
+        pg = self._terms[0]
         # what J reads: the PG mode's totals and every other term's, gathered in the same all-reduces
-        needed = tuple(dict.fromkeys((*spec.totals, *(t for term in terms.values() for t in term.totals))))
+        needed = tuple(dict.fromkeys(t for term in self._terms for t in term.spec.totals))
         grouped = next(
             (
-                f"{s.name} (the reducer of term {n!r})"
-                for n, s in terms.items()
-                if (s.needs_groups and not spec.needs_groups) or (s.needs_sessions and not spec.needs_sessions)
+                f"{t.mode} (the reducer of term {t.name!r})"
+                for t in self._terms[1:]
+                if (t.spec.needs_groups and not pg.spec.needs_groups) or (t.spec.needs_sessions and not pg.spec.needs_sessions)
             ),
             None,
         )
         self.totals = plan_totals(
             needed,
-            counts,
-            mode=grouped or spec.name,
+            samples,
+            mode=grouped or pg.mode,
             # the default reducer's (plan.metrics), and sample_mean's whatever the mode (trainers read N, N')
-            also=(*mode_spec(METRIC_MODE).totals, *mode_spec(default_term_mode(config.mode)).totals),
+            also=(*mode_spec(METRIC_MODE).totals, *config.metric_spec.totals),
             empty_samples=empty,
             given=_totals,
-            group_index=group_index,
             n_samples_per_prompt=config.n_samples_per_prompt,
             global_batch_size=config.global_batch_size,
             process_group=process_group,
-            num_group_labels=num_group_labels,
-            session_index=session_index,
-            num_session_labels=num_session_labels,
-            weights=self.sample_weights,
             extra_sums=_extra_sums,
+            problem=_problem,
+            fingerprint=_fingerprint,
         )
-        self.sample_denoms = denoms_from_totals(spec, counts, read_totals(spec.totals, self.totals, empty, spec.name), config.divisor, empty)
+        self.sample_denoms = self._denoms(pg)
+
+    def _denoms(self, term) -> torch.Tensor:
+        """``d_k[i]`` of one of the loss's terms (``config.loss_terms``), from the totals this plan holds."""
+        empty = self.config.empty_samples
+        what = term.mode if term.name == PG_TERM else f"{term.mode} (the reducer of term {term.name!r})"
+        read = read_totals(term.spec.totals, self.totals, empty, what)
+        return denoms_from_totals(term.spec, self.token_counts, read, term.divisor, empty)
 
     @functools.cached_property
     def term_denoms(self) -> dict[str, torch.Tensor]:
         """``d_k[i]`` of every term of the loss (float64 ``[n_local]``, by name): the PG term's,
         ``"pg"``, is :attr:`sample_denoms`; each of ``config.terms`` has its own mode's and divisor's,
         from the totals this plan gathered (docs/terms.md)."""
-        empty = self.config.empty_samples
-        out = {PG_TERM: self.sample_denoms}
-        for name, term in self.config.terms.items():
-            spec = self._specs[name]
-            read = read_totals(spec.totals, self.totals, empty, f"{spec.name} (the reducer of term {name!r})")
-            out[name] = denoms_from_totals(spec, self.token_counts, read, term.divisor, empty)
-        return out
-
-    @functools.cached_property
-    def _term_table(self) -> tuple[tuple[str, ...], torch.Tensor, torch.Tensor | None, list[float]]:
-        """The terms as :func:`lossagg.reduce_terms` takes them, for every sample of this rank:
-        their names in order (``"pg"`` first), ``d_k[i]`` ``[K, n_local]``, the weights ``[K, n_local]``
-        (1 for a term that does not weigh its samples; None when no term does) and the coefficients."""
-        names = (PG_TERM, *self.config.terms)
-        denoms = torch.stack([self.term_denoms[n] for n in names])
-        weightings = [self.config.weighting, *(t.weighting for t in self.config.terms.values())]
-        weights = None
-        if any(w != "none" for w in weightings):
-            ones = torch.ones_like(self.sample_weights)
-            weights = torch.stack([ones if w == "none" else self.sample_weights for w in weightings])
-        return names, denoms, weights, [1.0, *(t.coefficient for t in self.config.terms.values())]
+        return {t.name: self.sample_denoms if t.name == PG_TERM else self._denoms(t) for t in self._terms}
 
     @functools.cached_property
     def _kernel_tables(self) -> dict:
-        """:attr:`_term_table`'s ``d`` and ``w`` by accumulation dtype, rounded once per plan as the kernels round them."""
-        _, denoms, weights, _ = self._term_table
+        """Every term's ``d_k`` and weights (:func:`lossagg.micro_batch.stack_term_tables`) by accumulation
+        dtype, rounded once per plan as the kernels round them."""
+        denoms, weights = stack_term_tables(self._terms, self.term_denoms, self.sample_weights)
         return term_tables(denoms, weights, self.device)
 
     @functools.cached_property
@@ -182,7 +192,7 @@ class StepPlan:
         token_mean when the step itself is token-level (as a term that names no reducer,
         docs/terms.md), under the config's ``empty_samples`` (under skip, empty samples do not
         count in sample_mean's N either)."""
-        spec = mode_spec(default_term_mode(self.config.mode))
+        spec = self.config.metric_spec
         empty = self.config.empty_samples
         missing = [name for name in mode_totals(spec.totals, empty) if name not in self.totals]
         if missing:
@@ -220,6 +230,29 @@ class StepPlan:
         """
         return cls(config, token_counts, sample_weights=sample_weights, _totals=totals)
 
+    @classmethod
+    def from_denoms(cls, sample_denoms: torch.Tensor) -> StepPlan:
+        """A plan of one unweighted term whose ``d[i]`` a trainer made by its own rule (verl's own
+        ``loss_agg_mode`` names, whose masks are weights: lossagg.integrations.verl), checked finite
+        and > 0: its micro-batches reduce through the same handle as every plan's. It holds no step
+        total, so :meth:`metrics`, :attr:`empty` and :meth:`scalar_term` are refused by name."""
+        d = (
+            check_denoms(sample_denoms, "StepPlan.from_denoms: sample_denoms", tuple(sample_denoms.shape))
+            if isinstance(sample_denoms, torch.Tensor)
+            else None
+        )
+        if d is None or d.dim() != 1:
+            got = f"shape {tuple(sample_denoms.shape)}" if isinstance(sample_denoms, torch.Tensor) else type(sample_denoms).__name__
+            raise ValueError(f"StepPlan.from_denoms: sample_denoms must be a 1-D floating tensor of d[i] (one per sample), got {got}")
+        plan = cls.__new__(cls)
+        plan.config = LossAggregationConfig()
+        plan.samples = RankSamples(int(d.shape[0]))
+        plan.token_counts, plan.sample_weights, plan.device = None, None, d.device
+        plan._terms = plan.config.loss_terms
+        plan.totals = StepTotals({}, "given denominators")
+        plan.sample_denoms = d
+        return plan
+
     # ------------------------------------------------------------------- use
     def sample_denoms_for(self, samples: Samples, *, dtype=torch.float32, device=None) -> torch.Tensor:
         """``sample_denoms`` of a micro-batch, given its samples' positions among this rank's samples."""
@@ -228,16 +261,11 @@ class StepPlan:
 
     def _positions(self, samples: Samples) -> torch.Tensor:
         """Positions among this rank's samples: integers in [0, n_local), a slice, or a bool selection of length n_local."""
-        return sample_positions(samples, self.token_counts.shape[0], self.device)
+        return sample_positions(samples, self.samples.num_samples, self.device)
 
-    def _micro_batch_denoms(self, samples: Samples, mask: torch.Tensor, cu_seqlens, device) -> torch.Tensor:
-        check_holds_data("mask", mask)
-        check_holds_data("cu_seqlens", cu_seqlens)
-        d = self.sample_denoms_for(samples, dtype=torch.float64, device=device)
-        check_layout(d.shape[0], mask, cu_seqlens)
-        return d
-
-    def micro_batch(self, samples: Samples, mask: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *, step_layout: bool = False) -> MicroBatch:
+    def micro_batch(
+        self, samples: Samples, mask: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *, step_layout: bool = False, pieces: bool = False
+    ) -> MicroBatch:
         """One micro-batch of this plan, checked once (:class:`lossagg.MicroBatch`): what :meth:`loss`
         and :meth:`metrics` reduce, with no data-dependent check left for them (a loss function that
         takes it compiles whole).
@@ -246,26 +274,29 @@ class StepPlan:
         slice or a bool selection); ``mask`` and ``cu_seqlens`` its own layout (packed ``[T]`` with
         ``cu_seqlens``, padded ``[B, T]``), on this CP rank's tokens if sharded. With
         ``step_layout=True`` they are the layout of all this rank's samples instead, and the
-        micro-batch is cut from it (its tokens at ``mb.tokens``; packed: consecutive samples).
+        micro-batch is cut from it (its tokens at ``mb.tokens``; packed: consecutive samples). With
+        ``pieces=True`` each segment of the layout is a piece of the sample ``samples`` names for it,
+        and a sample may be named by several segments (its tokens split over segments: slime's
+        training samples of one rollout); ``d[i]`` is then the sample's for each of its pieces.
         """
         if not isinstance(mask, torch.Tensor):
             raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
         if mask.layout is not _STRIDED or mask.is_meta or (cu_seqlens is not None and not _holds_data(cu_seqlens)):
             check_holds_data("mask", mask)
             check_holds_data("cu_seqlens", cu_seqlens)
+        n = self.samples.num_samples
         whole = type(samples) is slice and samples == _ALL
         if whole:
             positions, run = self._all_positions, None
         elif type(samples) is slice:  # views of the plan's positions and tables
-            lo, hi, step = samples.indices(self.token_counts.shape[0])
+            lo, hi, step = samples.indices(n)
             positions, run = self._all_positions[samples], (slice(lo, max(hi, lo)) if step == 1 else None)
         else:
-            positions, run = positions_and_run(samples, self.token_counts.shape[0], self.device)
+            positions, run = positions_and_run(samples, n, self.device, pieces)
         tokens = None
         if step_layout:
             tokens, mask, cu_seqlens = cut_from_step(positions, mask, cu_seqlens)
         check_layout(positions.shape[0], mask, cu_seqlens)
-        names, _, _, coefficients = self._term_table
         if whole:  # the plan's own tables, moved once per device
             tables = self._whole_tables(mask.device)
         else:
@@ -276,11 +307,11 @@ class StepPlan:
                 if d.device != mask.device:
                     d, w = d.to(mask.device), None if w is None else w.to(mask.device)
                 tables[acc] = (d, w)
-        return MicroBatch(self, names, coefficients, positions, mask, cu_seqlens, tables, tokens)
+        return MicroBatch(self, tuple(t.name for t in self._terms), [t.coefficient for t in self._terms], positions, mask, cu_seqlens, tables, tokens)
 
     @functools.cached_property
     def _all_positions(self) -> torch.Tensor:
-        return torch.arange(self.token_counts.shape[0], device=self.device)
+        return torch.arange(self.samples.num_samples, device=self.device)
 
     def _whole_tables(self, device) -> dict:
         """:attr:`_kernel_tables` on ``device`` (each moved once per plan)."""
@@ -289,40 +320,8 @@ class StepPlan:
             cache[device] = {acc: (d.to(device), None if w is None else w.to(device)) for acc, (d, w) in self._kernel_tables.items()}
         return cache[device]
 
-    def _as_micro_batch(self, micro_batch, samples, cu_seqlens, what: str) -> MicroBatch:
-        """The micro-batch a call names: a :class:`MicroBatch` of this plan, or (mask, samples, cu_seqlens)."""
-        mb = given_micro_batch(self, micro_batch, samples, cu_seqlens, what)
-        return mb if mb is not None else self.micro_batch(samples, micro_batch, cu_seqlens)
-
-    def loss(
-        self,
-        values: torch.Tensor | Mapping[str, torch.Tensor],
-        micro_batch: MicroBatch | torch.Tensor,
-        samples: Samples | None = None,
-        cu_seqlens: torch.Tensor | None = None,
-        *,
-        parts: bool = False,
-    ):
-        """This micro-batch's contribution to the whole loss ``J = Σ_k c_k J_k`` (docs/terms.md), on
-        this CP rank's tokens if sharded: summed over every micro-batch and rank it is the step's
-        J, and so is its gradient, ``c_k · w_k[i] · m[t] / d_k[i(t)]`` for each term's values.
-
-        ``values``: the per-token loss (one tensor, for a config with the PG term only), or a
-        mapping of every term's per-token values by name (``"pg"``, the config's own mode and
-        coefficient 1, and each of ``config.terms``, its own reducer and coefficient); a config
-        with terms given one tensor is refused, naming the terms. ``micro_batch``: a
-        :class:`lossagg.MicroBatch` from :meth:`micro_batch` (checked once: the call that a
-        trainer compiles), or the micro-batch's ``mask``, followed by ``samples`` and
-        ``cu_seqlens``. With ``parts=True`` returns ``(J_mb, {name: J_k})``, each term's
-        contribution before its coefficient, detached (summed over micro-batches and ranks: each
-        term's step value, for a tracker).
-
-        One term, unweighted, is one :func:`lossagg.reduce`; the terms of one dtype one
-        :func:`lossagg.reduce_terms` (each ``J_k`` added as ``reduce`` adds it); terms of several
-        dtypes one call each, each accumulating as ``reduce`` does for its dtype, the total in
-        the widest (lossagg/micro_batch.py).
-        """
-        return reduce_micro_batch(values, self._as_micro_batch(micro_batch, samples, cu_seqlens, "StepPlan.loss"), parts=parts, what="StepPlan.loss")
+    def _made(self, samples, mask, cu_seqlens) -> MicroBatch:
+        return self.micro_batch(samples, mask, cu_seqlens)
 
     def metrics(
         self,
@@ -338,7 +337,7 @@ class StepPlan:
         values over micro-batches (and all-reduce over ranks) for the step-level value of each
         metric. ``micro_batch`` as for :meth:`loss`.
         """
-        mb = self._as_micro_batch(micro_batch, samples, cu_seqlens, "StepPlan.metrics")
+        mb, _ = self._handle(micro_batch, samples, cu_seqlens, "StepPlan.metrics")
         return reduce_metrics(metrics, mb.mask, mb.cu_seqlens, self.metric_denoms[mb.samples])
 
     @property
@@ -391,14 +390,17 @@ class StepPlan:
         cp_size: int = 1,
         num_micro_batches: int = 1,
         dtype: torch.dtype = torch.float32,
+        term: str = PG_TERM,
     ) -> torch.Tensor:
         """Per-token weights of a micro-batch, for trainers that fold the reduction into the advantages
-        (SkyRL's style; docs/integration.md, "Advantage scaling (SkyRL)").
+        or into a loss's per-token weights (SkyRL's advantages, verl's ``rollout_is_weights``;
+        docs/integration.md, "Advantage scaling (SkyRL)"): of the PG term, or of the loss's ``term``.
 
         The result has the token shape of ``mask`` (padded ``[B, T]``, or packed ``[T]`` with
         ``cu_seqlens``), on its device, in ``dtype`` (a floating dtype, float32 by default): every
         token of sample ``i``, masked or not, holds ``gradient_scale(convention, dp_size=...,
-        cp_size=..., num_micro_batches=...) / d[i]``. The mask is not in the weights (the
+        cp_size=..., num_micro_batches=...) / d[i]`` (times ``w_i`` for a term that weighs its
+        samples; ``d_k[i]`` of ``term``). The mask is not in the weights (the
         trainer masks the loss itself), so::
 
             (weights * per_token_loss * mask).sum() == plan.loss(per_token_loss, mask, samples, cu_seqlens) * scale
@@ -413,15 +415,22 @@ class StepPlan:
         """
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating torch.dtype (the weights are 1/d[i]), got {dtype!r}")
+        chosen = next((t for t in self._terms if t.name == term), None)
+        if chosen is None:
+            raise ValueError(f"StepPlan.token_weights: term must be one of the loss's terms ({', '.join(t.name for t in self._terms)}), got {term!r}")
         scale = gradient_scale(convention, dp_size=dp_size, cp_size=cp_size, num_micro_batches=num_micro_batches)
         try:  # the layout checks of the ops, on mask and cu_seqlens (one pass over the mask; the counts are not needed)
             _token_counts(mask, cu_seqlens)
         except (TypeError, ValueError) as exc:
             raise type(exc)(str(exc).replace("lossagg.token_counts: ", "StepPlan.token_weights: ", 1)) from None
-        d = self._micro_batch_denoms(samples, mask, cu_seqlens, mask.device)
+        check_holds_data("mask", mask)
+        check_holds_data("cu_seqlens", cu_seqlens)
+        positions = self._positions(samples)
+        d = self.term_denoms[chosen.name][positions].to(device=mask.device, dtype=torch.float64)
+        check_layout(d.shape[0], mask, cu_seqlens)
         per_sample = d.new_full(d.shape, scale) / d  # float64, rounded once (a number over a tensor is its reciprocal times it)
-        if self.config.weighting != "none":  # the sample's weight too: w_i · scale / d[i], any sign, 0 a weight of 0
-            per_sample = per_sample * self.sample_weights[self._positions(samples).to(self.sample_weights.device)].to(per_sample.device)
+        if chosen.weighting != "none":  # the sample's weight too: w_i · scale / d[i], any sign, 0 a weight of 0
+            per_sample = per_sample * self.sample_weights[positions.to(self.sample_weights.device)].to(per_sample.device)
             rounded = per_sample.to(dtype)
             lost = ~torch.isfinite(rounded) | ((rounded == 0) & (per_sample != 0))
         else:

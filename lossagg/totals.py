@@ -25,6 +25,7 @@ which import it), through :func:`_torch` and :func:`_checks` when they first run
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -605,34 +606,72 @@ def mode_totals(totals: Iterable[str], empty_samples: str = DEFAULT_EMPTY_SAMPLE
 
 def plan_totals(
     totals: tuple[str, ...],
-    counts,
+    samples,
     *,
     mode: str,
     also: tuple[str, ...] = (),
     empty_samples: str = DEFAULT_EMPTY_SAMPLES,
     given: Mapping[str, Any] | None = None,
+    n_samples_per_prompt: int | None = None,
+    global_batch_size: int | None = None,
+    process_group=None,
     extra_sums=None,
-    **share,
+    problem: Exception | None = None,
+    fingerprint: str = "",
 ) -> StepTotals:
-    """The step totals of a plan whose mode declares ``totals``, for this rank's float64 ``counts``.
+    """The step totals of a plan whose mode declares ``totals``, for this rank's ``samples`` (a
+    :class:`lossagg.samples.RankSamples` with its token counts).
 
     With ``given`` (a trainer's totals, ``StepPlan.from_totals``) the ones the mode reads under
     ``empty_samples`` are required, and every given one is checked against this rank's own data
-    and against the others. Otherwise they are gathered from the rank's share (``share``: the
-    keywords of :func:`rank_share`) over its ``process_group``: the mode's own, their stand-ins,
-    those of ``also`` (the metric reducer's) and :data:`BASE_TOTALS`, every ``sum`` total in one
-    float64 all-reduce and the ``max`` totals in a second one only when there are any.
-    ``extra_sums`` (a float64 1-D tensor, gathered plans only) travels in the same sum all-reduce
-    and is replaced in place by its sum over the ranks (lossagg.DeferredPlan's logged values).
+    and against the others. Otherwise they are gathered from the rank's share over its
+    ``process_group``: the mode's own, their stand-ins, those of ``also`` (the metric reducer's)
+    and :data:`BASE_TOTALS`, every ``sum`` total in one float64 all-reduce and the ``max`` totals
+    in a second one only when there are any. ``extra_sums`` (a float64 1-D tensor, gathered plans
+    only) travels in the same sum all-reduce and is replaced in place by its sum over the ranks
+    (lossagg.DeferredPlan's logged values).
+
+    Every rank closes the same step or raises, none waits: a check that fails on one rank only
+    (a label out of range, ``problem``: what the caller found this rank lacks) travels inside the
+    sum all-reduce as a flag, with a fingerprint of what shapes the buffer (the totals, the label
+    bounds, the extra sums and the caller's ``fingerprint``: its terms, metrics, estimate), so every
+    rank raises after that one collective, this rank its own error and the others one naming it.
     """
     if given is not None:
-        rank = RankShare(counts, n_samples_per_prompt=share.get("n_samples_per_prompt"), weights=share.get("weights"))
+        rank = RankShare(samples.token_counts, n_samples_per_prompt=n_samples_per_prompt, weights=samples.sample_weights)
         what = mode if empty_samples == DEFAULT_EMPTY_SAMPLES else f"{mode} with empty_samples={empty_samples}"
         return _given(mode_totals(totals, empty_samples), given, rank, what)
-    rank = rank_share(totals, counts, share.pop("group_index", None), mode=mode, **share)
+    shaping = {"mode": mode, "n_samples_per_prompt": n_samples_per_prompt, "global_batch_size": global_batch_size, "process_group": process_group}
+    try:
+        rank = rank_share(totals, samples, **shaping)
+    except (TypeError, ValueError) as exc:
+        if process_group is None:
+            raise
+        # the buffer of a rank without samples has the same layout (the label bounds are arguments): sent with the flag
+        try:
+            rank = rank_share(totals, _without_samples(samples), **shaping)
+        except (TypeError, ValueError):
+            raise exc from None  # an argument every rank shares (a label bound): refused before any collective
+        problem = problem or exc
     # the totals they stand in for are gathered too: P checks the group sizes against n_samples_per_prompt
     names = (*totals, *mode_totals(totals, empty_samples), *also, *mode_totals(also, empty_samples), *BASE_TOTALS)
-    return _gather(names, rank, share.get("process_group"), mode, extra_sums)
+    return _gather(names, rank, process_group, mode, extra_sums, problem, fingerprint)
+
+
+def _without_samples(samples):
+    """``samples`` with none of its samples (the same label bounds): the layout of its share, for a rank whose own share failed."""
+    torch = _torch()
+    device = samples.token_counts.device if samples.token_counts is not None else None
+    empty = torch.zeros(0, dtype=torch.float64, device=device)
+    labels = torch.zeros(0, dtype=torch.int64, device=empty.device)
+    return replace(
+        samples,
+        num_samples=0,
+        token_counts=empty,
+        group_index=None if samples.group_index is None else labels,
+        session_index=None if samples.session_index is None else labels,
+        sample_weights=None if samples.sample_weights is None else empty,
+    )
 
 
 def read_totals(totals: tuple[str, ...], plan: Mapping[str, Any], empty_samples: str, mode: str) -> StepTotals:
@@ -658,34 +697,26 @@ def read_as(name: str, totals: Mapping[str, Any], empty_samples: str = DEFAULT_E
 
 def rank_share(
     totals: Iterable[str],
-    counts,
-    group_index=None,
+    samples,
     *,
     mode: str,
     n_samples_per_prompt: int | None = None,
     global_batch_size: int | None = None,
     process_group=None,
-    num_group_labels=None,
-    weights=None,
-    session_index=None,
-    num_session_labels=None,
 ) -> RankShare:
-    """This rank's own data for the step totals ``totals``: its counts and, with prompt groups,
-    its samples' group labels (the distinct labels it holds; with a process group, labels
+    """This rank's own data for the step totals ``totals``, from its ``samples`` (a
+    :class:`lossagg.samples.RankSamples` with its token counts): its counts and, with prompt
+    groups, its samples' group labels (the distinct labels it holds; with a process group, labels
     ``0..num_group_labels-1`` shared by every rank, given or ``global_batch_size // n_samples_per_prompt``);
     with sessions, its samples' session labels the same way (with a process group, labels
     ``0..num_session_labels-1``, given or ``global_batch_size``: a step holds at most that many sessions)."""
-    checks = _checks()
-    for name, value in (("num_group_labels", num_group_labels), ("num_session_labels", num_session_labels)):
-        if value is not None:
-            checks.as_int(name, value, minimum=1)
     totals = tuple(totals)
     groups, sessions = needs_groups(totals), needs_sessions(totals)
-    share = RankShare(counts, n_samples_per_prompt=n_samples_per_prompt, weights=weights)
+    share = RankShare(samples.token_counts, n_samples_per_prompt=n_samples_per_prompt, weights=samples.sample_weights)
     if groups:
-        share = _with_groups(share, group_index, mode, process_group, num_group_labels, global_batch_size, n_samples_per_prompt)
+        share = _with_groups(share, samples.group_index, mode, process_group, samples.num_group_labels, global_batch_size, n_samples_per_prompt)
     if sessions:
-        share = _with_sessions(share, session_index, mode, process_group, num_session_labels, global_batch_size)
+        share = _with_sessions(share, samples.session_index, mode, process_group, samples.num_session_labels, global_batch_size)
         in_groups = any(name in ("group_sessions", "nonempty_group_sessions") for name in totals)
         share = replace(share, group_values=share.group_values if groups else None, sessions_per_prompt=in_groups)
     return share
@@ -751,12 +782,59 @@ def _with_sessions(share: RankShare, session_index, mode, process_group, num_ses
     return replace(share, session_labels=labels, session_dense=dense)
 
 
-def _gather(names: Iterable[str], share: RankShare, process_group=None, mode: str | None = None, extra_sums=None) -> StepTotals:
+#: The head of every all-reduce that can carry a rank's failure: [ranks that failed, ranks, h, h², Σ (rank + 1) of the
+#: failed ones], h a 20-bit fingerprint of the buffer's layout and of what every rank must share. After the sum every
+#: rank reads the same head: the ranks agree exactly when ranks · Σh² = (Σh)² (so for every h alike), exact in
+#: float64 up to 2**12 ranks.
+_HEAD = 5
+_TOLD = " (every rank of the process group raises with this one)"
+
+
+def all_reduce_with_head(buf, group, problem: Exception | None, fingerprint: str, mode) -> Exception | None:
+    """Sum ``buf`` (float64, 1-D) over ``group`` in place, behind the head (:data:`_HEAD`) that carries this
+    rank's ``problem`` and ``fingerprint``; returns what every rank must raise: this rank's own problem, one
+    naming the rank that failed, one saying the ranks differ, or None. Nothing is raised here, so a rank that
+    learns of a failure in one group (CP) still carries it into the next (DP)."""
+    torch = _torch()
+    dist = torch.distributed
+    h = float(zlib.crc32(f"{buf.numel()}|{fingerprint}".encode()) & 0xFFFFF)
+    failed = problem is not None
+    head = torch.tensor([float(failed), 1.0, h, h * h, dist.get_rank(group) + 1.0 if failed else 0.0], dtype=torch.float64, device=buf.device)
+    both = torch.cat([head, buf])
+    dist.all_reduce(both, op=dist.ReduceOp.SUM, group=group)
+    buf.copy_(both[_HEAD:])
+    failed_ranks, ranks, h1, h2, who = (int(round(x)) for x in both[:_HEAD].tolist())
+    if problem is not None:
+        if _TOLD in str(problem):
+            return problem
+        try:
+            told = type(problem)(f"{problem}{_TOLD}")
+        except Exception:  # an exception type that takes other arguments
+            told = ValueError(f"{problem}{_TOLD}")
+        return told.with_traceback(problem.__traceback__)
+    if failed_ranks:
+        which = f"rank {who - 1} of the group" if failed_ranks == 1 else f"{failed_ranks} ranks"
+        return ValueError(
+            f"another rank ({which}) cannot go on with this step (mode={mode}): it raises naming what it found, so no rank takes a "
+            "number from this step"
+        )
+    if ranks * h2 != h1 * h1:
+        return ValueError(
+            f"the ranks planned different steps (mode={mode}): the config, the label bounds (num_group_labels, num_session_labels), the "
+            "declared metrics or the estimate differ between ranks; they must be the same on every rank"
+        )
+    return None
+
+
+def _gather(
+    names: Iterable[str], share: RankShare, process_group=None, mode: str | None = None, extra_sums=None, problem=None, fingerprint: str = ""
+) -> StepTotals:
     """The totals ``names`` of the step: the rank's shares combined over ``process_group``.
 
-    All ``sum`` totals travel in one float64 all-reduce, the ``max`` totals in a second one
-    (only when there are any); without a process group the rank's shares are the step's.
-    ``extra_sums`` rides at the end of the sum all-reduce and is summed in place.
+    All ``sum`` totals travel in one float64 all-reduce behind the head that carries every rank's
+    failure (:func:`all_reduce_with_head`); the ``max`` totals in a second one, only when there are any
+    and no rank failed. Without a process group the rank's shares are the step's. ``extra_sums`` rides
+    at the end of the sum all-reduce and is summed in place.
     """
     torch = _torch()
     wanted = [TOTALS[name] for name in dict.fromkeys(names)]
@@ -766,19 +844,25 @@ def _gather(names: Iterable[str], share: RankShare, process_group=None, mode: st
         if not group:
             continue
         shares = [t.share(share).to(torch.float64).reshape(-1) for t in group]
+        sizes = [piece.numel() for piece in shares]
         if process_group is None:  # the rank's shares are the step's (no buffer to fill)
-            for t, piece in zip(group, shares, strict=True):
-                values[t.name] = t.value(piece, share)
-            continue
-        extra = extra_sums is not None and combine == "sum"
-        buf = torch.cat(shares + ([extra_sums.to(device=shares[0].device, dtype=torch.float64)] if extra else []))
-        dist = torch.distributed
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM if combine == "sum" else dist.ReduceOp.MAX, group=process_group)
-        pieces = buf.split([s.numel() for s in shares] + ([extra_sums.numel()] if extra else []))
-        for t, piece in zip(group, pieces, strict=False):
+            if problem is not None:
+                raise problem
+            buf = torch.cat(shares)
+        elif combine == "sum":
+            extra = [] if extra_sums is None else [extra_sums.to(device=shares[0].device, dtype=torch.float64)]
+            buf = torch.cat(shares + extra)
+            layout = f"{mode}|{','.join(t.name for t in wanted)}|{sizes}|{fingerprint}"
+            problem = all_reduce_with_head(buf, process_group, problem, layout, mode)
+            if problem is not None:
+                raise problem
+            if extra_sums is not None:
+                extra_sums.copy_(buf[sum(sizes) :])
+        else:
+            buf = torch.cat(shares)
+            torch.distributed.all_reduce(buf, op=torch.distributed.ReduceOp.MAX, group=process_group)
+        for t, piece in zip(group, buf[: sum(sizes)].split(sizes), strict=True):
             values[t.name] = t.value(piece, share)
-        if extra:
-            extra_sums.copy_(pieces[-1])
     return StepTotals({t.name: values[t.name] for t in wanted}, mode)
 
 

@@ -361,7 +361,7 @@ def trl_step_denoms(adapter, loss_type, batch, max_completion_length):
     mask = fake._loss_mask(batch)
     batch = {**batch, adapter.GROUP_KEY: torch.arange(mask.shape[0]) // 2}  # the completions' prompt groups, as tagged
     adapter.GRPOTrainer._plan_step(fake, [batch], 2)  # one micro-batch, the whole step
-    return batch[adapter.DENOMS_KEY]
+    return batch[adapter.PLAN_KEY].sample_denoms[batch[adapter.SAMPLES_KEY]]
 
 
 def trl_normalised_loss(loss_type, per_token_loss, mask, max_completion_length, micro_batches):

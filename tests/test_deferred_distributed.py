@@ -274,110 +274,114 @@ def test_megatron_schedule_with_a_filter_inside_the_loss(tmp_path):
 
 
 # ------------------------------------------------------------- the ranks agree on close()
-AGREE_TRIALS = 40
-AGREE_METRICS = ("ent", "kl")
+FAULT_TRIALS = 24
+FAULTS = ("none", "missing", "idle", "metric", "estimate", "label", "split", "plan_label")
+# what the faulty rank's own error names, and what every other rank's names
+FAULT_OWN = {
+    "missing": "samples never ran a micro-batch",
+    "idle": "never ran loss()",
+    "metric": "were reported but not declared",
+    "estimate": "the ranks planned different steps",
+    "label": "session_index must lie in [0, ",
+    "split": "has samples on 2 ranks",
+    "plan_label": "session_index must lie in [0, ",
+}
+FAULT_OTHERS = {"estimate": "the ranks planned different steps", "split": "has samples on 2 ranks"}
 
 
-def _agree_trial(trial: int, rank: int):
-    """One rank's random call sequence for a step: its samples, micro-batches, the metrics it declares
-    and reports, and whether it leaves a micro-batch without its loss or a sample without a
-    micro-batch (the harness reads what it did from the returned record)."""
-    g = torch.Generator().manual_seed(1000 * trial + rank)
-    pick = lambda n: int(torch.randint(0, n, (1,), generator=g))  # noqa: E731
-    n = pick(4)  # 0..3 samples on this rank
-    lengths = torch.randint(0, 4, (n,), generator=g)
-    return {
-        "n": n,
-        "lengths": lengths,
-        "declared": [m for m in AGREE_METRICS if pick(4) == 0],
-        "reported": [m for m in AGREE_METRICS if pick(2) == 0],
-        "skip_micro_batch": n > 0 and pick(8) == 0,
-        "idle": n > 0 and pick(8) == 0,
-        "twice": pick(6) == 0,
-        "g": g,
-    }
+def fault_worker(rank, world, init_file, results_dir):
+    """Every trial: one rank (or none) commits one fault in a step of a DeferredPlan (or a StepPlan) under a session
+    mode with a term; each rank records how close() (or the plan) ended and how long it took."""
+    import datetime
+    import time
 
-
-def agree_worker(rank, world, init_file, results_dir):
-    """Every trial: the call sequence of _agree_trial, then close(); the outcome recorded per trial."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     torch.set_num_threads(1)
     out = []
+    config = lossagg.LossAggregationConfig.from_dict(
+        {"mode": "session_token_mean", "terms": {"kl": {"mode": "session_token_mean", "coefficient": 0.1}}}
+    )
     try:
-        for trial in range(AGREE_TRIALS):
-            t = _agree_trial(trial, rank)
-            config = lossagg.LossAggregationConfig.from_dict({"mode": "token_mean", "terms": {"kl": {"coefficient": 0.1}}})
-            plan = lossagg.DeferredPlan(config, t["n"], process_group=dist.group.WORLD, metrics=t["declared"])
-            cu = lossagg.cu_seqlens_from_lengths(t["lengths"]).long()
-            tokens = int(cu[-1])
-            mask = torch.rand(tokens, generator=t["g"]) < 0.8
-            values = {k: torch.randn(tokens, generator=t["g"], dtype=torch.float64) for k in ("pg", "kl")}
-            reported, problem = set(t["declared"]), False
-            halves = [torch.arange(0, t["n"] // 2), torch.arange(t["n"] // 2, t["n"])]
-            for i, samples in enumerate(h for h in halves if h.numel()):
-                if t["skip_micro_batch"] and i == 0:
-                    problem = True
-                    continue
-                mb = plan.micro_batch(samples, mask, cu, step_layout=True)
-                if t["idle"] and i == 0:
-                    problem = True
-                else:
-                    plan.loss({k: v[mb.tokens] for k, v in values.items()}, mb)
-                metrics = {m: values["pg"][mb.tokens] * 2 for m in t["reported"]}
-                plan.metrics(metrics, mb)
-                reported.update(metrics)
-                if t["twice"] and metrics:
-                    try:
-                        plan.metrics(metrics, mb)
-                        out.append(f"{trial} FAIL: a metric reported twice for one micro-batch was accepted")
-                    except ValueError as exc:
-                        if "already reported" not in str(exc):
-                            out.append(f"{trial} FAIL: {exc}")
+        for trial in range(FAULT_TRIALS):
+            g = torch.Generator().manual_seed(trial)
+            fault = FAULTS[trial % len(FAULTS)]
+            faulty = int(torch.randint(0, world, (1,), generator=g))
+            mine = fault != "none" and rank == faulty
+            # 4 samples in 2 sessions of 2 on every rank, labels 2·rank, 2·rank + 1 of [0, 2·world)
+            sessions = torch.tensor([0, 0, 1, 1]) + 2 * rank
+            if mine and fault in ("label", "plan_label"):
+                sessions = sessions + 2 * world  # outside [0, 2·world)
+            if mine and fault == "split":
+                sessions = torch.tensor([0, 0, 1, 1]) + 2 * ((rank + 1) % world)  # another rank's sessions
+            lengths = torch.randint(1, 5, (4,), generator=g)
+            cu = lossagg.cu_seqlens_from_lengths(lengths).long()
+            mask = torch.rand(int(cu[-1]), generator=g) < 0.8
+            values = {k: torch.randn(int(cu[-1]), generator=g, dtype=torch.float64) for k in ("pg", "kl")}
+            start = time.monotonic()
             try:
-                step = plan.close()
-                outcome = "ok " + repr((step.scale, step.loss, sorted(step.terms.items()), sorted(step.metrics.items())))
+                if fault == "plan_label":
+                    plan = lossagg.StepPlan(
+                        config, lossagg.token_counts(mask, cu), session_index=sessions, process_group=dist.group.WORLD, num_session_labels=2 * world
+                    )
+                    outcome = f"ok {plan.totals.num_sessions}"
+                else:
+                    estimate = {"num_sessions": 99, "num_samples": 7} if mine and fault == "estimate" else None
+                    plan = lossagg.DeferredPlan(
+                        config,
+                        4,
+                        process_group=dist.group.WORLD,
+                        session_index=sessions,
+                        num_session_labels=2 * world,
+                        metrics=["ent"],
+                        estimate=estimate,
+                    )
+                    for i, samples in enumerate((torch.arange(0, 2), torch.arange(2, 4))):
+                        if mine and fault == "missing" and i == 0:
+                            continue
+                        mb = plan.micro_batch(samples, mask, cu, step_layout=True)
+                        if not (mine and fault == "idle" and i == 0):
+                            plan.loss({k: v[mb.tokens] for k, v in values.items()}, mb)
+                        reported = {"ent": values["pg"][mb.tokens]}
+                        if mine and fault == "metric":
+                            reported["extra"] = values["kl"][mb.tokens]
+                        plan.metrics(reported, mb)
+                    step = plan.close()
+                    outcome = "ok " + repr((step.scale, step.loss, sorted(step.terms.items()), sorted(step.metrics.items())))
             except ValueError as exc:
-                outcome = "error " + str(exc)
-            out.append(f"{trial} problem={int(problem)} keys={','.join(sorted(reported))} {outcome}")
+                outcome = "error " + str(exc).replace("\n", " ")
+            out.append(f"{trial} fault={fault} faulty={faulty} seconds={time.monotonic() - start:.2f} {outcome}")
     except Exception as exc:
         import traceback
 
         out.append(f"CRASH {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    with open(f"{results_dir}/agree{rank}.txt", "w") as f:
+    with open(f"{results_dir}/faults{rank}.txt", "w") as f:
         f.write("\n".join(out))
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_every_rank_closes_the_same_step_or_raises_naming_why(world, tmp_path):
-    """Random per-rank call sequences of micro_batch/loss/metrics/close (samples or none, metrics
-    declared or not, reported or not, a micro-batch left without its loss, a sample without its
-    micro-batch): on every trial either every rank gets the same step (scale, loss, terms, metrics)
-    or every rank raises, naming the cause: its own problem, another rank's, or the metrics that differ."""
+def test_one_rank_faults_make_every_rank_raise_by_name_within_seconds(world, tmp_path):
+    """One rank's fault at a step's close (a sample that never ran, a micro-batch without its loss, a metric not
+    declared, another estimate, a session label out of bounds, a session held by two ranks; a StepPlan's label out of
+    bounds): every rank raises, the faulty one naming its fault and the others naming it or the rank, within seconds
+    (the group's timeout is 60 s); a trial without a fault gives every rank the same step."""
     import tempfile
 
     import torch.multiprocessing as mp
 
-    mp.spawn(agree_worker, args=(world, tempfile.mktemp(dir=tmp_path), str(tmp_path)), nprocs=world, join=True)
-    lines = [(tmp_path / f"agree{r}.txt").read_text().splitlines() for r in range(world)]
+    mp.spawn(fault_worker, args=(world, tempfile.mktemp(dir=tmp_path), str(tmp_path)), nprocs=world, join=True)
+    lines = [(tmp_path / f"faults{r}.txt").read_text().splitlines() for r in range(world)]
     for r in range(world):
-        assert not any(line.startswith("CRASH") or " FAIL: " in line for line in lines[r]), "\n".join(lines[r])[:4000]
-    seen = {"ok": 0, "own": 0, "other": 0, "metrics": 0}
-    for trial in range(AGREE_TRIALS):
-        rows = [next(line for line in lines[r] if line.startswith(f"{trial} problem=")) for r in range(world)]
-        problems = [" problem=1 " in row for row in rows]
-        keys = {row.split(" keys=")[1].split(" ")[0] for row in rows}
-        outcomes = [row.split(" ", 3)[3] for row in rows]
-        if any(problems):
-            for row, own in zip(rows, problems, strict=True):
-                assert row.split(" ", 3)[3].startswith("error DeferredPlan.close: "), row
-                assert ("the other ranks are told" in row) if own else ("another rank could not close the step" in row), row
-            seen["own"] += 1
-            seen["other"] += 1
-        elif len(keys) > 1:
-            assert all(o.startswith("error") and "do not report the same terms and metrics" in o for o in outcomes), rows
-            seen["metrics"] += 1
-        else:
+        assert not any(line.startswith("CRASH") for line in lines[r]), "\n".join(lines[r])[:4000]
+    for trial in range(FAULT_TRIALS):
+        rows = [next(line for line in lines[r] if line.startswith(f"{trial} fault=")) for r in range(world)]
+        fault, faulty = rows[0].split()[1].split("=")[1], int(rows[0].split()[2].split("=")[1])
+        assert all(float(row.split()[3].split("=")[1]) < 5.0 for row in rows), rows
+        outcomes = [row.split(" ", 4)[4] for row in rows]
+        if fault == "none":
             assert all(o.startswith("ok ") for o in outcomes) and len(set(outcomes)) == 1, rows
-            seen["ok"] += 1
-    assert all(seen.values()), f"every outcome is drawn at least once in {AGREE_TRIALS} trials: {seen}"
+            continue
+        for r, outcome in enumerate(outcomes):
+            assert outcome.startswith("error "), rows
+            expected = FAULT_OWN[fault] if r == faulty else FAULT_OTHERS.get(fault, f"another rank (rank {faulty} of the group)")
+            assert expected in outcome, (r, expected, rows)

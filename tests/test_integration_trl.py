@@ -43,7 +43,7 @@ except Exception as exc:  # pragma: no cover
     pytest.skip(f"trl.GRPOTrainer is not importable: {exc}", allow_module_level=True)
 
 from lossagg.config import LossAggregationConfig  # noqa: E402
-from lossagg.integrations.trl import DENOMS_KEY, TRL_LOSS_TYPES, GRPOTrainer, config_for_loss_type  # noqa: E402
+from lossagg.integrations.trl import PLAN_KEY, SAMPLES_KEY, TRL_LOSS_TYPES, GRPOTrainer, config_for_loss_type  # noqa: E402
 from lossagg.modes import MODES  # noqa: E402
 from lossagg.testing import reference_loss  # noqa: E402
 
@@ -220,8 +220,8 @@ def test_step_loss_is_the_reference_j(loss_type, tmp_path, tokenizer, dataset):
     expected = reference_loss(config, values.reshape(-1), mask.reshape(-1), cu_seqlens, group_index)
     got = torch.stack(trainer.losses[:4]).sum()
     assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-7), (got, expected)  # the loss is float32
-    # d[i] is written into TRL's micro-batches (its buffer), once they are cut from the generation batch
-    assert all(mb[DENOMS_KEY].dtype == torch.float64 for mb in trainer._buffered_inputs)
+    # the step's plan is handed to TRL's micro-batches (its buffer), once they are cut from the generation batch
+    assert all(mb[PLAN_KEY].sample_denoms.dtype == torch.float64 for mb in trainer._buffered_inputs)
 
 
 def test_a_few_real_training_steps(tmp_path, tokenizer, dataset):
@@ -352,7 +352,7 @@ def test_evaluation_with_another_group_size(tmp_path, tokenizer, dataset):
     metrics = trainer.evaluate()
     assert torch.isfinite(torch.tensor(metrics["eval_loss"]))
     batch = trainer.generated[0]
-    assert batch["completion_mask"].shape[0] == 4 and batch[DENOMS_KEY].shape == (4,)
+    assert batch["completion_mask"].shape[0] == 4 and batch[PLAN_KEY].sample_denoms[batch[SAMPLES_KEY]].shape == (4,)
     # the eval batch is its own step: its loss is J over its 2 groups of 2 (ratio 1: loss -A)
     mask = batch["completion_mask"]
     values = (-batch["advantages"].to(torch.float64))[:, None].expand_as(mask)
@@ -614,7 +614,7 @@ def test_the_router_auxiliary_loss_weighs_each_micro_batch_by_its_tokens(tmp_pat
     shares = [t / total for t in a.tokens]
     print(f"micro-batch token shares {[round(x, 3) for x in shares]}; TRL weighs each 0.25")
     assert max(abs(x - y) for x, y in zip(shares, trl_weights, strict=True)) > 1e-3, "equal shares: the test would not tell TRL's weights apart"
-    assert adapter_module.STEP_TOKENS_KEY in a._buffered_inputs[0]
+    assert adapter_module.PLAN_KEY in a._buffered_inputs[0]
     _, ours = run(GRPOTrainer, "dapo", 1, tmp_path, tokenizer, dataset, router_aux_loss_coef=0.01)
     _, theirs = run(TRLGRPOTrainer, "dapo", 1, tmp_path, tokenizer, dataset, router_aux_loss_coef=0.01)
     assert relative_difference(theirs, ours) < 1e-5  # one micro-batch per step: the step's own, TRL's too (float32)

@@ -229,16 +229,17 @@ def test_plan_step_denominators_and_refusals():
         step = adapter.plan_step(args, FakeIterator(rollout_of(masks), micro_batch_size=2), 2, parallel_state=one_rank())
         counts = torch.tensor([2, 0, 1, 4])
         want = StepPlan(LossAggregationConfig(mode=mode, n_samples_per_prompt=2), counts, group_index=torch.tensor([0, 0, 1, 1])).sample_denoms
-        assert torch.equal(step.local_denoms["pg"], want), mode
-        assert step.reported_tokens == 2 + 1 + 1 + 4  # miles' per-token divisor: sum of max(M[i], 1)
+        assert torch.equal(step.denoms("pg"), want), mode
+        # miles' outer divisor: global_batch_size, or on the per-token path (token_mean) the sum of max(M[i], 1)
+        assert step.scales == [2 + 1 + 1 + 4 if mode == "token_mean" else 4], mode
     # the dynamic schedule: the micro-batches of this step, whatever their order
     args = configured("sample_mean")
     it = FakeIterator(rollout_of(masks * 2), micro_batch_indices=[[3, 0], [1, 2], [7, 4], [5, 6]], offset=2)
     step = adapter.plan_step(args, it, 2, parallel_state=one_rank())
-    rows = step.denoms_for([it.rollout_data["loss_masks"][j] for j in (6, 7)])
-    assert rows["pg"].tolist() == [4 * 1, 4 * 4] and rows["metric"].tolist() == [4 * 1, 4 * 4]  # sample_mean: the default reducer's too
+    _, rows = step.find([it.rollout_data["loss_masks"][j] for j in (6, 7)])
+    assert step.denoms("pg")[rows].tolist() == [4 * 1, 4 * 4] and step.denoms("metric")[rows].tolist() == [4 * 1, 4 * 4]  # the default reducer's too
     with pytest.raises(RuntimeError, match="sample 0 of this micro-batch is not one of the samples planned"):
-        step.denoms_for([it.rollout_data["loss_masks"][0]])
+        step.find([it.rollout_data["loss_masks"][0]])
     with pytest.raises(ValueError, match="loss mask of rollout sample 1 is not 0/1"):
         adapter.plan_step(args, FakeIterator(rollout_of([[1], [3, -1], [1], [1]]), micro_batch_size=4), 1, parallel_state=one_rank())
     with pytest.raises(RuntimeError, match="4 samples, times 1 DP ranks is not global_batch_size 8"):

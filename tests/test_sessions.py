@@ -189,19 +189,16 @@ def test_missing_or_bad_session_index_is_named():
     with pytest.raises(ValueError, match=r"n_samples_per_prompt \(3\) counts the sessions of each prompt group .* group 0 has 2 session"):
         lossagg.aggregate(cfg, values, mask, cu_seqlens=cu, group_index=groups, session_index=sessions)
     # with a process group the labels must lie in [0, num_session_labels)
+    from lossagg.samples import RankSamples
     from lossagg.totals import rank_share
 
+    counts = torch.ones(12, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"session_index must lie in \[0, 4\)"):
         rank_share(
-            ("num_sessions",),
-            torch.ones(12, dtype=torch.float64),
-            mode="session_mean",
-            session_index=sessions,
-            process_group=object(),
-            num_session_labels=4,
+            ("num_sessions",), RankSamples(12, counts, session_index=sessions, num_session_labels=4), mode="session_mean", process_group=object()
         )
     with pytest.raises(ValueError, match="needs the number of session labels in the step: set global_batch_size"):
-        rank_share(("num_sessions",), torch.ones(12, dtype=torch.float64), mode="session_mean", session_index=sessions, process_group=object())
+        rank_share(("num_sessions",), RankSamples(12, counts, session_index=sessions), mode="session_mean", process_group=object())
 
 
 def test_config_n_samples_per_prompt_has_one_meaning():

@@ -136,7 +136,7 @@ def worker(rank, world, init_file, results_dir):
             plan.close()
             failures.append(f"rank {rank}: a DeferredPlan closed a step whose sessions lie on both ranks")
         except ValueError as exc:
-            if "has samples on another rank" not in str(exc) or "session " not in str(exc):
+            if "has samples on 2 ranks" not in str(exc) or "session " not in str(exc):
                 failures.append(f"rank {rank}: DeferredPlan.close named another problem: {exc}")
         ran += 1
     except Exception as exc:  # reported with the rank

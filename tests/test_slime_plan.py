@@ -79,14 +79,14 @@ def test_a_rollout_is_a_sample_and_every_step_is_planned():
             counts = torch.tensor([sum(sum(MASKS[j]) for j in samples if ROLLOUTS[j] == r) for r in rollouts])
             groups = torch.tensor([r // 2 for r in rollouts]) - rollouts[0] // 2
             want = StepPlan(LossAggregationConfig(mode=mode, n_samples_per_prompt=2), counts, group_index=groups).sample_denoms
-            got = planned.denoms["pg"][samples]
+            got = planned.denoms("pg")[samples]
             expected = torch.stack([want[rollouts.index(ROLLOUTS[j])] for j in samples])
             assert torch.equal(got, expected), (mode, step)
             # slime's outer divisor: its rollouts; token_mean takes slime's per-token path, Σ max(M[j], 1) over training samples
             assert planned.scales[step] == ([9, 7][step] if mode == "token_mean" else 4)
         # slime's own reducer (under TIS) reads the rollouts' totals of the planned masks
         assert data["rollout_mask_sums"].tolist() == [2, 3, 3, 0, 3, 1, 3, 3, 1, 2]
-        assert planned.rows_of([data["loss_masks"][j] for j in (5, 6)]) == (1, [5, 6])
+        assert planned.find([data["loss_masks"][j] for j in (5, 6)]) == (1, [5, 6])
     legacy = slime_args(None, gbs=4, calculate_per_token_loss=True)  # the legacy flag alone is slime's own: nothing wired
     assert adapter.configure(legacy) is None
 

@@ -240,8 +240,8 @@ def test_the_planner_gathers_sums_in_one_all_reduce_and_a_max_only_when_needed(m
     config = LossAggregationConfig(mode=mode, n_samples_per_prompt=2, global_batch_size=8, **lossagg.MODES[mode].example_settings)
     StepPlan(config, COUNTS, group_index=torch.tensor([0, 0, 1, 1]), process_group=with_fake_group(monkeypatch))
     assert [c[0] for c in calls] == collectives and all(c[1] == torch.float64 for c in calls)
-    if mode == "prompt_mean":  # N, T, then sizes and token sums of the 4 labels
-        assert calls[0][2] == 2 + 2 * 4
+    if mode == "prompt_mean":  # the head that carries every rank's failure, N, T, then sizes and token sums of the 4 labels
+        assert calls[0][2] == lossagg.totals._HEAD + 2 + 2 * 4
 
 
 # ------------------------------------------------------ the arguments of a plan
@@ -250,7 +250,7 @@ STEP_PLAN_REFUSED = [
     ("num_group_labels 0", dict(num_group_labels=0), ValueError, r"num_group_labels must be an integer >= 1, got 0"),
     ("num_group_labels a float", dict(num_group_labels=2.0), ValueError, r"num_group_labels must be an integer >= 1, got 2.0"),
     ("num_groups (the pre-release name)", dict(num_groups=2), TypeError, r"num_groups"),
-    ("group_index outside the labels", dict(num_group_labels=1), ValueError, r"group_index must lie in \[0, 1\)"),
+    ("num_group_labels a string", dict(num_group_labels="2"), ValueError, r"num_group_labels must be an integer >= 1, got '2'"),
 ]
 
 
@@ -259,6 +259,17 @@ def test_step_plan_refuses(case, kwargs, kind, message, monkeypatch):
     monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: pytest.fail("no collective before the arguments are checked"))
     with pytest.raises(kind, match=message):
         StepPlan(PROMPT_MEAN_PAIRS, COUNTS, group_index=torch.tensor([0, 0, 1, 1]), process_group=with_fake_group(monkeypatch), **kwargs)
+
+
+def test_a_label_outside_the_bounds_travels_in_the_one_all_reduce_and_is_raised_after_it(monkeypatch):
+    # a check that can fail on one rank only: the rank still joins the collective (with the same layout) and raises
+    # after it, so that the others, told by the flag in the buffer's head, raise too instead of waiting
+    calls = []
+    monkeypatch.setattr(dist, "all_reduce", lambda buf, **k: calls.append(buf.numel()))
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    with pytest.raises(ValueError, match=r"group_index must lie in \[0, 1\).*every rank of the process group raises with this one"):
+        StepPlan(PROMPT_MEAN_PAIRS, COUNTS, group_index=torch.tensor([0, 0, 1, 1]), process_group=with_fake_group(monkeypatch), num_group_labels=1)
+    assert len(calls) == 1
 
 
 def test_group_labels_from_the_config_are_bounded_and_named(monkeypatch):

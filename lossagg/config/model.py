@@ -39,6 +39,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -122,6 +123,29 @@ class LossTerm(BaseModel):
     )
     divisor: StrictFloat | None = Field(None, gt=0, allow_inf_nan=False, description="The term's constant divisor L, with a mode that needs one.")
     weighting: Weighting = Field("none", description="How the term uses the samples' weights (docs/terms.md, 'Per-sample weights').")
+
+
+@dataclass(frozen=True)
+class ResolvedTerm:
+    """One term of the step's loss as the config resolved it (``config.loss_terms``): its name (``"pg"``
+    for the PG term), its reducer's entry as the term's weighting makes it (:meth:`ModeSpec.weighted`),
+    its coefficient, its divisor (``L``, for a mode that takes one) and its weighting."""
+
+    name: str
+    spec: ModeSpec
+    coefficient: float
+    divisor: float | None
+    weighting: str
+
+    @property
+    def mode(self) -> str:
+        """The term's reducer, as the config names it (``spec.name``)."""
+        return self.spec.name
+
+    @property
+    def what(self) -> str:
+        """How an error names the term: ``mode=X`` for the PG term, ``term 'kl' (mode=X)`` for another."""
+        return f"mode={self.mode}" if self.name == PG_TERM else f"term {self.name!r} (mode={self.mode})"
 
 
 def _canonical_mode_name(data: Any) -> tuple[Any, str | None]:
@@ -228,6 +252,26 @@ class LossAggregationConfig(BaseModel):
         """How the user's input was rewritten (migration names, the legacy flag); empty if not at all."""
         return self._notes
 
+    @property
+    def loss_terms(self) -> tuple[ResolvedTerm, ...]:
+        """Every term of the loss, resolved once (docs/terms.md): the PG term (``"pg"``: the config's
+        own mode, weighting and divisor, coefficient 1) first, then each of ``terms`` in order, each
+        with its reducer, coefficient, divisor and weighting. What the plans, the adapters and the
+        reference iterate (made anew on each read: a plan reads it once)."""
+        pg = ResolvedTerm(PG_TERM, mode_spec(self.mode).weighted(self.weighting), 1.0, self.divisor, self.weighting)
+        return (
+            pg,
+            *(
+                ResolvedTerm(name, mode_spec(t.mode).weighted(t.weighting), float(t.coefficient), t.divisor, t.weighting)
+                for name, t in self.terms.items()
+            ),
+        )
+
+    @property
+    def metric_spec(self) -> ModeSpec:
+        """The default reducer's entry (metrics, and a term that names no reducer): :func:`lossagg.modes.default_term_mode`."""
+        return mode_spec(default_term_mode(self.mode))
+
     def check_single_term(self, where: str) -> None:
         """ValueError, naming ``where``, for a config with ``terms`` or a ``weighting`` in a route
         that reduces the PG term alone and unweighted: the config is never half-applied."""
@@ -242,7 +286,7 @@ class LossAggregationConfig(BaseModel):
     def sample_indices(self) -> tuple[str, ...]:
         """The per-sample indices a plan of this config needs besides the masks: ``group_index``
         when a term's mode has prompt groups, ``session_index`` when one has sessions (docs/modes.md)."""
-        specs = [mode_spec(m) for m in (self.mode, *(t.mode or default_term_mode(self.mode) for t in self.terms.values()))]
+        specs = [t.spec for t in self.loss_terms]
         return tuple(
             name
             for name, needed in (("group_index", any(s.needs_groups for s in specs)), ("session_index", any(s.needs_sessions for s in specs)))
@@ -369,7 +413,7 @@ def _group_size_problems(model: LossAggregationConfig) -> list[tuple[str, str, t
     """``n_samples_per_prompt`` means one thing for the whole config: samples per group, or sessions per group."""
     if model.n_samples_per_prompt is None:
         return []
-    modes = [model.mode, *(t.mode or default_term_mode(model.mode) for t in model.terms.values())]
+    modes = [model.mode, *(t.mode or default_term_mode(model.mode) for t in model.terms.values())]  # (rules run before terms are resolved)
     samples = next((m for m in modes if _whole_groups_of_samples(mode_spec(m))), None)
     sessions = next((m for m in modes if _sessions_in_groups(mode_spec(m))), None)
     if samples is None or sessions is None:

@@ -3,15 +3,12 @@ nothing of their trainer (they reproduce its call signature and compute through 
 ``trl`` subclasses TRL's ``GRPOTrainer`` and so imports TRL; ``miles`` plugs into miles' own hooks
 and imports miles only inside them (at run time, in miles' processes)."""
 
-from lossagg.modes import default_term_mode, mode_spec  # noqa: E402  (the registry: declarations, no torch)
-
 
 def session_modes(config) -> list[str]:
     """The modes of ``config`` (its PG term's, then each term's) that need each sample's session
     (``session_index``; docs/modes.md, "Sessions"): what an adapter whose trainer hands no session
     refuses, by name."""
-    modes = [config.mode, *(t.mode or default_term_mode(config.mode) for t in config.terms.values())]
-    return [m for m in dict.fromkeys(modes) if mode_spec(m).needs_sessions]
+    return list(dict.fromkeys(t.mode for t in config.loss_terms if t.spec.needs_sessions))
 
 
 def session_refusal(config, trainer: str, why: str) -> str | None:

@@ -20,15 +20,17 @@ reports; :func:`term_issues` refuses at launch what cannot be served.
 from __future__ import annotations
 
 import argparse
+import contextvars
 import sys
 from collections.abc import Callable, Sequence
+from importlib import import_module
 
 import torch
 
 from lossagg.config import ConfigError, LossAggregationConfig, config_from_args
 from lossagg.config.flags import FLAGS
 from lossagg.modes import MODES, default_term_mode
-from lossagg.ops import reduce
+from lossagg.step import StepPlan
 
 #: lossagg's own flag beside ``lossagg.config.FLAGS``.
 CONFIG_FLAG = "--loss-aggregation-config"
@@ -104,6 +106,33 @@ def parse_launch(
         sys.stderr.write(f"error: {exc}\n")
         raise SystemExit(2) from None
     return args
+
+
+#: The flags of a seed trainer's launch that switch lossagg on (any one of them given).
+LAUNCH_FLAGS = (*SWITCHES, TERM_FLAG)
+
+
+class Launch:
+    """A seed trainer's launch (its ``parse_args(add_custom_arguments=...)`` in module ``parser_module``):
+    lossagg's flags on its parser, its ``parse_args`` with them, and the config of a parsed launch."""
+
+    def __init__(self, trainer: str, parser_module: str):
+        self.trainer, self.parser_module = trainer, parser_module
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """lossagg's flags, for the trainer's ``parse_args(add_custom_arguments=...)`` (:func:`add_arguments`)."""
+        return add_arguments(parser, self.trainer, LAUNCH_FLAGS)
+
+    def config_of(self, args) -> LossAggregationConfig | None:
+        """The lossagg config of a parsed launch (None without a lossagg flag): the checks that read only the
+        settings; :class:`lossagg.ConfigError` naming the flags."""
+        return config_of(args, self.trainer, LAUNCH_FLAGS)
+
+    def parse_args(self, add_custom_arguments: Callable | None, configure: Callable):
+        """The trainer's ``parse_args`` with lossagg's flags, then ``configure``; a refused setting ends the launch
+        as argparse does (``error: ...`` on stderr, exit status 2)."""
+        trainer_parse_args = import_module(self.parser_module).parse_args  # the peer, imported only here
+        return parse_launch(trainer_parse_args, add_custom_arguments, self.add_arguments, configure, LAUNCH_FLAGS)
 
 
 def lossagg_given(args, flags: Sequence[str]) -> bool:
@@ -276,6 +305,14 @@ def loss_issues(args, config: LossAggregationConfig, hooks: dict[str, str], trai
     return inner, issues
 
 
+def backend_issues(args, why: str) -> list[tuple[str, str]]:
+    """``--train-backend`` other than megatron, refused with ``why`` (``{backend}`` in it names the one given)."""
+    backend = getattr(args, "train_backend", "megatron")
+    if backend == "megatron":
+        return []
+    return [("--train-backend", f"--train-backend {backend}: {why.format(backend=backend)}: use --train-backend megatron")]
+
+
 def wire(args, config: LossAggregationConfig, hooks: dict[str, str], inner: str, kept: str, keep_as: str) -> None:
     """Set the hooks on a checked launch (once: the first call) and the settings lossagg's hooks read. The
     user's own hook at ``kept`` (one of ``hooks``) is kept in ``args.<keep_as>`` and called by lossagg's."""
@@ -289,67 +326,6 @@ def wire(args, config: LossAggregationConfig, hooks: dict[str, str], inner: str,
     # the trainers' per-token path is token_mean's (the config resolves the legacy flag both ways)
     args.calculate_per_token_loss = bool(config.calculate_per_token_loss)
     args.lossagg_config = config.summary()
-
-
-class TermReducer:
-    """The reducer of one micro-batch, handed to the trainer's loss in place of ``sum_of_sample_mean``.
-
-    ``reducer(x)`` reduces ``x`` (this CP rank's per-token values of the micro-batch's samples,
-    concatenated as the trainer lays them out) by the default reducer; ``reducer.term(name)(x)`` by
-    the term's own mode (``"pg"`` or a term of the config). Each returns the micro-batch's share of the
-    term's ``J_k`` times the trainer's outer divisor ``scale``. Under a schedule (the trainer's
-    ``policy_loss_function``), the n-th plain call reduces the n-th term of the schedule.
-
-    ``denoms`` maps each term's name (and :data:`METRIC`) to ``d_k`` of the micro-batch's samples;
-    ``layout(loss_masks)`` gives this CP rank's mask and cu_seqlens of the micro-batch for some masks
-    (the micro-batch's own when None).
-    """
-
-    def __init__(self, denoms: dict, scale, layout: Callable, schedule: Sequence[str] = (), trainer: str = ""):
-        self.denoms = denoms
-        self.scale = scale
-        self._layout = layout
-        self._own = layout(None)
-        self.schedule = tuple(schedule)
-        self.trainer = trainer
-        self.calls: list[tuple[str, torch.Tensor]] = []
-
-    def term(self, name: str, loss_masks=None) -> Callable[[torch.Tensor], torch.Tensor]:
-        if name not in self.denoms:
-            raise KeyError(f"lossagg: no term {name!r} in the config; its terms: {', '.join(n for n in self.denoms if n != METRIC)}")
-        d = self.denoms[name]
-        mask, cu_seqlens = self._own if loss_masks is None else self._layout(loss_masks)
-
-        def reduce_term(x: torch.Tensor) -> torch.Tensor:
-            if x.dim() != 1 or x.shape[0] != int(cu_seqlens[-1]):
-                raise ValueError(
-                    f"lossagg: {name} holds {tuple(x.shape)} values, this CP rank's response tokens of the micro-batch are {int(cu_seqlens[-1])}"
-                )
-            share = reduce(x, mask.to(x.device), cu_seqlens=cu_seqlens.to(x.device), sample_denoms=d.to(x.device))
-            return share * self.scale
-
-        return reduce_term
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        n = len(self.calls)
-        name = self.schedule[n] if n < len(self.schedule) else METRIC
-        out = self.term(name if name in self.denoms else METRIC)(x)
-        self.calls.append((name, out))
-        return out
-
-    def check_reported(self, reported) -> None:
-        """Each scheduled call's result against what the loss reports under its name: the schedule is the loss's own order."""
-        for name, out in self.calls:
-            key = REPORTED.get(name)
-            if key is None:
-                continue
-            got = reported.get(key)
-            if got is None or not torch.equal(torch.as_tensor(got).detach().to(out.device, out.dtype), out.detach()):
-                raise RuntimeError(
-                    f"lossagg: {self.trainer}'s policy_loss_function reported {key}={got!r} where lossagg's reducer returned {float(out)!r} "
-                    f"for it: it does not call its reducer in the order lossagg reads ({', '.join(POLICY_LOSS_CALLS)}), so the config's "
-                    "terms cannot be told apart"
-                )
 
 
 def layout_of(local_masks: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -374,8 +350,246 @@ def schedule_of(args, config: LossAggregationConfig, inner: str, *, entropy_alwa
     return tuple(n for n in POLICY_LOSS_CALLS if n not in drop)
 
 
+# ---------------------------------------------------------------------------------- the run
+def runtime_config(args, trainer: str, module: str) -> LossAggregationConfig:
+    """The config a configured launch left in ``args.lossagg_config`` (the step's own sample count is checked
+    where it is known: a dynamic global batch size varies by rollout)."""
+    summary = getattr(args, "lossagg_config", None)
+    if summary is None:
+        raise RuntimeError(
+            f"lossagg's {trainer} hooks are set but the launch was not configured by lossagg: launch with "
+            f"{module}.parse_args (or call {module}.configure(args) after {trainer}'s parse_args)"
+        )
+    data = {k: v for k, v in summary.items() if k not in ("resolution_notes", "global_batch_size") and v is not None}
+    return LossAggregationConfig.from_dict(data, source="args.lossagg_config")
+
+
+def load(path: str):
+    """The function a hook path names (``module.name``, as the trainers' ``load_function`` spells it)."""
+    module, _, name = path.rpartition(".")
+    return getattr(import_module(module), name)
+
+
+def prompt_fingerprint(tokens, prompt_length: int) -> int:
+    """A sample's prompt, hashed: the samples of one prompt group must share it."""
+    return hash(tuple(torch.as_tensor(tokens[:prompt_length]).tolist())) & ((1 << 62) - 1)
+
+
+def check_zero_one(masks, names: Sequence[int], trainer: str) -> None:
+    """Every loss mask 0/1 (one transfer for all of a rank's samples): d[i] counts tokens, the trainer multiplies by the mask."""
+    odd = torch.nonzero(torch.stack([((m != 0) & (m != 1)).any() for m in masks]).cpu()).flatten().tolist() if len(masks) else []
+    if odd:
+        raise ValueError(
+            f"lossagg: the loss mask of rollout sample {names[odd[0]]} is not 0/1: d[i] counts tokens, while {trainer}'s reducer multiplies "
+            "by the mask (its per-token path divides by the mask's sum)"
+        )
+
+
+def group_index_of(groups: Sequence[int], prints: Sequence[int], trainer: str, what: str = "samples") -> torch.Tensor:
+    """Dense prompt-group labels of a plan's samples from their group keys (``sample_index // n_samples_per_prompt``),
+    each group checked to hold one prompt (its samples' prompt fingerprints agree)."""
+    keys, dense = torch.unique(torch.as_tensor(list(groups), dtype=torch.int64), return_inverse=True)
+    prints = torch.as_tensor(list(prints), dtype=torch.int64)
+    for k in range(keys.numel()):
+        if torch.unique(prints[dense == k]).numel() != 1:
+            raise ValueError(
+                f"lossagg: the {what} of prompt group {int(keys[k])} (sample_index // n_samples_per_prompt, as {trainer}'s data source numbers "
+                "them) have different prompts: this rollout's samples are not numbered by group"
+            )
+    return dense
+
+
+class PlannedSamples:
+    """A rank's samples of its planned steps, found by their loss-mask tensors (the objects the trainer's data
+    iterator hands each micro-batch): each sample's step and its position among the samples of that step's
+    plan (several training samples may share one: slime's rollouts), the steps' plans and what each step's
+    reductions are multiplied by (the trainer's outer divisor)."""
+
+    def __init__(
+        self, masks, steps: Sequence[int], positions: Sequence[int], plans: Sequence[StepPlan], scales, per_token: bool, hook: str, trainer: str = ""
+    ):
+        self._by_mask = {id(m): (m, j) for j, m in enumerate(masks)}
+        self.trainer = trainer  # the package the trainer runs as (its modules are imported from it)
+        self.steps, self.positions = list(steps), list(positions)
+        self.plans, self.scales = list(plans), list(scales)
+        self.per_token = per_token
+        self._hook = hook
+        # the default reducer of each step, reduced through the same handle (its d[i] the plan's metric_denoms)
+        self.metric_plans = [StepPlan.from_denoms(plan.metric_denoms) for plan in self.plans]
+
+    def find(self, loss_masks) -> tuple[int, list[int]]:
+        """A micro-batch's step and its samples' rows among the rank's planned samples, from its loss-mask tensors."""
+        rows = []
+        for k, m in enumerate(loss_masks):
+            hit = self._by_mask.get(id(m))
+            if hit is None or hit[0] is not m:
+                raise RuntimeError(
+                    f"lossagg: sample {k} of this micro-batch is not one of the samples planned for this step (its loss mask is not one the "
+                    f"rollout data held when {self._hook} ran): was the rollout data replaced after the hook?"
+                )
+            rows.append(hit[1])
+        steps = {self.steps[j] for j in rows}
+        if len(steps) > 1:
+            raise RuntimeError(f"lossagg: one micro-batch holds samples of steps {sorted(steps)}")
+        return (steps.pop() if steps else 0), rows
+
+    def denoms(self, name: str) -> torch.Tensor:
+        """``d_k`` of term ``name`` (or :data:`METRIC`) of each planned sample of this rank, float64 (for a tracker or a test)."""
+        rows = [self.plans[s].metric_denoms if name == METRIC else self.plans[s].term_denoms[name] for s in self.steps]
+        return torch.stack([d[p] for d, p in zip(rows, self.positions, strict=True)]) if rows else torch.zeros(0, dtype=torch.float64)
+
+    def reducer(self, loss_masks, layout: Callable, schedule: Sequence[str], trainer: str) -> TermReducer:
+        """The reducer of the micro-batch whose samples hold ``loss_masks``: :class:`TermReducer` over its step's plan."""
+        step, rows = self.find(loss_masks)
+        positions = torch.tensor([self.positions[j] for j in rows], dtype=torch.int64)
+        return TermReducer(self.plans[step], self.metric_plans[step], positions, self.scales[step], layout, schedule, trainer)
+
+
+class TermReducer:
+    """The reducer of one micro-batch, handed to the trainer's loss in place of ``sum_of_sample_mean``.
+
+    ``reducer(x)`` reduces ``x`` (this CP rank's per-token values of the micro-batch's samples,
+    concatenated as the trainer lays them out) by the default reducer; ``reducer.term(name)(x)`` by
+    the term's own mode (``"pg"`` or a term of the config). Each is the micro-batch's share of the
+    term's ``J_k`` (before its coefficient, which the trainer applies), reduced through the step plan's
+    micro-batch handle, times the trainer's outer divisor ``scale``. Under a schedule (the trainer's
+    ``policy_loss_function``), the n-th plain call reduces the n-th term of the schedule.
+
+    ``samples`` are the positions of the micro-batch's segments among the plan's samples (a sample may
+    be named by several segments: its pieces); ``layout(loss_masks)`` gives this CP rank's mask and
+    cu_seqlens of the micro-batch for some masks (the micro-batch's own when None).
+    """
+
+    def __init__(self, plan: StepPlan, metric_plan: StepPlan, samples: torch.Tensor, scale, layout: Callable, schedule=(), trainer: str = ""):
+        self.plan, self.metric_plan = plan, metric_plan
+        self.samples = samples
+        self.scale = scale
+        self._layout = layout
+        self._own: dict[int, object] = {}  # each plan's handle of the micro-batch's own masks, made once
+        self.schedule = tuple(schedule)
+        self.trainer = trainer
+        self.names = tuple(t.name for t in plan.config.loss_terms)
+        self.calls: list[tuple[str, torch.Tensor]] = []
+        self.reduced: set[str] = set()
+
+    def _handle(self, plan: StepPlan, loss_masks):
+        if loss_masks is None and id(plan) in self._own:
+            return self._own[id(plan)]
+        mask, cu_seqlens = self._layout(loss_masks)
+        mb = plan.micro_batch(self.samples, mask, cu_seqlens, pieces=True)
+        if loss_masks is None:
+            self._own[id(plan)] = mb
+        return mb
+
+    def term(self, name: str, loss_masks=None) -> Callable[[torch.Tensor], torch.Tensor]:
+        if name not in self.names and name != METRIC:
+            raise KeyError(f"lossagg: no term {name!r} in the config; its terms: {', '.join(self.names)}")
+        plan = self.metric_plan if name == METRIC else self.plan
+        mb = self._handle(plan, loss_masks)
+        tokens = int(mb.cu_seqlens[-1])
+
+        def reduce_term(x: torch.Tensor) -> torch.Tensor:
+            if x.dim() != 1 or x.shape[0] != tokens:
+                raise ValueError(f"lossagg: {name} holds {tuple(x.shape)} values, this CP rank's response tokens of the micro-batch are {tokens}")
+            if name != METRIC:
+                self.reduced.add(name)
+            return plan.loss(x, mb, terms=None if plan is self.metric_plan else name, coefficients=False) * self.scale
+
+        return reduce_term
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n = len(self.calls)
+        name = self.schedule[n] if n < len(self.schedule) else METRIC
+        out = self.term(name if name in self.names else METRIC)(x)
+        self.calls.append((name, out))
+        return out
+
+    def check_reported(self, reported) -> None:
+        """Each scheduled call's result against what the loss reports under its name (the schedule is the loss's
+        own order), and every term of the config reduced on its own mode: a term the loss reports must have been
+        a call of the reducer (else the config's term was never reduced on its mode)."""
+        for name, out in self.calls:
+            key = REPORTED.get(name)
+            if key is None:
+                continue
+            got = reported.get(key)
+            if got is None or not torch.equal(torch.as_tensor(got).detach().to(out.device, out.dtype), out.detach()):
+                raise RuntimeError(
+                    f"lossagg: {self.trainer}'s policy_loss_function reported {key}={got!r} where lossagg's reducer returned {float(out)!r} "
+                    f"for it: it does not call its reducer in the order lossagg reads ({', '.join(POLICY_LOSS_CALLS)}), so the config's "
+                    "terms cannot be told apart"
+                )
+        called = {name for name, _ in self.calls} | self.reduced
+        missing = [n for n in self.schedule if n not in called and REPORTED.get(n, "") in reported]
+        if missing:
+            raise RuntimeError(
+                f"lossagg: {self.trainer}'s policy_loss_function reported {', '.join(REPORTED[n] for n in missing)} without calling its reducer "
+                f"for {', '.join(missing)}, so lossagg did not reduce {'them' if len(missing) > 1 else 'it'} on the config's mode: it must call "
+                f"its reducer for each, in the order lossagg reads ({', '.join(POLICY_LOSS_CALLS)})"
+            )
+
+
+_CURRENT: contextvars.ContextVar = contextvars.ContextVar("lossagg_seed_micro_batch", default=None)
+
+
+def planned_for_loss(args, planned: PlannedSamples | None, module: str, hook: str, hook_function: str) -> PlannedSamples:
+    """The planned samples a configured launch's loss runs on, checked: the launch configured by ``module``,
+    a plan made by its hook, the per-token path the same as when it was planned."""
+    if getattr(args, "lossagg_inner_loss", None) is None:
+        raise RuntimeError(f"{module}.loss_function: the launch was not configured by lossagg ({module}.configure)")
+    if planned is None:
+        raise RuntimeError(f"lossagg: no step was planned: {hook} must be {module}.{hook_function}")
+    if bool(args.calculate_per_token_loss) != planned.per_token:
+        raise RuntimeError(
+            f"lossagg: calculate_per_token_loss={args.calculate_per_token_loss} at the loss, {planned.per_token} when the step was planned"
+        )
+    return planned
+
+
+def run_loss(func, args, batch, logits, reducer: TermReducer):
+    """The trainer's loss ``func`` with ``reducer`` in place of ``sum_of_sample_mean`` (and as the pg_loss
+    reducer :func:`pg_reducer` hands it), then the reducer's check of what it reported."""
+    token = _CURRENT.set((batch, reducer))
+    try:
+        loss, log = func(args, batch, logits, reducer)
+    finally:
+        _CURRENT.reset(token)
+    if reducer.schedule:
+        reducer.check_reported(log)
+    return loss, log
+
+
+def pg_reducer(total_lengths, response_lengths, pg_loss_masks, calculate_per_token_loss, planned_per_token: bool, module: str):
+    """The trainers' ``--custom-pg-loss-reducer-function-path``: pg_loss of the running micro-batch on the mode.
+    ``pg_loss_masks`` give the numerator (the rollout masks, or TIS/RS's modified ones); ``d[i]`` is the plan's."""
+    current = _CURRENT.get()
+    if current is None:
+        raise RuntimeError(
+            f"{module}.pg_loss_reducer runs inside {module}.loss_function "
+            f"(--loss-type custom_loss --custom-loss-function-path {module}.loss_function)"
+        )
+    batch, reducer = current
+    if bool(calculate_per_token_loss) != planned_per_token:
+        raise RuntimeError(f"lossagg: calculate_per_token_loss={calculate_per_token_loss} at the loss, {planned_per_token} when the step was planned")
+    if list(total_lengths) != list(batch["total_lengths"]) or list(response_lengths) != list(batch["response_lengths"]):
+        raise RuntimeError("lossagg: the pg_loss reducer was asked for samples other than the micro-batch's")
+    return reducer.term("pg", pg_loss_masks)
+
+
 __all__ = [
     "METRIC",
+    "PlannedSamples",
+    "LAUNCH_FLAGS",
+    "Launch",
+    "backend_issues",
+    "group_index_of",
+    "check_zero_one",
+    "load",
+    "pg_reducer",
+    "planned_for_loss",
+    "prompt_fingerprint",
+    "run_loss",
+    "runtime_config",
     "POLICY_LOSS_CALLS",
     "REPORTED",
     "TERMS",

@@ -35,8 +35,8 @@ How it stays exact: TRL shuffles each generation batch and cuts it into ``steps_
 micro-batches; optimizer step ``s`` takes micro-batches ``[s·A, (s+1)·A)`` on every process
 (``A = gradient_accumulation_steps``; ``steps_per_generation`` must be a multiple of it). For each
 step the adapter gathers those completions' loss-token counts over the processes, builds the
-step's :class:`lossagg.StepPlan` and writes each completion's ``d[i]`` of every term into its
-micro-batch; each micro-batch's loss is ``lossagg.reduce(per_token_loss, mask, sample_denoms=d)``
+step's :class:`lossagg.StepPlan` and hands it to each of the step's micro-batches with the
+positions of its completions; each micro-batch's loss is ``plan.loss(values, plan.micro_batch(...))``
 times the process count (DDP/FSDP average gradients over processes), so the micro-batch
 gradients add up to the gradient of J whatever the split.
 
@@ -85,8 +85,7 @@ except ImportError as exc:  # pragma: no cover - a TRL without GRPOTrainer, or o
 from lossagg.config import ConfigError, LossAggregationConfig
 from lossagg.integrations import session_refusal
 from lossagg.modes import ALIASES, MODES, canonical_mode, divisor_for
-from lossagg.ops import reduce
-from lossagg.step import StepPlan, scalar_share
+from lossagg.step import StepPlan, gradient_scale, scalar_share
 from lossagg.validate import as_int, weight_violation
 
 __all__ = ["GRPOTrainer", "TRL_LOSS_TYPES", "config_for_loss_type"]
@@ -118,11 +117,8 @@ _MODEL_INPUT_KEYS = (
     "mm_token_type_ids",
     "image_position_ids",
 )
-DENOMS_KEY = "lossagg_sample_denoms"
-ENTROPY_DENOMS_KEY = "lossagg_entropy_denoms"
-KL_DENOMS_KEY = "lossagg_kl_denoms"
-STEP_TOKENS_KEY = "lossagg_step_tokens"  # the optimizer step's loss tokens T (all processes), for a scalar term
-EMPTY_KEY = "lossagg_step_empty"
+PLAN_KEY = "lossagg_plan"  # the optimizer step's StepPlan (every process's completions of the step), in each of its micro-batches
+SAMPLES_KEY = "lossagg_samples"  # the micro-batch's completions among the plan's samples (a slice)
 GROUP_KEY = "lossagg_group"  # each completion's prompt group, tagged before TRL shuffles the generation batch
 #: The entropy bonus's reducer when the config names none: TRL's documented objective subtracts the mean
 #: per-token entropy, which over the optimizer step (not each micro-batch, as TRL divides) is token_mean.
@@ -336,8 +332,8 @@ class GRPOTrainer(_TRLGRPOTrainer):
 
     def _plan_step(self, micro_batches: list[dict], group_size: int) -> None:
         """One optimizer step's plan over ``micro_batches`` (this process's) and the same micro-batches of every
-        other process, from one gather of their completions' loss-token counts; writes each micro-batch's
-        ``d[i]`` of every term (float64), the step's ``T`` and whether the step is empty into it.
+        other process, from one gather of their completions' loss-token counts; hands it to each micro-batch
+        with its completions' positions among the plan's samples.
 
         ``M[i]`` is the sum of the completion's loss mask, as TRL's normalisers take it
         (``trl/trainer/grpo_trainer.py``, ``GRPOTrainer._compute_loss``: ``mask.sum(-1)`` for
@@ -358,21 +354,11 @@ class GRPOTrainer(_TRLGRPOTrainer):
             if config.n_samples_per_prompt is not None and config.n_samples_per_prompt != group_size:
                 config = config.model_copy(update={"n_samples_per_prompt": group_size})
         plan = StepPlan(config, all_counts, group_index=group_index)
-        mine = slice(self.accelerator.process_index * n_local, (self.accelerator.process_index + 1) * n_local)
-        denoms = {
-            key: plan.term_denoms[name][mine]
-            for name, key in (("pg", DENOMS_KEY), ("entropy", ENTROPY_DENOMS_KEY), ("kl", KL_DENOMS_KEY))
-            if name in plan.term_denoms
-        }
-        total, empty = float(plan.totals.total_tokens), plan.empty  # the same on every process: gathered totals
-        first = 0
-        for mb in micro_batches:
+        first = self.accelerator.process_index * n_local
+        for mb in micro_batches:  # each micro-batch carries the step's plan and its completions' positions in it
             rows = slice(first, first + mb[GROUP_KEY].shape[0])
             first = rows.stop
-            for key, d in denoms.items():
-                mb[key] = d[rows]
-            mb[STEP_TOKENS_KEY] = torch.tensor(total, dtype=torch.float64)
-            mb[EMPTY_KEY] = torch.tensor(empty)
+            mb[PLAN_KEY], mb[SAMPLES_KEY] = plan, rows
 
     # ------------------------------------------------------------------ the loss
     def _compute_loss(self, model, inputs):
@@ -385,37 +371,34 @@ class GRPOTrainer(_TRLGRPOTrainer):
         logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True, compute_aux_loss=self.aux_loss_enabled, **extra
         )
-        kl_apart = KL_DENOMS_KEY in inputs
+        plan = inputs[PLAN_KEY]
+        terms = plan.config.terms
+        kl_apart = "kl" in terms
         per_token_loss, is_clipped, per_token_kl = self._surrogate(inputs, logps, entropies, mask, kl_apart=kl_apart)
         if self.model.training:
-            self._lossagg_step_empty = bool(inputs[EMPTY_KEY])
-        processes = self.accelerator.num_processes
-
-        def term(values: torch.Tensor, key: str) -> torch.Tensor:
-            # the term's share of its J over the step, times the process count (DDP/FSDP average over processes);
-            # a per-sample (B, 1) value is broadcast over its tokens (the op reads every element from memory)
-            values = values.expand_as(mask).contiguous()
-            return reduce(values, mask, sample_denoms=inputs[key].to(values.device)) * processes
-
-        loss = term(per_token_loss, DENOMS_KEY)
-        terms = self.loss_aggregation.terms
+            self._lossagg_step_empty = plan.empty  # the same on every process: gathered totals
+        # a per-sample (B, 1) value is broadcast over its tokens (the op reads every element from memory)
+        mb = plan.micro_batch(inputs[SAMPLES_KEY], mask)
+        values = {"pg": per_token_loss.expand_as(mask).contiguous(), **({"kl": per_token_kl} if kl_apart else {})}
+        # each term's share of its J over the step (the KL penalty, the term 'kl' on its own mode: beta · J_kl), times the process
+        # count (DDP/FSDP average over processes)
+        scale = gradient_scale("mean", dp_size=self.accelerator.num_processes)
+        loss = plan.loss(values, mb, terms=tuple(values)) * scale
         mode = "train" if self.model.training else "eval"
-        if ENTROPY_DENOMS_KEY in inputs:  # the entropy bonus, the term 'entropy' on its own mode: -entropy_coef · J_entropy
+        if "entropy" in terms:  # the entropy bonus, the term 'entropy' on its own mode: -entropy_coef · J_entropy
             coefficient = terms["entropy"].coefficient
             if self.use_adaptive_entropy:  # TRL's controller: the coefficient set at the end of the previous step, for the whole step
                 coefficient = -(self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0)
-            loss = loss + coefficient * term(entropies, ENTROPY_DENOMS_KEY)
+            loss = loss + coefficient * plan.loss(entropies, mb, terms="entropy", coefficients=False) * scale
             if self.use_adaptive_entropy and mode == "train":
                 self._adapt_entropy_coef(entropies, mask)
             if mode == "train" and self.accelerator.sync_gradients:
                 self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
-        if kl_apart:  # the KL penalty, the term 'kl' on its own mode: beta · J_kl
-            loss = loss + terms["kl"].coefficient * term(per_token_kl, KL_DENOMS_KEY)
         if aux_loss is not None:
             # the router's auxiliary loss, one number per micro-batch: weighted by the micro-batch's share of the step's
             # loss tokens (docs/terms.md, "Scalar terms"), where TRL divides it by the accumulation steps
             own = mask.sum().to(torch.float64)
-            loss = loss + self.router_aux_loss_coef * scalar_share(aux_loss, own, inputs[STEP_TOKENS_KEY]) * processes
+            loss = loss + self.router_aux_loss_coef * scalar_share(aux_loss, own, plan.totals.total_tokens) * scale
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss.detach()).mean().item())
 
         bool_mask = mask.bool()

@@ -48,12 +48,12 @@ import torch
 
 from lossagg.config import LossAggregationConfig
 from lossagg.dtypes import MASK_DTYPES, VALUE_DTYPES, VALUE_DTYPES_TEXT, values_dtype_error
+from lossagg.integrations.verl_trainer import check_carried, plan_of_batch
 from lossagg.layout import token_counts
 from lossagg.messages import short_repr
 from lossagg.modes import MODES, divisor_for, mode_spellings
-from lossagg.ops import reduce
-from lossagg.step import StepPlan
-from lossagg.totals import DEFAULT_EMPTY_SAMPLES, EMPTY_SAMPLES, mode_totals
+from lossagg.step import StepPlan, gradient_scale
+from lossagg.totals import DEFAULT_EMPTY_SAMPLES, EMPTY_SAMPLES
 from lossagg.validate import as_int, as_number, as_tensor, weight_violation, zero_one_violation
 
 VERL_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
@@ -105,7 +105,7 @@ def _tolerance(loss_mask: torch.Tensor) -> float:
 
 
 def _verl_denoms(loss_mask, mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor) -> tuple[torch.Tensor, float | None]:
-    """``(d, after)``: d[i] (float64 [bs]) such that ``sum_i (sum_t m*l) / d[i]``, divided by
+    """``(d, after)``: d[i] (float64 [bs]) such that ``dp_size · sum_i (sum_t m*l) / d[i]``, divided by
     ``after`` when it is not None, is verl's loss for this mode (verl 0.9.1,
     ``verl/trainer/ppo/core_algos.py: agg_loss``, numerators by ``verl/utils/torch_functional.py:
     masked_sum``). The mask is a weight; every total verl takes from it is its sum (not a count)."""
@@ -113,7 +113,7 @@ def _verl_denoms(loss_mask, mode, dp_size, batch_num_tokens, global_batch_size, 
     device = loss_mask.device
     ones = torch.ones(bs, dtype=torch.float64, device=device)
     if mode == "token-sum":
-        return ones / dp_size, None
+        return ones, None
     if mode == "token-mean":
         if batch_num_tokens is None:
             if dp_size > 1:
@@ -130,7 +130,7 @@ def _verl_denoms(loss_mask, mode, dp_size, batch_num_tokens, global_batch_size, 
                 )
         # A total of 0 means every weight is 0 (none is negative): the loss is 0, not verl's 0/0.
         # A fractional total below 1 is kept: verl divides by it.
-        return ones * (total if total > 0 else 1.0) / dp_size, None
+        return ones * (total if total > 0 else 1.0), None
     # verl counts a sequence when its mask sums to more than 0 (an overflowed sum, inf, counts too)
     local_sequences = int((loss_mask.sum(-1) > 0).sum())
     if global_batch_size is None:
@@ -146,22 +146,22 @@ def _verl_denoms(loss_mask, mode, dp_size, batch_num_tokens, global_batch_size, 
             )
     batch = max(batch, 1.0)
     if mode == "seq-mean-token-sum":
-        return ones * batch / dp_size, None
+        return ones * batch, None
     if mode == "seq-mean-token-sum-norm":
         scale = _padded_width(loss_mask) if loss_scale_factor is None else as_number("loss_scale_factor", loss_scale_factor)
-        d = batch * float(scale) / dp_size
+        d = batch * float(scale)
         if math.isfinite(d) and d > 0:
             return ones * d, None
         # verl divides in two steps (by the batch, then by loss_scale_factor), so its loss stays
         # finite where one divisor would leave float64; only then are the two steps taken here,
         # so every other case keeps its bits
-        return ones * batch / dp_size, float(scale)
+        return ones * batch, float(scale)
     # seq-mean-token-mean: each sequence's weighted token mean, verl's "+ 1e-8" in the mask's sum dtype
     row_sums = _verl_sum(loss_mask, "sum over a row", dim=-1)
     per_sequence = (row_sums + 1e-8).to(torch.float64)
     # a row of zero weights adds 0 whatever its divisor; 1e-8 can vanish in a half-precision sum
     per_sequence = torch.where(per_sequence > 0, per_sequence, torch.ones_like(per_sequence))
-    return per_sequence * batch / dp_size, None
+    return per_sequence * batch, None
 
 
 def _padded_width(loss_mask: torch.Tensor) -> int:
@@ -170,54 +170,28 @@ def _padded_width(loss_mask: torch.Tensor) -> int:
     return max(loss_mask.shape[-1], 1)
 
 
-# verl's global-batch arguments and the step totals they are
-_VERL_TOTALS = {"num_samples": "global_batch_size", "total_tokens": "batch_num_tokens"}
-
-
-def _lossagg_denoms(
-    loss_mask, mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor, group_index, empty_samples, session_index=None
-) -> torch.Tensor:
-    """d[i] of a lossagg mode: the micro-batch alone when it is the whole step, else from verl's global-batch arguments."""
+def _lossagg_plan(loss_mask, mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor, group_index, empty_samples, session_index=None):
+    """The plan of a lossagg mode: the micro-batch alone when it is the whole step, else from verl's global-batch arguments."""
     spec = MODES[mode]
     convention = DEFAULT_EMPTY_SAMPLES if empty_samples is None else empty_samples
     if not isinstance(convention, str) or convention not in tuple(EMPTY_SAMPLES):  # named before any total is asked for
         raise ValueError(f"empty_samples must be one of {', '.join(map(repr, EMPTY_SAMPLES))}, got {short_repr(empty_samples)}")
-    if dp_size > 1 or batch_num_tokens is not None or global_batch_size is not None:
-        # the totals verl cannot carry first: no argument would help
-        needed = mode_totals(spec.totals, convention)
-        uncarried = [total for total in needed if total not in _VERL_TOTALS]
-        if uncarried:
-            skipped = f" (with empty_samples={convention})" if convention != DEFAULT_EMPTY_SAMPLES else ""
-            raise ValueError(
-                f"loss_agg_mode={mode}{skipped} needs the step total(s) {', '.join(uncarried)}, which verl's agg_loss arguments do not carry: "
-                "use it where the micro-batch is its rank's whole step (dp_size=1, no global-batch arguments), "
-                "or build a lossagg.StepPlan over the step"
-            )
-        given = {"global_batch_size": global_batch_size, "batch_num_tokens": batch_num_tokens}
-        missing = [f"{_VERL_TOTALS[total]} (the step's {total})" for total in needed if given[_VERL_TOTALS[total]] is None]
-        if missing:
-            raise ValueError(f"loss_agg_mode={mode} with dp_size={dp_size} or other global-batch arguments needs {' and '.join(missing)}")
-    _check_zero_one(loss_mask, mode)
     given = None if loss_scale_factor is None else as_number("loss_scale_factor", loss_scale_factor)
     divisor = divisor_for(spec, given, _padded_width(loss_mask))
     config = LossAggregationConfig(mode=mode, empty_samples=convention, **({} if divisor is None else {"divisor": divisor}))
+    if dp_size > 1 or batch_num_tokens is not None or global_batch_size is not None:
+        check_carried(config, dp_size, global_batch_size, batch_num_tokens)  # named before the mask is read
+    _check_zero_one(loss_mask, mode)
     counts = token_counts(loss_mask)
-    if dp_size == 1 and batch_num_tokens is None and global_batch_size is None:
-        return StepPlan(config, counts, group_index=group_index, session_index=session_index).sample_denoms
-    totals = {}
-    if global_batch_size is not None:
-        n = as_int("global_batch_size", global_batch_size, minimum=0)
-        if n < counts.shape[0]:
-            raise ValueError(f"global_batch_size (the step's samples) must be >= this micro-batch's {counts.shape[0]}, got {global_batch_size!r}")
-        totals["num_samples"] = n
-    if batch_num_tokens is not None:
-        t = as_number("batch_num_tokens", batch_num_tokens, positive=False)
-        if t < float(counts.sum()):
-            raise ValueError(
-                f"batch_num_tokens (the step's valid tokens) must be >= this micro-batch's {float(counts.sum()):g}, got {batch_num_tokens!r}"
-            )
-        totals["total_tokens"] = t
-    return StepPlan.from_totals(config, counts, **totals).sample_denoms
+    return plan_of_batch(
+        config,
+        counts,
+        dp_size=dp_size,
+        global_batch_size=global_batch_size,
+        batch_num_tokens=batch_num_tokens,
+        group_index=group_index,
+        session_index=session_index,
+    )
 
 
 def _mode_name(loss_agg_mode: object) -> object:
@@ -298,16 +272,15 @@ def agg_loss(
             )
         _check_weights(loss_mask)
         d, after = _verl_denoms(loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
+        plan = StepPlan.from_denoms(d.to(loss_mat.device))
     elif loss_agg_mode in MODES:
-        d = (
-            _lossagg_denoms(
-                loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor, group_index, empty_samples, session_index
-            )
-            / dp_size
+        plan = _lossagg_plan(
+            loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor, group_index, empty_samples, session_index
         )
     else:
         raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode!r}; expected one of {', '.join(VERL_MODES + tuple(MODES))}")
-    loss = reduce(loss_mat, loss_mask, sample_denoms=d.to(loss_mat.device))
+    # the step's J on this micro-batch, times dp_size: DDP and FSDP average the gradients over the DP ranks
+    loss = plan.loss(loss_mat, plan.micro_batch(slice(None), loss_mask)) * gradient_scale("mean", dp_size=dp_size)
     return loss if after is None else loss / after
 
 

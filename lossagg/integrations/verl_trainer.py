@@ -12,15 +12,15 @@ and the critic's (:func:`value_loss`) keep verl's signatures, per-token arithmet
 metrics; what changes is each term's reducer:
 
 * **pg** (the config's ``mode``): verl's own policy loss function (``policy_loss.loss_mode``) computes
-  the per-token loss; lossagg's ``d[i]`` reach it as its per-token weights (``rollout_is_weights``, times
-  verl's own when rollout correction is on) with verl's ``token-sum`` reducer, so the sum it takes is
-  ``Σ_i S_i / d[i]``. Its metrics are verl's, unweighted.
+  the per-token loss; lossagg's ``d[i]`` reach it as its per-token weights (``plan.token_weights`` as
+  ``rollout_is_weights``, times verl's own when rollout correction is on) with verl's ``token-sum``
+  reducer, so the sum it takes is ``Σ_i S_i / d[i]``. Its metrics are verl's, unweighted.
 * **entropy** (coefficient ``-entropy_coeff``), **kl** (``kl_loss_coef``, under ``use_kl_loss``) and
   **distillation** (``distillation_loss_coef``, or 1 without task rewards): the per-token values verl
-  computes (the model's entropy, ``kl_penalty``, the distillation loss function), reduced by lossagg's
-  ``reduce`` op on the term's mode.
+  computes (the model's entropy, ``kl_penalty``, the distillation loss function), each reduced through
+  the micro-batch handle on the term's mode (``plan.loss(values, mb, terms=name, coefficients=False)``).
 * **value** (the critic's, coefficient 0.5, verl's factor): verl's ``compute_value_loss`` per token,
-  with the term's ``m[t] / d[i]`` as its mask weights under ``token-sum``; its clip fraction is taken
+  with the term's ``m[t] / d[i]`` (``plan.token_weights``) as its mask weights under ``token-sum``; its clip fraction is taken
   with verl's own 0/1 mask.
 
 A term the config does not name gets the default reducer (docs/terms.md); a term it names must carry
@@ -40,10 +40,9 @@ import torch
 
 from lossagg.config import LossAggregationConfig
 from lossagg.config.model import PG_TERM
-from lossagg.modes import default_term_mode, mode_spec
-from lossagg.ops import reduce
-from lossagg.step import StepPlan
+from lossagg.step import StepPlan, gradient_scale
 from lossagg.totals import mode_totals
+from lossagg.validate import as_int, as_number
 
 # verl's registered policy losses whose per-token loss lossagg weighs: each multiplies its per-token loss by
 # rollout_is_weights and reduces it with agg_loss under the loss_agg_mode it is given (verl 0.9.1,
@@ -90,16 +89,13 @@ def _policy_loss_issue(setting: str, loss_mode: str) -> str | None:
 
 def _term_modes_issues(config: LossAggregationConfig) -> list[str]:
     issues = []
-    terms = {
-        PG_TERM: (config.mode, config.weighting),
-        **{n: (t.mode or default_term_mode(config.mode), t.weighting) for n, t in config.terms.items()},
-    }
-    for name, (mode, weighting) in terms.items():
+    for term in config.loss_terms:
+        name, mode, weighting = term.name, term.mode, term.weighting
         where = "mode" if name == PG_TERM else f"terms.{name}.mode"
         if weighting != "none":
             what = "weighting" if name == PG_TERM else f"terms.{name}.weighting"
             issues.append(f"{what}={weighting} needs per-sample weights, which verl's trainer does not hand to its loss: drop it")
-        needed = mode_totals(mode_spec(mode).totals, config.empty_samples)
+        needed = mode_totals(term.spec.totals, config.empty_samples)
         uncarried = [total for total in needed if total not in CARRIED]
         if uncarried:
             skipped = f" with empty_samples={config.empty_samples}" if config.empty_samples != "count" else ""
@@ -188,30 +184,79 @@ def critic_config_for(config, aggregation) -> LossAggregationConfig:
 # ------------------------------------------------------------------ the micro-batch
 
 
-def _step_plan(aggregation: LossAggregationConfig, response_mask: torch.Tensor, data) -> tuple[StepPlan, int]:
-    """The plan of this micro-batch's samples from the step totals verl's engine hands it, and ``dp_size``."""
+def plan_of_batch(
+    config: LossAggregationConfig,
+    counts: torch.Tensor,
+    *,
+    dp_size: int,
+    global_batch_size=None,
+    batch_num_tokens=None,
+    group_index: torch.Tensor | None = None,
+    session_index: torch.Tensor | None = None,
+) -> StepPlan:
+    """The step's plan from what verl's engine hands a micro-batch's loss (the one place verl's global-batch
+    information becomes a plan, for ``agg_loss`` and the trainer's losses): with ``dp_size`` 1 and no
+    global-batch argument the micro-batch is the whole step (a :class:`lossagg.StepPlan` of its own
+    samples, as verl computes it then); otherwise ``global_batch_size`` is the step's ``N`` and
+    ``batch_num_tokens`` its ``T`` (``StepPlan.from_totals``, each checked against the micro-batch's own
+    ``counts``). A mode that needs a total verl does not carry is refused, naming it."""
+    if dp_size == 1 and batch_num_tokens is None and global_batch_size is None:
+        return StepPlan(config, counts, group_index=group_index, session_index=session_index)
+    check_carried(config, dp_size, global_batch_size, batch_num_tokens)
+    totals = {}
+    if global_batch_size is not None:
+        n = as_int("global_batch_size", global_batch_size, minimum=0)
+        if n < counts.shape[0]:
+            raise ValueError(f"global_batch_size (the step's samples) must be >= this micro-batch's {counts.shape[0]}, got {global_batch_size!r}")
+        totals["num_samples"] = n
+    if batch_num_tokens is not None:
+        t = as_number("batch_num_tokens", batch_num_tokens, positive=False)
+        if t < float(counts.sum()):
+            raise ValueError(
+                f"batch_num_tokens (the step's valid tokens) must be >= this micro-batch's {float(counts.sum()):g}, got {batch_num_tokens!r}"
+            )
+        totals["total_tokens"] = t
+    return StepPlan.from_totals(config, counts, **totals)
+
+
+def check_carried(config: LossAggregationConfig, dp_size: int, global_batch_size, batch_num_tokens) -> None:
+    """With verl's global-batch arguments, every step total the config's terms read is one verl carries and was given."""
+    needed = mode_totals(tuple(t for term in config.loss_terms for t in term.spec.totals), config.empty_samples)
+    uncarried = [total for total in needed if total not in CARRIED]
+    if uncarried:
+        skipped = f" (with empty_samples={config.empty_samples})" if config.empty_samples != "count" else ""
+        raise ValueError(
+            f"loss_agg_mode={config.mode}{skipped} needs the step total(s) {', '.join(uncarried)}, which verl's agg_loss arguments do not carry: "
+            "use it where the micro-batch is its rank's whole step (dp_size=1, no global-batch arguments), or build a lossagg.StepPlan over the step"
+        )
+    given = {"num_samples": global_batch_size, "total_tokens": batch_num_tokens}
+    missing = [f"{CARRIED[total]} (the step's {total})" for total in needed if given[total] is None]
+    if missing:
+        raise ValueError(f"loss_agg_mode={config.mode} with dp_size={dp_size} or other global-batch arguments needs {' and '.join(missing)}")
+
+
+def _step_plan(aggregation: LossAggregationConfig, response_mask: torch.Tensor, data) -> tuple[StepPlan, int, object]:
+    """The plan of this micro-batch's samples from the step totals verl's engine hands it, ``dp_size`` and the
+    micro-batch's handle (all its samples)."""
     dp_size = int(data["dp_size"])
-    counts = response_mask.sum(-1).to(torch.float64)
     n, t = data["global_batch_size"], data["batch_num_tokens"]
-    if n is None or t is None:
-        if dp_size > 1:
-            missing = " and ".join(name for name, value in (("global_batch_size", n), ("batch_num_tokens", t)) if value is None)
-            raise ValueError(f"verl's data carries no {missing} with dp_size={dp_size}: lossagg needs the step's totals")
-        n = counts.shape[0] if n is None else n  # no global arguments: the micro-batch is the step, as in verl
-        t = float(counts.sum()) if t is None else t
-    return StepPlan.from_totals(aggregation, counts, num_samples=int(n), total_tokens=float(t)), dp_size
+    if dp_size > 1 and (n is None or t is None):
+        missing = " and ".join(name for name, value in (("global_batch_size", n), ("batch_num_tokens", t)) if value is None)
+        raise ValueError(f"verl's data carries no {missing} with dp_size={dp_size}: lossagg needs the step's totals")
+    counts = response_mask.sum(-1).to(torch.float64)
+    plan = plan_of_batch(aggregation, counts, dp_size=dp_size, global_batch_size=n, batch_num_tokens=t)
+    return plan, dp_size, plan.micro_batch(slice(None), response_mask)
 
 
-def _term(plan: StepPlan, name: str, values: torch.Tensor, mask: torch.Tensor, dp_size: int) -> torch.Tensor:
-    """Term ``name``'s share of its ``J_k`` (before its coefficient), times ``dp_size`` as verl's losses are
-    (DDP and FSDP average the gradients over DP)."""
-    d = plan.term_denoms[name] / dp_size
-    return reduce(values, mask, sample_denoms=d.to(device=values.device, dtype=torch.float32 if values.dtype != torch.float64 else torch.float64))
+def _term(plan: StepPlan, mb, name: str, values: torch.Tensor, dp_size: int) -> torch.Tensor:
+    """Term ``name``'s share of its ``J_k`` (before its coefficient, which verl applies), times ``dp_size`` as
+    verl's losses are (DDP and FSDP average the gradients over DP)."""
+    return plan.loss(values, mb, terms=name, coefficients=False) * gradient_scale("mean", dp_size=dp_size)
 
 
-def _sample_weights(plan: StepPlan, name: str, dp_size: int, like: torch.Tensor) -> torch.Tensor:
-    """``dp_size / d_k[i]`` as a per-token weight ``[bs, 1]`` (broadcast over the sample's tokens)."""
-    return (dp_size / plan.term_denoms[name]).to(device=like.device, dtype=like.dtype)[:, None]
+def _sample_weights(plan: StepPlan, name: str, dp_size: int, mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``dp_size / d_k[i]`` of term ``name`` as per-token weights of the micro-batch (``plan.token_weights``)."""
+    return plan.token_weights(mask, slice(None), convention="mean", dp_size=dp_size, dtype=like.dtype, term=name)
 
 
 class _GlobalInfo:
@@ -238,7 +283,6 @@ def _weighted_policy_loss(loss_mode, weights, *, config, old_log_prob, log_prob,
     ``weights`` (and verl's rollout weights), summed over the 0/1 mask by verl's token-sum."""
     from verl.trainer.ppo.core_algos import get_policy_loss_fn  # deferred: verl is optional
 
-    weights = weights.expand_as(log_prob)
     if rollout_is_weights is not None:
         weights = weights * rollout_is_weights
     with _GlobalInfo(config):
@@ -276,11 +320,11 @@ def ppo_loss(config, model_output, data, dp_group=None, *, aggregation: LossAggr
     step = {key: data[key] for key in ("dp_size", "batch_num_tokens", "global_batch_size")}
     padded = data.select(*fields).to_padded_tensor()
     response_mask = padded["response_mask"].to(bool)
-    plan, dp_size = _step_plan(aggregation, response_mask, step)
+    plan, dp_size, mb = _step_plan(aggregation, response_mask, step)
     policy = config.policy_loss.get("loss_mode", "vanilla")
     pg_loss, pg_metrics = _weighted_policy_loss(
         policy,
-        _sample_weights(plan, PG_TERM, dp_size, log_prob),
+        _sample_weights(plan, PG_TERM, dp_size, response_mask, log_prob),
         config=config,
         old_log_prob=padded["old_log_probs"],
         log_prob=log_prob,
@@ -292,12 +336,12 @@ def ppo_loss(config, model_output, data, dp_group=None, *, aggregation: LossAggr
     metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=aggregate)
     policy_loss = pg_loss
     if entropy is not None:
-        entropy_loss = _term(plan, "entropy", entropy, response_mask, dp_size)
+        entropy_loss = _term(plan, mb, "entropy", entropy, dp_size)
         policy_loss = policy_loss - config.entropy_coeff * entropy_loss
         metrics["actor/entropy_loss"] = Metric(value=entropy_loss, aggregation=aggregate)
     if config.use_kl_loss:
         kld = kl_penalty(logprob=log_prob, ref_logprob=padded["ref_log_prob"], kl_penalty=config.kl_loss_type)
-        kl_loss = _term(plan, "kl", kld, response_mask, dp_size)
+        kl_loss = _term(plan, mb, "kl", kld, dp_size)
         policy_loss = policy_loss + kl_loss * config.kl_loss_coef
         metrics["kl_loss"] = Metric(value=kl_loss, aggregation=aggregate)
         metrics["kl_coef"] = config.kl_loss_coef
@@ -320,9 +364,9 @@ def _distillation_loss(config, distillation_config, model_output, data, *, aggre
         response_mask = response_mask.to_padded_tensor(False)
     response_mask = response_mask.to(bool)
     step = {key: data[key] for key in ("dp_size", "batch_num_tokens", "global_batch_size")}
-    plan, dp_size = _step_plan(aggregation, response_mask, step)
+    plan, dp_size, mb = _step_plan(aggregation, response_mask, step)
     if not loss_config.use_policy_gradient:
-        return _term(plan, "distillation", losses, response_mask, dp_size), metrics
+        return _term(plan, mb, "distillation", losses, dp_size), metrics
     from verl.workers.utils.padding import no_padding_2_padding  # deferred: verl is optional
 
     log_prob = no_padding_2_padding(model_output["log_probs"], data)
@@ -331,7 +375,7 @@ def _distillation_loss(config, distillation_config, model_output, data, *, aggre
         old_log_prob = old_log_prob.to_padded_tensor(0.0)
     loss, pg_metrics = _weighted_policy_loss(
         loss_config.policy_loss_mode,
-        _sample_weights(plan, "distillation", dp_size, log_prob),
+        _sample_weights(plan, "distillation", dp_size, response_mask, log_prob),
         config=loss_config,
         old_log_prob=old_log_prob,
         log_prob=log_prob,
@@ -379,8 +423,8 @@ def value_loss(config, model_output, data, dp_group=None, *, aggregation: LossAg
     step = {key: data[key] for key in ("dp_size", "batch_num_tokens", "global_batch_size")}
     padded = data.select("values", "returns", "response_mask").to_padded_tensor()
     response_mask = padded["response_mask"].to(bool)
-    plan, dp_size = _step_plan(aggregation, response_mask, step)
-    weights = _sample_weights(plan, "value", dp_size, vpreds) * response_mask
+    plan, dp_size, _ = _step_plan(aggregation, response_mask, step)
+    weights = _sample_weights(plan, "value", dp_size, response_mask, vpreds) * response_mask
     common = {"vpreds": vpreds, "values": padded["values"], "returns": padded["returns"], "cliprange_value": config.cliprange_value}
     # compute_value_loss returns 0.5 * Σ m·w·l under token-sum: the term with its coefficient, as verl's
     vf_loss, _ = compute_value_loss(response_mask=weights, loss_agg_mode="token-sum", **common)
