@@ -66,9 +66,6 @@ LOSSAGG_EXPORT const char* lossagg_denom_factor_codes() {
   return table.c_str();
 }
 
-// The torch whose headers the library was compiled with.
-LOSSAGG_EXPORT const char* lossagg_torch_version() { return TORCH_VERSION; }
-
 // The oldest torch the library runs on: the stable ABI version it targets ("2.10").
 LOSSAGG_EXPORT const char* lossagg_torch_floor() {
 #ifdef TORCH_TARGET_VERSION

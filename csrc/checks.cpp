@@ -29,11 +29,15 @@ std::atomic<bool>& device_checks_flag() {
 
 bool wants_data_checks(const Tensor& t) { return t.is_cpu() || device_checks_enabled(); }
 
+}  // namespace
+
 void check_same_device(const char* op, const char* name, const Tensor& t, const Tensor& like, const char* like_name) {
   LOSSAGG_CHECK_VALUE(
       t.device() == like.device(), "lossagg.", op, ": ", name, " must be on the same device as ", like_name, " (", device_name(like), "), got ",
       device_name(t));
 }
+
+namespace {
 
 void check_cu_seqlens_meta(const char* op, const Tensor& cu, const Tensor& like) {
   LOSSAGG_CHECK_TYPE(
@@ -263,31 +267,6 @@ void check_sample_denoms_data(const char* op, const Tensor& sample_denoms, Scala
   }
 }
 
-TokenLayout check_segment_sum_inputs(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, bool allow_metric_dim) {
-  const char* op = allow_metric_dim ? "segment_sum" : "segment_sum_and_count";
-  TokenLayout layout = check_token_layout(op, values, mask, cu_seqlens, allow_metric_dim);
-  layout.max_segment_tokens = check_cu_seqlens_data(op, cu_seqlens, layout);
-  return layout;
-}
-
-TokenLayout check_aggregate_inputs(
-    const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const std::vector<int64_t>& denom_program, double divisor) {
-  TokenLayout layout = check_token_layout("aggregate", values, mask, cu_seqlens, /*allow_metric_dim=*/false);
-  check_denom_program("aggregate", denom_program, divisor);
-  layout.max_segment_tokens = check_cu_seqlens_data("aggregate", cu_seqlens, layout);
-  return layout;
-}
-
-TokenLayout check_reduce_inputs(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms) {
-  TokenLayout layout = check_token_layout("reduce", values, mask, cu_seqlens, /*allow_metric_dim=*/false);
-  check_sample_denoms("reduce", sample_denoms, layout, values);
-  layout.max_segment_tokens = check_cu_seqlens_data("reduce", cu_seqlens, layout);
-  check_sample_denoms_data("reduce", sample_denoms, values.scalar_type());
-  return layout;
-}
-
-namespace {
-
 // The [K, B] per-term tensors of reduce_terms and its backward: floating, [K, B], on the device
 // of `like`.
 void check_term_table(const char* op, const char* name, const Tensor& t, int64_t num_terms, int64_t num_segments, const Tensor& like) {
@@ -340,119 +319,11 @@ void check_coefficients(const char* op, const std::vector<double>& coefficients,
   }
 }
 
-}  // namespace
-
-TokenLayout check_reduce_terms_inputs(
-    const std::vector<Tensor>& values,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens,
-    const Tensor& sample_denoms,
-    const std::optional<Tensor>& sample_weights,
-    const std::vector<double>& coefficients) {
-  const char* op = "reduce_terms";
-  LOSSAGG_CHECK_VALUE(!values.empty(), "lossagg.", op, ": values must hold at least one term's tensor, got an empty list");
-  TokenLayout layout = check_token_layout(op, values[0], mask, cu_seqlens, /*allow_metric_dim=*/false, "values[0]");
-  const Tensor& first = values[0];
-  for (size_t k = 1; k < values.size(); ++k) {
-    const Tensor& v = values[k];
-    LOSSAGG_CHECK_TYPE(
-        v.scalar_type() == first.scalar_type(), "lossagg.", op, ": every term's values must have one dtype, values[0]'s ", first.scalar_type(),
-        ", got values[", k, "] of dtype ", v.scalar_type());
-    LOSSAGG_CHECK_VALUE(
-        v.device() == first.device(), "lossagg.", op, ": values[", k, "] must be on the device of values[0] (", device_name(first), "), got ",
-        device_name(v));
-    LOSSAGG_CHECK_VALUE(
-        v.sizes() == mask.sizes(), "lossagg.", op, ": values[", k, "] must have the token shape of mask ", shape_of(mask), ", got shape ",
-        shape_of(v));
-  }
-  const int64_t num_terms = static_cast<int64_t>(values.size());
-  layout.num_metrics = num_terms;
-  layout.has_metric_dim = true;
-  check_term_table(op, "sample_denoms", sample_denoms, num_terms, layout.num_segments, first);
-  if (sample_weights.has_value()) {
-    check_term_table(op, "sample_weights", *sample_weights, num_terms, layout.num_segments, first);
-  }
-  check_coefficients(op, coefficients, num_terms);
-  layout.max_segment_tokens = check_cu_seqlens_data(op, cu_seqlens, layout);
-  check_sample_denoms_data(op, sample_denoms, first.scalar_type());
-  if (sample_weights.has_value()) {
-    check_sample_weights_data(op, *sample_weights, first.scalar_type());
-  }
-  return layout;
-}
-
 // The dtype a backward op writes its gradient in: a value dtype, named as the op's argument.
-static void check_values_dtype_argument(const char* op, ScalarType values_dtype) {
+void check_values_dtype_argument(const char* op, ScalarType values_dtype) {
   LOSSAGG_CHECK_TYPE(
       is_value_dtype(values_dtype), "lossagg.", op, ": values_dtype (the gradient's dtype, that of the values) must be ", value_dtypes_text(),
       ", got ", values_dtype);
-}
-
-TokenLayout check_reduce_terms_backward_inputs(
-    const Tensor& grad,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens,
-    const Tensor& sample_denoms,
-    const std::optional<Tensor>& sample_weights,
-    const std::vector<double>& coefficients,
-    ScalarType values_dtype) {
-  const char* op = "reduce_terms_backward";
-  check_values_dtype_argument(op, values_dtype);
-  LOSSAGG_CHECK_VALUE(grad.dim() == 0, "lossagg.", op, ": grad must be a 0-dim tensor, got shape ", shape_of(grad));
-  LOSSAGG_CHECK_TYPE(is_value_dtype(grad.scalar_type()), "lossagg.", op, ": grad must have a floating dtype, got ", grad.scalar_type());
-  LOSSAGG_CHECK_VALUE(
-      sample_denoms.dim() == 2 && sample_denoms.size(0) >= 1, "lossagg.", op, ": sample_denoms must be [K, B] with K >= 1, got shape ",
-      shape_of(sample_denoms));
-  const int64_t num_terms = sample_denoms.size(0);
-  TokenLayout layout = check_mask_layout(op, mask, cu_seqlens, num_terms, /*has_metric_dim=*/true);
-  check_term_table(op, "sample_denoms", sample_denoms, num_terms, layout.num_segments, mask);
-  if (sample_weights.has_value()) {
-    check_term_table(op, "sample_weights", *sample_weights, num_terms, layout.num_segments, mask);
-  }
-  check_coefficients(op, coefficients, num_terms);
-  check_same_device(op, "grad", grad, mask, "mask");
-  layout.max_segment_tokens = check_cu_seqlens_data(op, cu_seqlens, layout);
-  check_sample_denoms_data(op, sample_denoms, values_dtype);
-  if (sample_weights.has_value()) {
-    check_sample_weights_data(op, *sample_weights, values_dtype);
-  }
-  return layout;
-}
-
-TokenLayout check_reduce_backward_inputs(
-    const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms, ScalarType values_dtype) {
-  const char* op = "reduce_backward";
-  check_values_dtype_argument(op, values_dtype);
-  LOSSAGG_CHECK_VALUE(grad.dim() == 0, "lossagg.", op, ": grad must be a 0-dim tensor, got shape ", shape_of(grad));
-  LOSSAGG_CHECK_TYPE(is_value_dtype(grad.scalar_type()), "lossagg.", op, ": grad must have a floating dtype, got ", grad.scalar_type());
-  TokenLayout layout = check_mask_layout(op, mask, cu_seqlens, 1, false);
-  check_sample_denoms(op, sample_denoms, layout, mask);
-  check_same_device(op, "grad", grad, mask, "mask");
-  layout.max_segment_tokens = check_cu_seqlens_data(op, cu_seqlens, layout);
-  check_sample_denoms_data(op, sample_denoms, values_dtype);
-  return layout;
-}
-
-TokenLayout check_segment_sum_backward_inputs(
-    const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, ScalarType values_dtype) {
-  const char* op = "segment_sum_backward";
-  check_values_dtype_argument(op, values_dtype);
-  LOSSAGG_CHECK_VALUE(grad.dim() == 1 || grad.dim() == 2, "lossagg.", op, ": grad must be [B] or [K, B], got shape ", shape_of(grad));
-  LOSSAGG_CHECK_TYPE(is_value_dtype(grad.scalar_type()), "lossagg.", op, ": grad must have a floating dtype, got ", grad.scalar_type());
-  const bool has_metric_dim = grad.dim() == 2;
-  TokenLayout layout = check_mask_layout(op, mask, cu_seqlens, has_metric_dim ? grad.size(0) : 1, has_metric_dim);
-  LOSSAGG_CHECK_VALUE(
-      grad.size(grad.dim() - 1) == layout.num_segments, "lossagg.", op, ": grad must have B = ", layout.num_segments,
-      " entries in its last dimension, got shape ", shape_of(grad));
-  check_same_device(op, "grad", grad, mask, "mask");
-  layout.max_segment_tokens = check_cu_seqlens_data(op, cu_seqlens, layout);
-  return layout;
-}
-
-TokenLayout check_token_counts_inputs(const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
-  TokenLayout layout = check_mask_layout("token_counts", mask, cu_seqlens, 1, false);
-  layout.max_segment_tokens = check_cu_seqlens_data("token_counts", cu_seqlens, layout);
-  return layout;
 }
 
 }  // namespace lossagg

@@ -1,5 +1,6 @@
-// Input validation shared by every backend. Messages name the op, the argument, what
-// was expected and what was given.
+// The checks every op's set-up is made of (op_setup.h fills each op's arguments with them),
+// shared by every backend. Messages name the op, the argument, what was expected and what
+// was given.
 #pragma once
 
 #include "kernel_common.h"
@@ -26,42 +27,16 @@ TokenLayout check_token_layout(
 // incoming gradient instead of values.
 TokenLayout check_mask_layout(const char* op, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, int64_t num_metrics, bool has_metric_dim);
 
-// All checks of the forward ops (shapes, dtypes, devices, and the data checks).
-// allow_metric_dim: segment_sum (a leading K); without it, segment_sum_and_count ([T] or [B, T]
-// values, as reduce), whose name the errors then give.
-TokenLayout check_segment_sum_inputs(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, bool allow_metric_dim = true);
-// lossagg.aggregate: values as for reduce, and a well-formed denominator program (denom_program.h).
-TokenLayout check_aggregate_inputs(
-    const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const std::vector<int64_t>& denom_program, double divisor);
-TokenLayout check_reduce_inputs(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms);
-// reduce_terms: K >= 1 value tensors of one dtype and device, each of the token shape of mask
-// (the layout has K metrics); sample_denoms [K, B]; sample_weights, when given, [K, B] and
-// finite; one finite coefficient per term.
-TokenLayout check_reduce_terms_inputs(
-    const std::vector<Tensor>& values,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens,
-    const Tensor& sample_denoms,
-    const std::optional<Tensor>& sample_weights,
-    const std::vector<double>& coefficients);
-
-// All checks of the backward ops (shapes, dtypes, devices, and the data checks).
-TokenLayout check_reduce_backward_inputs(
-    const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms, ScalarType values_dtype);
-TokenLayout check_segment_sum_backward_inputs(
-    const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, ScalarType values_dtype);
-TokenLayout check_reduce_terms_backward_inputs(
-    const Tensor& grad,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens,
-    const Tensor& sample_denoms,
-    const std::optional<Tensor>& sample_weights,
-    const std::vector<double>& coefficients,
-    ScalarType values_dtype);
-
-TokenLayout check_token_counts_inputs(const Tensor& mask, const std::optional<Tensor>& cu_seqlens);
-
 void check_sample_denoms(const char* op, const Tensor& sample_denoms, const TokenLayout& layout, const Tensor& like);
+
+void check_same_device(const char* op, const char* name, const Tensor& t, const Tensor& like, const char* like_name);
+
+// reduce_terms' [K, B] tables (sample_denoms, sample_weights): floating, [K, B], on the device of `like`.
+void check_term_table(const char* op, const char* name, const Tensor& t, int64_t num_terms, int64_t num_segments, const Tensor& like);
+// One finite coefficient per term.
+void check_coefficients(const char* op, const std::vector<double>& coefficients, int64_t num_terms);
+// The dtype a backward op writes its gradient in: a value dtype, named as the op's argument.
+void check_values_dtype_argument(const char* op, ScalarType values_dtype);
 
 // Data checks: run always for CPU tensors, for CUDA tensors only when
 // device_checks_enabled() (they copy to the host and synchronise).
@@ -70,5 +45,7 @@ void check_sample_denoms(const char* op, const Tensor& sample_denoms, const Toke
 int64_t check_cu_seqlens_data(const char* op, const std::optional<Tensor>& cu_seqlens, const TokenLayout& layout);
 // sample_denoms [B], or [K, B] (reduce_terms: the error names the entry [k, i]).
 void check_sample_denoms_data(const char* op, const Tensor& sample_denoms, ScalarType values_dtype);
+// Every weight finite (any sign), as given and in the accumulation dtype the numerators are scaled in.
+void check_sample_weights_data(const char* op, const Tensor& weights, ScalarType values_dtype);
 
 }  // namespace lossagg

@@ -15,7 +15,9 @@
 #pragma once
 
 #include "checks.h"
+#include "denom_program.h"
 #include "dispatch.h"
+#include "dtypes.h"
 #include "torch_api.h"
 
 #include <optional>
@@ -111,57 +113,185 @@ inline TokenCall make_call(
       cu_seqlens.has_value() ? std::optional<Tensor>(as_contiguous(*cu_seqlens)) : std::nullopt};
 }
 
-// The denominators in the accumulation dtype, contiguous.
+// The denominators (or a [K, B] table) in the accumulation dtype, contiguous.
 inline Tensor kernel_denoms(const Tensor& sample_denoms, ScalarType values_dtype) {
   return as_dtype(as_contiguous(sample_denoms), acc_scalar_type(values_dtype));
 }
 
-inline TokenCall segment_sum_call(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
-  return make_call(check_segment_sum_inputs(values, mask, cu_seqlens), values, mask, cu_seqlens, acc_scalar_type(values.scalar_type()));
+// An incoming gradient in the accumulation dtype of the values, contiguous.
+inline Tensor kernel_grad(const Tensor& grad, ScalarType values_dtype) { return as_contiguous(as_dtype(grad, acc_scalar_type(values_dtype))); }
+
+// ----------------------------------------------------------------------------------------
+// Each op's arguments, checked and in kernel types: one struct per op, filled once by its
+// function below (the op's whole set-up: every check, then every conversion), read by both
+// backends. An op's argument list is written here and in its schema (ops.cpp) only.
+
+// segment_sum (values [T] / [B, T], or [K, T] / [K, B, T]) and segment_sum_and_count
+// ([T] or [B, T] values, as reduce; `counting`).
+inline TokenCall segment_sum_args(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, bool counting = false) {
+  const char* op = counting ? "segment_sum_and_count" : "segment_sum";
+  TokenLayout layout = check_token_layout(op, values, mask, cu_seqlens, /*allow_metric_dim=*/!counting);
+  layout.max_segment_tokens = check_cu_seqlens_data(op, cu_seqlens, layout);
+  return make_call(layout, values, mask, cu_seqlens, acc_scalar_type(values.scalar_type()));
 }
 
-inline TokenCall segment_sum_and_count_call(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
-  return make_call(
-      check_segment_sum_inputs(values, mask, cu_seqlens, /*allow_metric_dim=*/false), values, mask, cu_seqlens,
-      acc_scalar_type(values.scalar_type()));
-}
-
-inline TokenCall aggregate_call(
+// aggregate: values as for reduce, and a well-formed denominator program (denom_program.h).
+inline TokenCall aggregate_args(
     const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const std::vector<int64_t>& denom_program, double divisor) {
-  return make_call(
-      check_aggregate_inputs(values, mask, cu_seqlens, denom_program, divisor), values, mask, cu_seqlens, acc_scalar_type(values.scalar_type()));
+  TokenLayout layout = check_token_layout("aggregate", values, mask, cu_seqlens, /*allow_metric_dim=*/false);
+  check_denom_program("aggregate", denom_program, divisor);
+  layout.max_segment_tokens = check_cu_seqlens_data("aggregate", cu_seqlens, layout);
+  return make_call(layout, values, mask, cu_seqlens, acc_scalar_type(values.scalar_type()));
 }
 
-inline TokenCall reduce_call(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms) {
-  return make_call(check_reduce_inputs(values, mask, cu_seqlens, sample_denoms), values, mask, cu_seqlens, acc_scalar_type(values.scalar_type()));
-}
-
-// reduce_terms: the call (K metrics, the mask in kernel types) and the K value tensors, each
-// contiguous and read where it lies (no [K, T] copy): rows[k] and their data pointers.
-struct TermsCall {
+// reduce: the call and d [B] in the accumulation dtype.
+struct ReduceArgs {
   TokenCall call;
-  std::vector<Tensor> rows;
-  std::vector<const void*> row_data;
+  Tensor denoms;
 };
 
-inline TermsCall reduce_terms_call(
+inline ReduceArgs reduce_args(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms) {
+  TokenLayout layout = check_token_layout("reduce", values, mask, cu_seqlens, /*allow_metric_dim=*/false);
+  check_sample_denoms("reduce", sample_denoms, layout, values);
+  layout.max_segment_tokens = check_cu_seqlens_data("reduce", cu_seqlens, layout);
+  check_sample_denoms_data("reduce", sample_denoms, values.scalar_type());
+  const ScalarType acc = acc_scalar_type(values.scalar_type());
+  return {make_call(layout, values, mask, cu_seqlens, acc), kernel_denoms(sample_denoms, values.scalar_type())};
+}
+
+// The backward ops: the call (the mask in kernel types), the incoming gradient in the
+// accumulation dtype and, for reduce's, d [B]; values_dtype is the gradient's dtype.
+struct BackwardArgs {
+  TokenCall call;
+  Tensor grad;
+  std::optional<Tensor> denoms;
+};
+
+inline BackwardArgs segment_sum_backward_args(const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, ScalarType values_dtype) {
+  const char* op = "segment_sum_backward";
+  check_values_dtype_argument(op, values_dtype);
+  LOSSAGG_CHECK_VALUE(grad.dim() == 1 || grad.dim() == 2, "lossagg.", op, ": grad must be [B] or [K, B], got shape ", shape_of(grad));
+  LOSSAGG_CHECK_TYPE(is_value_dtype(grad.scalar_type()), "lossagg.", op, ": grad must have a floating dtype, got ", grad.scalar_type());
+  const bool has_metric_dim = grad.dim() == 2;
+  TokenLayout layout = check_mask_layout(op, mask, cu_seqlens, has_metric_dim ? grad.size(0) : 1, has_metric_dim);
+  LOSSAGG_CHECK_VALUE(
+      grad.size(grad.dim() - 1) == layout.num_segments, "lossagg.", op, ": grad must have B = ", layout.num_segments,
+      " entries in its last dimension, got shape ", shape_of(grad));
+  check_same_device(op, "grad", grad, mask, "mask");
+  layout.max_segment_tokens = check_cu_seqlens_data(op, cu_seqlens, layout);
+  return {make_call(layout, std::nullopt, mask, cu_seqlens, acc_scalar_type(values_dtype)), kernel_grad(grad, values_dtype), std::nullopt};
+}
+
+// The checks of a backward op's 0-dim incoming gradient.
+inline void check_scalar_grad(const char* op, const Tensor& grad, const Tensor& mask, ScalarType values_dtype) {
+  check_values_dtype_argument(op, values_dtype);
+  LOSSAGG_CHECK_VALUE(grad.dim() == 0, "lossagg.", op, ": grad must be a 0-dim tensor, got shape ", shape_of(grad));
+  LOSSAGG_CHECK_TYPE(is_value_dtype(grad.scalar_type()), "lossagg.", op, ": grad must have a floating dtype, got ", grad.scalar_type());
+  check_same_device(op, "grad", grad, mask, "mask");
+}
+
+inline BackwardArgs reduce_backward_args(
+    const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms, ScalarType values_dtype) {
+  const char* op = "reduce_backward";
+  check_scalar_grad(op, grad, mask, values_dtype);
+  TokenLayout layout = check_mask_layout(op, mask, cu_seqlens, 1, false);
+  check_sample_denoms(op, sample_denoms, layout, mask);
+  layout.max_segment_tokens = check_cu_seqlens_data(op, cu_seqlens, layout);
+  check_sample_denoms_data(op, sample_denoms, values_dtype);
+  return {
+      make_call(layout, std::nullopt, mask, cu_seqlens, acc_scalar_type(values_dtype)), kernel_grad(grad, values_dtype),
+      kernel_denoms(sample_denoms, values_dtype)};
+}
+
+// reduce_terms and its backward: the call (K metrics, the mask in kernel types), the [K, B]
+// tables in the accumulation dtype and the coefficients; the forward also holds the K value
+// tensors, each contiguous and read where it lies (no [K, T] copy): rows[k] and their data
+// pointers; the backward, its incoming gradient.
+struct TermsArgs {
+  TokenCall call;
+  Tensor denoms;
+  std::optional<Tensor> weights;
+  const std::vector<double>& coefficients;
+  ScalarType values_dtype;
+  std::vector<Tensor> rows = {};
+  std::vector<const void*> row_data = {};
+  std::optional<Tensor> grad = std::nullopt;
+};
+
+// The tables of both: sample_denoms [K, B], sample_weights (when given) [K, B] and finite, one
+// finite coefficient per term; checked on the device of `like`.
+inline void check_term_tables(
+    const char* op,
+    TokenLayout& layout,
+    const Tensor& sample_denoms,
+    const std::optional<Tensor>& sample_weights,
+    const std::vector<double>& coefficients,
+    ScalarType values_dtype,
+    const Tensor& like,
+    const std::optional<Tensor>& cu_seqlens) {
+  check_term_table(op, "sample_denoms", sample_denoms, layout.num_metrics, layout.num_segments, like);
+  if (sample_weights.has_value()) {
+    check_term_table(op, "sample_weights", *sample_weights, layout.num_metrics, layout.num_segments, like);
+  }
+  check_coefficients(op, coefficients, layout.num_metrics);
+  layout.max_segment_tokens = check_cu_seqlens_data(op, cu_seqlens, layout);
+  check_sample_denoms_data(op, sample_denoms, values_dtype);
+  if (sample_weights.has_value()) {
+    check_sample_weights_data(op, *sample_weights, values_dtype);
+  }
+}
+
+inline TermsArgs term_args(
+    const TokenLayout& layout,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens,
+    const Tensor& sample_denoms,
+    const std::optional<Tensor>& sample_weights,
+    const std::vector<double>& coefficients,
+    ScalarType values_dtype) {
+  const std::optional<Tensor> weights = sample_weights.has_value() ? std::optional<Tensor>(kernel_denoms(*sample_weights, values_dtype)) : std::nullopt;
+  return TermsArgs{
+      make_call(layout, std::nullopt, mask, cu_seqlens, acc_scalar_type(values_dtype)), kernel_denoms(sample_denoms, values_dtype), weights, coefficients,
+      values_dtype};
+}
+
+// reduce_terms: K >= 1 value tensors of one dtype and device, each of the token shape of mask.
+inline TermsArgs reduce_terms_args(
     const std::vector<Tensor>& values,
     const Tensor& mask,
     const std::optional<Tensor>& cu_seqlens,
     const Tensor& sample_denoms,
     const std::optional<Tensor>& sample_weights,
     const std::vector<double>& coefficients) {
-  const TokenLayout layout = check_reduce_terms_inputs(values, mask, cu_seqlens, sample_denoms, sample_weights, coefficients);
-  TermsCall terms{make_call(layout, std::nullopt, mask, cu_seqlens, acc_scalar_type(values[0].scalar_type())), {}, {}};
-  terms.rows.reserve(values.size());
-  for (const Tensor& v : values) {
-    terms.rows.push_back(as_contiguous(v));
-    terms.row_data.push_back(terms.rows.back().const_data_ptr());
+  const char* op = "reduce_terms";
+  LOSSAGG_CHECK_VALUE(!values.empty(), "lossagg.", op, ": values must hold at least one term's tensor, got an empty list");
+  TokenLayout layout = check_token_layout(op, values[0], mask, cu_seqlens, /*allow_metric_dim=*/false, "values[0]");
+  const Tensor& first = values[0];
+  for (size_t k = 1; k < values.size(); ++k) {
+    const Tensor& v = values[k];
+    LOSSAGG_CHECK_TYPE(
+        v.scalar_type() == first.scalar_type(), "lossagg.", op, ": every term's values must have one dtype, values[0]'s ", first.scalar_type(),
+        ", got values[", k, "] of dtype ", v.scalar_type());
+    LOSSAGG_CHECK_VALUE(
+        v.device() == first.device(), "lossagg.", op, ": values[", k, "] must be on the device of values[0] (", device_name(first), "), got ",
+        device_name(v));
+    LOSSAGG_CHECK_VALUE(
+        v.sizes() == mask.sizes(), "lossagg.", op, ": values[", k, "] must have the token shape of mask ", shape_of(mask), ", got shape ",
+        shape_of(v));
   }
-  return terms;
+  layout.num_metrics = static_cast<int64_t>(values.size());
+  layout.has_metric_dim = true;
+  check_term_tables(op, layout, sample_denoms, sample_weights, coefficients, first.scalar_type(), first, cu_seqlens);
+  TermsArgs args = term_args(layout, mask, cu_seqlens, sample_denoms, sample_weights, coefficients, first.scalar_type());
+  args.rows.reserve(values.size());
+  for (const Tensor& v : values) {
+    args.rows.push_back(as_contiguous(v));
+    args.row_data.push_back(args.rows.back().const_data_ptr());
+  }
+  return args;
 }
 
-inline TokenCall reduce_terms_backward_call(
+inline TermsArgs reduce_terms_backward_args(
     const Tensor& grad,
     const Tensor& mask,
     const std::optional<Tensor>& cu_seqlens,
@@ -169,9 +299,16 @@ inline TokenCall reduce_terms_backward_call(
     const std::optional<Tensor>& sample_weights,
     const std::vector<double>& coefficients,
     ScalarType values_dtype) {
-  return make_call(
-      check_reduce_terms_backward_inputs(grad, mask, cu_seqlens, sample_denoms, sample_weights, coefficients, values_dtype), std::nullopt, mask,
-      cu_seqlens, acc_scalar_type(values_dtype));
+  const char* op = "reduce_terms_backward";
+  check_scalar_grad(op, grad, mask, values_dtype);
+  LOSSAGG_CHECK_VALUE(
+      sample_denoms.dim() == 2 && sample_denoms.size(0) >= 1, "lossagg.", op, ": sample_denoms must be [K, B] with K >= 1, got shape ",
+      shape_of(sample_denoms));
+  TokenLayout layout = check_mask_layout(op, mask, cu_seqlens, sample_denoms.size(0), /*has_metric_dim=*/true);
+  check_term_tables(op, layout, sample_denoms, sample_weights, coefficients, values_dtype, mask, cu_seqlens);
+  TermsArgs args = term_args(layout, mask, cu_seqlens, sample_denoms, sample_weights, coefficients, values_dtype);
+  args.grad = kernel_grad(grad, values_dtype);
+  return args;
 }
 
 // reduce_terms_backward's output: one gradient of the mask's shape per term, each its own tensor.
@@ -185,25 +322,10 @@ inline std::vector<Tensor> new_term_grads(const TokenCall& call, ScalarType valu
   return out;
 }
 
-// reduce_terms' per-term tables ([K, B] denominators or weights) in the accumulation dtype, contiguous.
-inline Tensor kernel_term_table(const Tensor& table, ScalarType values_dtype) {
-  return as_dtype(as_contiguous(table), acc_scalar_type(values_dtype));
-}
-
-inline TokenCall segment_sum_backward_call(const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, ScalarType values_dtype) {
-  return make_call(
-      check_segment_sum_backward_inputs(grad, mask, cu_seqlens, values_dtype), std::nullopt, mask, cu_seqlens, acc_scalar_type(values_dtype));
-}
-
-inline TokenCall reduce_backward_call(
-    const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms, ScalarType values_dtype) {
-  return make_call(
-      check_reduce_backward_inputs(grad, mask, cu_seqlens, sample_denoms, values_dtype), std::nullopt, mask, cu_seqlens,
-      acc_scalar_type(values_dtype));
-}
-
-inline TokenCall token_counts_call(const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
-  return make_call(check_token_counts_inputs(mask, cu_seqlens), std::nullopt, mask, cu_seqlens, std::nullopt);
+inline TokenCall token_counts_args(const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
+  TokenLayout layout = check_mask_layout("token_counts", mask, cu_seqlens, 1, false);
+  layout.max_segment_tokens = check_cu_seqlens_data("token_counts", cu_seqlens, layout);
+  return make_call(layout, std::nullopt, mask, cu_seqlens, std::nullopt);
 }
 
 // A token count is a non-zero entry of the mask the user passed (token_counts reads it as given).

@@ -1,6 +1,6 @@
 """A miles launch with lossagg's flags, checked the way the launcher checks it, without starting Ray.
 
-In miles' own ``train.py`` the change is one line (docs/integration.md, "miles")::
+In miles' own ``train.py`` the change is one line (docs/trainers/miles.md)::
 
     # from miles.utils.arguments import parse_args
     from lossagg.integrations.miles import parse_args

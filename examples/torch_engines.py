@@ -12,7 +12,7 @@ gradient of J computed in one process):
 
     python examples/torch_engines.py [ddp|fsdp2]
 
-tests/test_engine_torch.py runs the same functions for every mode.
+tests/test_torch_engines.py runs the same functions for every mode.
 """
 
 from __future__ import annotations

@@ -72,7 +72,6 @@ _EXPORTS = {
     # layouts, planning, aggregation
     "cu_seqlens_from_lengths": "lossagg.layout",
     "token_counts": "lossagg.layout",
-    "prompt_mask_sums": "lossagg.denominators",
     "StepPlan": "lossagg.step",
     "RankSamples": "lossagg.samples",
     "MicroBatch": "lossagg.micro_batch",
@@ -120,7 +119,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs: every name of _EXPORTS, from it
     from lossagg.context_parallel import zigzag_local_cu_seqlens, zigzag_positions, zigzag_shard  # noqa: F401
     from lossagg.deferred import DeferredPlan, DeferredStep  # noqa: F401
     from lossagg.denom_program import DenomInputs, DenomProduct  # noqa: F401
-    from lossagg.denominators import prompt_mask_sums  # noqa: F401
     from lossagg.layout import cu_seqlens_from_lengths, token_counts  # noqa: F401
     from lossagg.micro_batch import MicroBatch  # noqa: F401
     from lossagg.modes import ALIASES, MODES, REFUSED_NAMES, ModeSpec, ReferenceInputs, register_mode, unregister_mode  # noqa: F401

@@ -66,7 +66,6 @@ for _name, _res, _args in (
     ("lossagg_cpu_isa", ctypes.c_char_p, []),
     ("lossagg_cpu_best_isa", ctypes.c_char_p, []),
     ("lossagg_set_cpu_isa", ctypes.c_int, [ctypes.c_char_p]),
-    ("lossagg_torch_version", ctypes.c_char_p, []),
     ("lossagg_torch_floor", ctypes.c_char_p, []),
     ("lossagg_denom_factor_codes", ctypes.c_char_p, []),
 ):
@@ -77,11 +76,6 @@ for _name, _res, _args in (
 def built_with_cuda() -> bool:
     """True when the CUDA kernels were compiled into the native library."""
     return bool(_lib.lossagg_built_with_cuda())
-
-
-def built_against_torch() -> str:
-    """The torch whose headers compiled the native library."""
-    return _lib.lossagg_torch_version().decode()
 
 
 def torch_floor() -> str:

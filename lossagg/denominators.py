@@ -17,8 +17,7 @@ import torch
 
 from lossagg.denom_program import DenomInputs
 from lossagg.modes import ModeSpec
-from lossagg.totals import DEFAULT_EMPTY_SAMPLES, StepTotals, group_sums, stand_in
-from lossagg.validate import check_group_index, check_group_sizes, check_token_counts  # shared with the step totals
+from lossagg.totals import DEFAULT_EMPTY_SAMPLES, StepTotals, stand_in
 
 
 def check_divisor(spec: ModeSpec, divisor) -> None:
@@ -83,12 +82,3 @@ def check_denoms(d, what: str, shape: tuple[int, ...], inputs: Mapping[str, obje
             why = f"made of {made_of}" if made_of else "its denoms returned it"
         raise ValueError(f"{what}: d[{i}] = {value!r}, but every d[i] must be finite and > 0 ({int(bad.sum())} of {d.numel()} are not); {why}")
     return d
-
-
-def prompt_mask_sums(token_counts, group_index, n_samples_per_prompt: int | None = None) -> torch.Tensor:
-    """``Sg[g(i)]`` for every sample: the rollout token count of its prompt group (float64 ``[N]``)."""
-    counts = check_token_counts(token_counts)
-    group_index = check_group_index(group_index, counts.shape[0], counts.device)
-    labels, dense, sizes = torch.unique(group_index, return_inverse=True, return_counts=True)
-    check_group_sizes(labels, sizes, n_samples_per_prompt)
-    return group_sums(counts, dense, labels.numel())[dense]

@@ -464,11 +464,6 @@ def unregister_mode(name: str) -> None:
         _publish({k: v for k, v in _published.items() if k != name})
 
 
-def mode_names() -> tuple[str, ...]:
-    """The registered modes' names, in registry order (the first is the default)."""
-    return tuple(_published)
-
-
 def mode_spec(mode: Any) -> ModeSpec:
     """The entry of the mode named ``mode``; ValueError naming the registered modes if unknown."""
     registry = _published

@@ -394,7 +394,7 @@ class StepPlan(Plan):
     ) -> torch.Tensor:
         """Per-token weights of a micro-batch, for trainers that fold the reduction into the advantages
         or into a loss's per-token weights (SkyRL's advantages, verl's ``rollout_is_weights``;
-        docs/integration.md, "Advantage scaling (SkyRL)"): of the PG term, or of the loss's ``term``.
+        docs/trainers/skyrl.md): of the PG term, or of the loss's ``term``.
 
         The result has the token shape of ``mask`` (padded ``[B, T]``, or packed ``[T]`` with
         ``cu_seqlens``), on its device, in ``dtype`` (a floating dtype, float32 by default): every
@@ -473,7 +473,7 @@ def gradient_scale(convention: str, *, dp_size: int = 1, cp_size: int = 1, num_m
       factors cancel -> ``num_micro_batches * dp_size`` (``cp_size`` is accepted and
       checked, and changes nothing). Read from megatron-core 0.19.2
       (``pipeline_parallel/schedules.py``, ``distributed/distributed_data_parallel.py``) and
-      tested against it (tests/test_engine_megatron.py).
+      tested against it (tests/test_megatron_engine.py).
     """
     dp_size = as_int("dp_size", dp_size, minimum=1)
     cp_size = as_int("cp_size", cp_size, minimum=1)

@@ -151,7 +151,7 @@ def group_sums(values, group_dense, num_labels: int | None = None):
     """``Σ_{i in g} values[i]`` of every group, float64 ``[num_labels]``, for dense group labels
     ``group_dense`` in ``[0, num_labels)`` (default: one more than the largest). With the token
     counts as values, each group's tokens ``Sg`` (``Sg[g(i)]`` is ``group_sums(counts, dense)[dense]``):
-    the one place the planner, the deferred plan and :func:`lossagg.prompt_mask_sums` compute it."""
+    the one place the planner and the deferred plan compute it."""
     torch = _torch()
     if num_labels is None:
         num_labels = int(group_dense.max()) + 1 if group_dense.numel() else 0

@@ -135,7 +135,8 @@ def corpus() -> dict[str, str]:
             out[f"{key}/plan.sample_denoms_for.f64"] = _digest(plan.sample_denoms_for(torch.tensor(sel), dtype=torch.float64))
             # from_totals: this rank's samples are a quarter of a step of 4 such ranks
             extra_tokens = float(rng.integers(0, 500))
-            own_sums = lossagg.prompt_mask_sums(counts, groups)
+            labels, dense = torch.unique(torch.as_tensor(groups), return_inverse=True)
+            own_sums = lossagg.totals.group_sums(torch.as_tensor(counts).double(), dense, labels.numel())[dense]
             kwargs = {"num_samples": 4 * n, "total_tokens": float(counts.sum()) + extra_tokens}
             if settings["mode"] == "prompt_mean":
                 kwargs.update(num_groups=4 * num_groups, group_token_sums=own_sums + torch.from_numpy(rng.integers(0, 100, size=n)))

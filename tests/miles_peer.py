@@ -5,7 +5,7 @@ miles vendors its own ``megatron`` package (and parts of ``sglang``), so it is i
 ``--no-deps --target build/peers/miles`` (its import-time needs into ``build/peers/miles-deps``),
 never into site-packages, where it would overwrite megatron-core's files. Only the processes that
 test miles put those two directories first on ``sys.path`` (:func:`enter`): the spawned ranks of
-tests/test_integration_miles.py and the subprocesses it starts. ``LOSSAGG_MILES_PATH`` (directories
+tests/test_miles_train.py and the subprocesses it starts. ``LOSSAGG_MILES_PATH`` (directories
 joined by ``os.pathsep``) points elsewhere.
 """
 

@@ -5,7 +5,7 @@ slime is not on the package registry; its source is ``../shared/peers/slime-624b
 scripts/install_slime.sh unpacks into ``build/peers/slime`` (its import-time needs that are not
 already installed, sglang's argument classes among them, with ``--no-deps`` into
 ``build/peers/slime-deps``). Only the processes that test slime put those directories first on
-``sys.path`` (:func:`enter`): the spawned ranks of tests/test_integration_slime.py and the
+``sys.path`` (:func:`enter`): the spawned ranks of tests/test_slime_train.py and the
 subprocesses it starts. slime imports megatron-core's ``megatron.training``, whose model builders
 use ``typing.override`` (Python >= 3.12); on an older Python :func:`enter` gives ``typing`` the
 ``typing_extensions`` one before anything imports megatron (an attribute of this process's

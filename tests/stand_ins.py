@@ -1,5 +1,5 @@
 """CPU stand-ins for the CUDA calls Megatron makes on the way, shared by the engine tests that drive a
-real Megatron schedule on CPU (tests/test_engine_megatron.py with megatron-core, tests/test_integration_miles.py
+real Megatron schedule on CPU (tests/test_megatron_engine.py with megatron-core, tests/test_miles_train.py
 with miles' vendored copy). Each is narrow: it serves the one call it is for and fails the test otherwise."""
 
 from __future__ import annotations

@@ -427,7 +427,7 @@ def test_trl_trainer_with_a_fractional_tool_mask_matches_trl(loss_type, tmp_path
     ``tool_mask`` (an ``env_mask`` of a rollout function) set to a fractional pattern, and
     ``num_items_in_batch`` recomputed from it as TRL computes it."""
     trl_adapter()
-    import test_integration_trl as trl_tests
+    import test_trl_trainer as trl_tests
 
     from lossagg.integrations.trl import GRPOTrainer
 

@@ -189,7 +189,7 @@ def megatron_worker(rank, world, init_file, results_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     failures, ran = [], 0
     try:
-        from test_engine_megatron import install_stand_ins
+        from test_megatron_engine import install_stand_ins
 
         used = install_stand_ins()
         from megatron.core import parallel_state

@@ -79,10 +79,11 @@ def test_the_three_evaluations_have_the_same_bits(factors, empty):
 
 
 def _plan_d(product, counts, divisor, empty):
+    from lossagg.samples import RankSamples
     from lossagg.totals import plan_totals, read_totals
 
     m = counts.to(torch.float64)
-    totals = plan_totals(product.totals, m, mode="program_bits", empty_samples=empty)
+    totals = plan_totals(product.totals, RankSamples(m.shape[0], m), mode="program_bits", empty_samples=empty)
     return product(denom_program.DenomInputs(m, read_totals(product.totals, totals, empty, "program_bits"), divisor))
 
 

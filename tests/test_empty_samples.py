@@ -13,7 +13,7 @@ token), and so does the metrics reducer. Checked here:
 * what each mode that reads ``N`` (and the metrics reducer, and a registered mode) means under
   ``skip``, and that ``count`` (the default) keeps every number it had;
 * ``StepPlan.from_totals`` with a trainer's ``N'`` / ``P'``, the config, its JSON Schema, the
-  flag and ``lossagg check``, and the verl and Megatron adapters (TRL's: tests/test_integration_trl.py).
+  flag and ``lossagg check``, and the verl and Megatron adapters (TRL's: tests/test_trl_trainer.py).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 them (an ``argparse.Namespace`` with miles' derived ``global_batch_size``), over the grid of mode ×
 ``--calculate-per-token-loss`` × divisor × ``--n-samples-per-prompt`` × ``global_batch_size``; and the
 hooks it wires. The expected outcome of each point is written out below from the rules in
-docs/integration.md ("miles"), independently of lossagg's config code. miles itself is not needed
-here; tests/test_integration_miles.py runs the same checks through miles' own ``parse_args``.
+docs/trainers/miles.md, independently of lossagg's config code. miles itself is not needed
+here; tests/test_miles_train.py runs the same checks through miles' own ``parse_args``.
 """
 
 from __future__ import annotations

@@ -168,10 +168,10 @@ def test_verl_adapter_accepts_it(throwaway):
 
 
 def test_megatron_adapter_accepts_it(throwaway):
-    import test_integration_megatron
+    import test_megatron_loss_func
 
     for per_token_loss_on in (False, True):
-        test_integration_megatron.test_megatron_schedule_gives_the_gradient_of_j(throwaway, per_token_loss_on)
+        test_megatron_loss_func.test_megatron_schedule_gives_the_gradient_of_j(throwaway, per_token_loss_on)
 
 
 def test_trl_adapter_accepts_it(throwaway):

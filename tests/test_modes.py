@@ -84,9 +84,9 @@ def test_the_docs_table_of_other_trainers_names_is_the_registry():
 
 
 def test_the_other_docs_point_to_the_one_table():
-    """README, config.md and integration.md link docs/modes.md and do not repeat its rows."""
+    """README, config.md and the trainers' index link docs/modes.md and do not repeat its rows."""
     readme = (DOCS.parent / "README.md").read_text()
-    pages = {"README.md": readme, "config.md": (DOCS / "config.md").read_text(), "integration.md": (DOCS / "integration.md").read_text()}
+    pages = {"README.md": readme, "config.md": (DOCS / "config.md").read_text(), "trainers/README.md": (DOCS / "trainers" / "README.md").read_text()}
     for where, text in pages.items():
         assert "modes.md" in text, where
         for spec in MODES.values():

@@ -3,7 +3,7 @@
 Only the arithmetic of each peer is transcribed here, in float64, from the code cited on each
 function (read through the public code index: both pull requests were open and not in a release
 when read, so they are not installable); slime's own training step runs in
-tests/test_integration_slime.py.
+tests/test_slime_train.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """lossagg.integrations.slime's planning and launch checks without slime itself (its train step is
-tests/test_integration_slime.py): the rollout table of ``plan_rollout`` on one process, with fan-out
+tests/test_slime_train.py): the rollout table of ``plan_rollout`` on one process, with fan-out
 rollouts, slime's schedule read for the steps, and the refusals of a malformed rollout; ``configure``
 on a Namespace holding the attributes slime's parse_args leaves."""
 

@@ -142,8 +142,9 @@ def test_plan_denominators_per_mode():
     assert d["prompt_session_token_mean"].tolist() == [4.0, 4.0, 20.0, 20.0]  # P * Sp * Ts
 
 
-def test_prompt_mask_sums_vectorised():
-    sums = lossagg.prompt_mask_sums(torch.tensor([1, 2, 3, 4]), torch.tensor([5, 9, 5, 9]), 2)
+def test_group_token_sums_are_one_vectorised_sum():
+    labels, dense = torch.unique(torch.tensor([5, 9, 5, 9]), return_inverse=True)
+    sums = lossagg.totals.group_sums(torch.tensor([1.0, 2, 3, 4]), dense, labels.numel())[dense]
     assert sums.tolist() == [4.0, 6.0, 4.0, 6.0]
 
 

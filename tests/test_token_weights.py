@@ -1,4 +1,4 @@
-"""StepPlan.token_weights, the reduction folded into per-token weights (docs/integration.md,
+"""StepPlan.token_weights, the reduction folded into per-token weights (docs/trainers/skyrl.md,
 "Advantage scaling (SkyRL)"): for every registered mode (built in, and one registered here), in both
 layouts, over micro-batches and CP shards, ``(weights * loss * mask).sum()`` is ``plan.loss``
 times the engine's scale, and so is the masked sum of a PPO-clip loss whose advantages were

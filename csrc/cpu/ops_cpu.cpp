@@ -52,7 +52,7 @@ acc_t weighted_total(const acc_t* x, const d_t* d, int64_t n) {
 }
 
 Tensor segment_sum(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
-  const TokenCall call = segment_sum_call(values, mask, cu_seqlens);
+  const TokenCall call = segment_sum_args(values, mask, cu_seqlens);
   Tensor out = call.new_segment_sums(values.scalar_type());
   engine().segment_sums(kernel_args(call, values.scalar_type()), out.mutable_data_ptr(), nullptr);
   return out;
@@ -61,13 +61,13 @@ Tensor segment_sum(const Tensor& values, const Tensor& mask, const std::optional
 // segment_sum and token_counts from one read of values and mask ([T] or [B, T] values): the
 // sums [B] and the kept tokens [B] (int64) of each segment.
 std::tuple<Tensor, Tensor> segment_sum_and_count(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
-  const TokenCall call = segment_sum_and_count_call(values, mask, cu_seqlens);
+  const TokenCall call = segment_sum_args(values, mask, cu_seqlens, /*counting=*/true);
   Tensor out = call.new_segment_sums(values.scalar_type());
   Tensor counts = new_tensor(mask, {call.layout.num_segments}, ScalarType::Long);
   const bool own_pass = counts_need_own_pass(mask, values.scalar_type());
   engine().segment_sums(kernel_args(call, values.scalar_type()), out.mutable_data_ptr(), own_pass ? nullptr : counts.mutable_data_ptr<int64_t>());
   if (own_pass) {
-    engine().count_kept(kernel_args(token_counts_call(mask, cu_seqlens), ScalarType::Float), counts.mutable_data_ptr<int64_t>());
+    engine().count_kept(kernel_args(token_counts_args(mask, cu_seqlens), ScalarType::Float), counts.mutable_data_ptr<int64_t>());
   }
   return {out, counts};
 }
@@ -75,9 +75,8 @@ std::tuple<Tensor, Tensor> segment_sum_and_count(const Tensor& values, const Ten
 // sum_i segment_sum[i] / sample_denoms[i], samples added in a fixed order (weighted_total):
 // deterministic whatever the thread count or instruction set.
 Tensor reduce(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms) {
-  const TokenCall call = reduce_call(values, mask, cu_seqlens, sample_denoms);
+  const auto [call, denoms] = reduce_args(values, mask, cu_seqlens, sample_denoms);
   const ScalarType acc_dtype = acc_scalar_type(values.scalar_type());
-  const Tensor denoms = kernel_denoms(sample_denoms, values.scalar_type());
   const int64_t b = call.layout.num_segments;
   Tensor sums = new_tensor(values, {b}, acc_dtype);
   engine().segment_sums(kernel_args(call, values.scalar_type()), sums.mutable_data_ptr(), nullptr);
@@ -94,7 +93,7 @@ Tensor reduce(const Tensor& values, const Tensor& mask, const std::optional<Tens
 // so J has the bits of reduce(values, mask, cu_seqlens, d).
 std::tuple<Tensor, Tensor> aggregate(
     const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, std::vector<int64_t> denom_program, double divisor) {
-  const TokenCall call = aggregate_call(values, mask, cu_seqlens, denom_program, divisor);
+  const TokenCall call = aggregate_args(values, mask, cu_seqlens, denom_program, divisor);
   const ScalarType acc_dtype = acc_scalar_type(values.scalar_type());
   const int64_t b = call.layout.num_segments;
   Tensor sums = new_tensor(values, {b}, acc_dtype);
@@ -102,7 +101,7 @@ std::tuple<Tensor, Tensor> aggregate(
   const bool own_pass = counts_need_own_pass(mask, values.scalar_type());
   engine().segment_sums(kernel_args(call, values.scalar_type()), sums.mutable_data_ptr(), own_pass ? nullptr : counts.data());
   if (own_pass) {
-    engine().count_kept(kernel_args(token_counts_call(mask, cu_seqlens), ScalarType::Float), counts.data());
+    engine().count_kept(kernel_args(token_counts_args(mask, cu_seqlens), ScalarType::Float), counts.data());
   }
   Tensor d = new_tensor(values, {b}, ScalarType::Double);
   double* dd = d.mutable_data_ptr<double>();
@@ -121,25 +120,24 @@ std::tuple<Tensor, Tensor> aggregate(
 
 // Each segment's gradient broadcast to its tokens, weighted by the mask.
 Tensor segment_sum_backward(const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, ScalarType values_dtype) {
-  const TokenCall call = segment_sum_backward_call(grad, mask, cu_seqlens, values_dtype);
-  Tensor out = call.new_token_grad(values_dtype);
-  const Tensor g = as_contiguous(as_dtype(grad, acc_scalar_type(values_dtype)));
-  engine().expand_to_tokens(kernel_args(call, values_dtype), g.const_data_ptr(), out.mutable_data_ptr(), nullptr);
+  const BackwardArgs args = segment_sum_backward_args(grad, mask, cu_seqlens, values_dtype);
+  Tensor out = args.call.new_token_grad(values_dtype);
+  engine().expand_to_tokens(kernel_args(args.call, values_dtype), args.grad.const_data_ptr(), out.mutable_data_ptr(), nullptr);
   return out;
 }
 
 // d reduce / d values[t] = grad * mask[t] / sample_denoms[s(t)].
 Tensor reduce_backward(
     const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms, ScalarType values_dtype) {
-  const TokenCall call = reduce_backward_call(grad, mask, cu_seqlens, sample_denoms, values_dtype);
+  const BackwardArgs args = reduce_backward_args(grad, mask, cu_seqlens, sample_denoms, values_dtype);
+  const TokenCall& call = args.call;
+  const Tensor& denoms = *args.denoms;
   Tensor out = call.new_token_grad(values_dtype);
   const ScalarType acc_dtype = acc_scalar_type(values_dtype);
-  const Tensor denoms = kernel_denoms(sample_denoms, values_dtype);
   // one coefficient per sample, g / d[s] in the accumulation dtype
   Tensor coef = new_tensor(denoms, {call.layout.num_segments}, denoms.scalar_type());
-  const Tensor grad_acc = as_dtype(grad, acc_dtype);
   dispatch_values(acc_dtype, "values", [&]<typename A>(type_tag<A>) {
-    const A g = *grad_acc.const_data_ptr<A>();
+    const A g = *args.grad.const_data_ptr<A>();
     const A* d = denoms.const_data_ptr<A>();
     A* c = coef.mutable_data_ptr<A>();
     for (int64_t s = 0; s < call.layout.num_segments; ++s) {
@@ -163,14 +161,13 @@ std::tuple<Tensor, Tensor> reduce_terms(
     const Tensor& sample_denoms,
     const std::optional<Tensor>& sample_weights,
     std::vector<double> coefficients) {
-  const TermsCall terms = reduce_terms_call(values, mask, cu_seqlens, sample_denoms, sample_weights, coefficients);
-  const ScalarType values_dtype = values[0].scalar_type();
+  const TermsArgs terms = reduce_terms_args(values, mask, cu_seqlens, sample_denoms, sample_weights, coefficients);
+  const ScalarType values_dtype = terms.values_dtype;
   const ScalarType acc_dtype = acc_scalar_type(values_dtype);
   const int64_t k_terms = terms.call.layout.num_metrics;
   const int64_t b = terms.call.layout.num_segments;
-  const Tensor denoms = kernel_term_table(sample_denoms, values_dtype);
-  const std::optional<Tensor> weights =
-      sample_weights.has_value() ? std::optional<Tensor>(kernel_term_table(*sample_weights, values_dtype)) : std::nullopt;
+  const Tensor& denoms = terms.denoms;
+  const std::optional<Tensor>& weights = terms.weights;
   KernelArgs args = kernel_args(terms.call, values_dtype);
   args.value_rows = terms.row_data.data();
   Tensor out = new_tensor(values[0], {}, acc_dtype);
@@ -213,18 +210,17 @@ std::vector<Tensor> reduce_terms_backward(
     const std::optional<Tensor>& sample_weights,
     std::vector<double> coefficients,
     ScalarType values_dtype) {
-  const TokenCall call = reduce_terms_backward_call(grad, mask, cu_seqlens, sample_denoms, sample_weights, coefficients, values_dtype);
+  const TermsArgs terms = reduce_terms_backward_args(grad, mask, cu_seqlens, sample_denoms, sample_weights, coefficients, values_dtype);
+  const TokenCall& call = terms.call;
   std::vector<Tensor> out = new_term_grads(call, values_dtype);
   const ScalarType acc_dtype = acc_scalar_type(values_dtype);
-  const Tensor denoms = kernel_term_table(sample_denoms, values_dtype);
-  const std::optional<Tensor> weights =
-      sample_weights.has_value() ? std::optional<Tensor>(kernel_term_table(*sample_weights, values_dtype)) : std::nullopt;
+  const Tensor& denoms = terms.denoms;
+  const std::optional<Tensor>& weights = terms.weights;
   const int64_t k_terms = call.layout.num_metrics;
   const int64_t b = call.layout.num_segments;
   Tensor coef = new_tensor(denoms, {k_terms, b}, acc_dtype);
-  const Tensor grad_acc = as_dtype(grad, acc_dtype);
   dispatch_values(acc_dtype, "values", [&]<typename A>(type_tag<A>) {
-    const A g = *grad_acc.const_data_ptr<A>();
+    const A g = *terms.grad->const_data_ptr<A>();
     const A* d = denoms.const_data_ptr<A>();
     const A* w = weights.has_value() ? weights->const_data_ptr<A>() : nullptr;
     A* c = coef.mutable_data_ptr<A>();
@@ -243,7 +239,7 @@ std::vector<Tensor> reduce_terms_backward(
 }
 
 Tensor token_counts(const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
-  const TokenCall call = token_counts_call(mask, cu_seqlens);
+  const TokenCall call = token_counts_args(mask, cu_seqlens);
   Tensor out = new_tensor(mask, {call.layout.num_segments}, ScalarType::Long);
   engine().count_kept(kernel_args(call, ScalarType::Float), out.mutable_data_ptr<int64_t>());
   return out;

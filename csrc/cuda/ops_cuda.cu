@@ -13,7 +13,7 @@ namespace lossagg::cuda {
 namespace {
 
 Tensor segment_sum(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
-  const TokenCall call = segment_sum_call(values, mask, cu_seqlens);
+  const TokenCall call = segment_sum_args(values, mask, cu_seqlens);
   Tensor out = call.new_segment_sums(values.scalar_type());
   if (out.numel() == 0) {
     return out;
@@ -29,7 +29,7 @@ Tensor segment_sum(const Tensor& values, const Tensor& mask, const std::optional
 
 // The sums and the kept tokens of each segment from the same two launches.
 std::tuple<Tensor, Tensor> segment_sum_and_count(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
-  const TokenCall call = segment_sum_and_count_call(values, mask, cu_seqlens);
+  const TokenCall call = segment_sum_args(values, mask, cu_seqlens, /*counting=*/true);
   Tensor out = call.new_segment_sums(values.scalar_type());
   Tensor counts = new_tensor(mask, {call.layout.num_segments}, ScalarType::Long);
   if (out.numel() == 0) {
@@ -45,7 +45,7 @@ std::tuple<Tensor, Tensor> segment_sum_and_count(const Tensor& values, const Ten
   if (counts_need_own_pass(mask, values.scalar_type())) {
     // the counts of the float64 mask as given (op_setup.h): the same kernel over (mask, mask),
     // float64 both, its sums discarded
-    const TokenCall own = segment_sum_and_count_call(mask, mask, cu_seqlens);
+    const TokenCall own = segment_sum_args(mask, mask, cu_seqlens, /*counting=*/true);
     Tensor scratch = own.new_segment_sums(ScalarType::Double);
     launch_segment_sum_and_count<double>(
         dev, own.layout, own.segments(), own.values->const_data_ptr<double>(), own.mask_data<double>(), scratch.mutable_data_ptr<double>(),
@@ -56,8 +56,7 @@ std::tuple<Tensor, Tensor> segment_sum_and_count(const Tensor& values, const Ten
 
 // Two launches: the tile pass, and the fix-up with the final fixed-order combine.
 Tensor reduce(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms) {
-  const TokenCall call = reduce_call(values, mask, cu_seqlens, sample_denoms);
-  const Tensor d = kernel_denoms(sample_denoms, values.scalar_type());
+  const auto [call, d] = reduce_args(values, mask, cu_seqlens, sample_denoms);
   Tensor out = new_tensor(values, {}, acc_scalar_type(values.scalar_type()));
   CudaDevice dev(values);
   call.dispatch(values.scalar_type(), [&]<typename S, typename M>(type_tag<S>, type_tag<M>) {
@@ -70,9 +69,8 @@ Tensor reduce(const Tensor& values, const Tensor& mask, const std::optional<Tens
 }
 
 Tensor segment_sum_backward(const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, ScalarType values_dtype) {
-  const TokenCall call = segment_sum_backward_call(grad, mask, cu_seqlens, values_dtype);
+  const auto [call, g, _] = segment_sum_backward_args(grad, mask, cu_seqlens, values_dtype);
   Tensor out = call.new_token_grad(values_dtype);
-  const Tensor g = as_contiguous(as_dtype(grad, acc_scalar_type(values_dtype)));
   CudaDevice dev(mask);
   call.dispatch(values_dtype, [&]<typename S, typename M>(type_tag<S>, type_tag<M>) {
     using acc_t = acc_t_of<S>;
@@ -86,10 +84,9 @@ Tensor segment_sum_backward(const Tensor& grad, const Tensor& mask, const std::o
 // One launch; the incoming gradient is read on the device.
 Tensor reduce_backward(
     const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms, ScalarType values_dtype) {
-  const TokenCall call = reduce_backward_call(grad, mask, cu_seqlens, sample_denoms, values_dtype);
-  const Tensor d = kernel_denoms(sample_denoms, values_dtype);
+  const auto [call, g, denoms] = reduce_backward_args(grad, mask, cu_seqlens, sample_denoms, values_dtype);
+  const Tensor& d = *denoms;
   Tensor out = call.new_token_grad(values_dtype);
-  const Tensor g = as_contiguous(as_dtype(grad, acc_scalar_type(values_dtype)));
   CudaDevice dev(mask);
   call.dispatch(values_dtype, [&]<typename S, typename M>(type_tag<S>, type_tag<M>) {
     using acc_t = acc_t_of<S>;
@@ -110,11 +107,11 @@ std::tuple<Tensor, Tensor> reduce_terms(
     const Tensor& sample_denoms,
     const std::optional<Tensor>& sample_weights,
     std::vector<double> coefficients) {
-  const TermsCall terms = reduce_terms_call(values, mask, cu_seqlens, sample_denoms, sample_weights, coefficients);
-  const ScalarType values_dtype = values[0].scalar_type();
+  const TermsArgs terms = reduce_terms_args(values, mask, cu_seqlens, sample_denoms, sample_weights, coefficients);
+  const ScalarType values_dtype = terms.values_dtype;
   const ScalarType acc_dtype = acc_scalar_type(values_dtype);
-  const Tensor d = kernel_term_table(sample_denoms, values_dtype);
-  const std::optional<Tensor> w = sample_weights.has_value() ? std::optional<Tensor>(kernel_term_table(*sample_weights, values_dtype)) : std::nullopt;
+  const Tensor& d = terms.denoms;
+  const std::optional<Tensor>& w = terms.weights;
   Tensor out = new_tensor(values[0], {}, acc_dtype);
   Tensor parts = new_tensor(values[0], {terms.call.layout.num_metrics}, acc_dtype);
   CudaDevice dev(values[0]);
@@ -141,11 +138,12 @@ std::vector<Tensor> reduce_terms_backward(
     const std::optional<Tensor>& sample_weights,
     std::vector<double> coefficients,
     ScalarType values_dtype) {
-  const TokenCall call = reduce_terms_backward_call(grad, mask, cu_seqlens, sample_denoms, sample_weights, coefficients, values_dtype);
-  const Tensor d = kernel_term_table(sample_denoms, values_dtype);
-  const std::optional<Tensor> w = sample_weights.has_value() ? std::optional<Tensor>(kernel_term_table(*sample_weights, values_dtype)) : std::nullopt;
+  const TermsArgs terms = reduce_terms_backward_args(grad, mask, cu_seqlens, sample_denoms, sample_weights, coefficients, values_dtype);
+  const TokenCall& call = terms.call;
+  const Tensor& d = terms.denoms;
+  const std::optional<Tensor>& w = terms.weights;
+  const Tensor& g = *terms.grad;
   std::vector<Tensor> out = new_term_grads(call, values_dtype);
-  const Tensor g = as_contiguous(as_dtype(grad, acc_scalar_type(values_dtype)));
   CudaDevice dev(mask);
   call.dispatch(values_dtype, [&]<typename S, typename M>(type_tag<S>, type_tag<M>) {
     using acc_t = acc_t_of<S>;

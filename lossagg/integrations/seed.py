@@ -1,4 +1,4 @@
-"""What the seed's two trainers, miles and slime, share in lossagg (docs/integration.md): the launch
+"""What the seed's two trainers, miles and slime, share in lossagg (docs/trainers/miles.md, docs/trainers/slime.md): the launch
 flags, the checks of the config's terms against their policy loss, and the reducer their loss is
 handed in place of ``sum_of_sample_mean``.
 

@@ -49,7 +49,7 @@ The per-token objective is TRL's: the clipped surrogate (token- or sequence-leve
 sampling, ``epsilon_low``/``epsilon_high``, ``delta``) or the ``cispo``, ``sapo``, ``vespo``
 objective, each on the mode of TRL's own reducer for it (:data:`OBJECTIVES`; ``luspo`` is the
 clipped surrogate on ``constant`` with divisor 1), with vLLM's importance-sampling correction,
-the off-policy mask and the top-entropy mask. The other terms (docs/integration.md, "TRL"):
+the off-policy mask and the top-entropy mask. The other terms (docs/trainers/trl.md):
 
 * the KL penalty (``beta``) stays inside the per-token loss, as TRL has it, unless a
   ``loss_aggregation`` config names the term ``kl`` (coefficient ``beta``): then it is reduced on

@@ -284,7 +284,7 @@ def agg_loss(
     return loss if after is None else loss / after
 
 
-# verl's trainer, whole: its losses with every term on a lossagg mode, and install() (docs/integration.md, "verl")
+# verl's trainer, whole: its losses with every term on a lossagg mode, and install() (docs/trainers/verl.md)
 from lossagg.integrations.verl_trainer import (  # noqa: E402
     actor_loss,
     critic_loss,

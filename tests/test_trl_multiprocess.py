@@ -55,7 +55,7 @@ def worker(rank, port, out_dir):
     (one spawn and one import of TRL for all of them); each case's result in its own file."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    import test_integration_trl as base
+    import test_trl_trainer as base
     import torch.distributed as dist
     import transformers
 

@@ -50,7 +50,7 @@ ENTROPY_COEF, KL_COEF = 0.1, 0.05
 #: entropy and KL on (miles checks that --ref-load exists when KL is on; the reference log-probs come with the rollout)
 TERMS = ["--entropy-coef", str(ENTROPY_COEF), "--use-kl-loss", "--kl-loss-coef", str(KL_COEF), "--kl-loss-type", "k2"]
 TERMS += ["--ref-load", os.path.dirname(os.path.abspath(__file__))]
-TIS_RS = ["--use-tis", "--tis-clip", "1.3", "--tis-clip-low", "0.8", "--custom-tis-function-path", "test_integration_miles.rejecting_tis_function"]
+TIS_RS = ["--use-tis", "--tis-clip", "1.3", "--tis-clip-low", "0.8", "--custom-tis-function-path", "test_miles_train.rejecting_tis_function"]
 
 BASE_ARGV = [
     "train.py",
@@ -323,7 +323,7 @@ def reference_grads(case_config, samples, step, args):
         term_modes = {k: case_config.get("terms", {}).get(k, default_term_mode(config.mode)) for k in terms}
         if tis is None:
             j = reference_loss(config, values, mask, cu, groups)
-        else:  # the modified mask in the numerator, d[i] from the rollout mask (docs/integration.md, "miles", TIS/RS)
+        else:  # the modified mask in the numerator, d[i] from the rollout mask (docs/trainers/miles.md, TIS/RS)
             j = reference_loss(config, values, torch.cat(kept_mod), cu, groups, rollout_mask=mask)
     coefficients = {"entropy": -float(args.entropy_coef), "kl": float(args.kl_loss_coef) if args.use_kl_loss else 0.0}
     for k, coef in coefficients.items():

@@ -76,7 +76,7 @@ TERMS = [
     "--ref-load",
     os.path.dirname(__file__),
 ]
-TIS = ["--use-tis", "--tis-clip", "1.3", "--tis-clip-low", "0.8", "--custom-tis-function-path", "test_integration_slime.rejecting_tis_function"]
+TIS = ["--use-tis", "--tis-clip", "1.3", "--tis-clip-low", "0.8", "--custom-tis-function-path", "test_slime_train.rejecting_tis_function"]
 
 #: name -> (extra flags, lossagg config of the reference (None: slime's own reducer), {term: mode} of the reference)
 CASES = {
@@ -104,7 +104,7 @@ CASES = {
     ),
     "prompt_mean_tis": (["--loss-aggregation", "prompt_mean", "--entropy-coef", str(ENTROPY_COEF), *TIS], {"mode": "prompt_mean"}, {}),
     "user_postprocess": (
-        ["--loss-aggregation", "prompt_mean", "--rollout-data-postprocess-path", "test_integration_slime.user_postprocess"],
+        ["--loss-aggregation", "prompt_mean", "--rollout-data-postprocess-path", "test_slime_train.user_postprocess"],
         {"mode": "prompt_mean"},
         {},
     ),
@@ -632,7 +632,7 @@ def test_launch_checks_through_slime_parse_args(tmp_path):
         "weighting": (True, BASE_ARGV + ["--loss-aggregation-config", str(weighted)]),
         "no_flag_through_lossagg": (True, BASE_ARGV),
         "no_flag_slime": (False, BASE_ARGV),
-        "user_postprocess": (True, BASE_ARGV + [*prompt, "--rollout-data-postprocess-path", "test_integration_slime.user_postprocess"]),
+        "user_postprocess": (True, BASE_ARGV + [*prompt, "--rollout-data-postprocess-path", "test_slime_train.user_postprocess"]),
         "term_flag_alone": (True, BASE_ARGV + [*entropy, "--loss-aggregation-term", f"entropy:{-ENTROPY_COEF}:token_mean"]),
         "tis_entropy_served": (True, BASE_ARGV + [*prompt, *entropy, *TIS]),
     }
@@ -666,7 +666,7 @@ def test_launch_checks_through_slime_parse_args(tmp_path):
     assert all(vars(through)[k] is None for k in own)
     user = pickle.loads(got["user_postprocess"][1])
     assert user.rollout_data_postprocess_path == "lossagg.integrations.slime.rollout_data_postprocess"
-    assert user.lossagg_user_rollout_data_postprocess_path == "test_integration_slime.user_postprocess"
+    assert user.lossagg_user_rollout_data_postprocess_path == "test_slime_train.user_postprocess"
     alone = pickle.loads(got["term_flag_alone"][1])
     assert alone.lossagg_config["mode"] == "sample_mean" and alone.lossagg_config["terms"]["entropy"]["mode"] == "token_mean"
     assert alone.loss_type == "custom_loss" and alone.custom_pg_loss_reducer_function_path == "lossagg.integrations.slime.pg_loss_reducer"
