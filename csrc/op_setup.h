@@ -21,6 +21,7 @@
 #include "torch_api.h"
 
 #include <optional>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -167,7 +168,8 @@ struct BackwardArgs {
   std::optional<Tensor> denoms;
 };
 
-inline BackwardArgs segment_sum_backward_args(const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, ScalarType values_dtype) {
+inline BackwardArgs segment_sum_backward_args(
+    const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, ScalarType values_dtype) {
   const char* op = "segment_sum_backward";
   check_values_dtype_argument(op, values_dtype);
   LOSSAGG_CHECK_VALUE(grad.dim() == 1 || grad.dim() == 2, "lossagg.", op, ": grad must be [B] or [K, B], got shape ", shape_of(grad));
@@ -249,10 +251,11 @@ inline TermsArgs term_args(
     const std::optional<Tensor>& sample_weights,
     const std::vector<double>& coefficients,
     ScalarType values_dtype) {
-  const std::optional<Tensor> weights = sample_weights.has_value() ? std::optional<Tensor>(kernel_denoms(*sample_weights, values_dtype)) : std::nullopt;
+  const std::optional<Tensor> weights =
+      sample_weights.has_value() ? std::optional<Tensor>(kernel_denoms(*sample_weights, values_dtype)) : std::nullopt;
   return TermsArgs{
-      make_call(layout, std::nullopt, mask, cu_seqlens, acc_scalar_type(values_dtype)), kernel_denoms(sample_denoms, values_dtype), weights, coefficients,
-      values_dtype};
+      make_call(layout, std::nullopt, mask, cu_seqlens, acc_scalar_type(values_dtype)), kernel_denoms(sample_denoms, values_dtype), weights,
+      coefficients, values_dtype};
 }
 
 // reduce_terms: K >= 1 value tensors of one dtype and device, each of the token shape of mask.
@@ -326,6 +329,72 @@ inline TokenCall token_counts_args(const Tensor& mask, const std::optional<Tenso
   TokenLayout layout = check_mask_layout("token_counts", mask, cu_seqlens, 1, false);
   layout.max_segment_tokens = check_cu_seqlens_data("token_counts", cu_seqlens, layout);
   return make_call(layout, std::nullopt, mask, cu_seqlens, std::nullopt);
+}
+
+// ----------------------------------------------------------------------------------------
+// Each op's entry point, as its schema (csrc/ops.cpp) declares it, written once for every
+// backend: the op's arguments checked and converted (the *_args above), then the backend's
+// kernel call, which takes them. A backend registers the entry point of its kernel:
+// m.impl("reduce", TORCH_BOX(&reduce_op<&reduce>)).
+template <auto kernel>
+Tensor segment_sum_op(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
+  return kernel(segment_sum_args(values, mask, cu_seqlens), values.scalar_type());
+}
+
+// (the kernel also gets the mask and cu_seqlens as given: a rare mask dtype is counted from them, op_setup.h)
+template <auto kernel>
+std::tuple<Tensor, Tensor> segment_sum_and_count_op(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
+  return kernel(segment_sum_args(values, mask, cu_seqlens, /*counting=*/true), values.scalar_type(), mask, cu_seqlens);
+}
+
+template <auto kernel>
+std::tuple<Tensor, Tensor> aggregate_op(
+    const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, std::vector<int64_t> denom_program, double divisor) {
+  return kernel(aggregate_args(values, mask, cu_seqlens, denom_program, divisor), values.scalar_type(), mask, cu_seqlens, denom_program, divisor);
+}
+
+template <auto kernel>
+Tensor reduce_op(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms) {
+  return kernel(reduce_args(values, mask, cu_seqlens, sample_denoms), values.scalar_type());
+}
+
+template <auto kernel>
+Tensor segment_sum_backward_op(const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, ScalarType values_dtype) {
+  return kernel(segment_sum_backward_args(grad, mask, cu_seqlens, values_dtype), values_dtype);
+}
+
+template <auto kernel>
+Tensor reduce_backward_op(
+    const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms, ScalarType values_dtype) {
+  return kernel(reduce_backward_args(grad, mask, cu_seqlens, sample_denoms, values_dtype), values_dtype);
+}
+
+template <auto kernel>
+std::tuple<Tensor, Tensor> reduce_terms_op(
+    std::vector<Tensor> values,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens,
+    const Tensor& sample_denoms,
+    const std::optional<Tensor>& sample_weights,
+    std::vector<double> coefficients) {
+  return kernel(reduce_terms_args(values, mask, cu_seqlens, sample_denoms, sample_weights, coefficients));
+}
+
+template <auto kernel>
+std::vector<Tensor> reduce_terms_backward_op(
+    const Tensor& grad,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens,
+    const Tensor& sample_denoms,
+    const std::optional<Tensor>& sample_weights,
+    std::vector<double> coefficients,
+    ScalarType values_dtype) {
+  return kernel(reduce_terms_backward_args(grad, mask, cu_seqlens, sample_denoms, sample_weights, coefficients, values_dtype));
+}
+
+template <auto kernel>
+Tensor token_counts_op(const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
+  return kernel(token_counts_args(mask, cu_seqlens));
 }
 
 // A token count is a non-zero entry of the mask the user passed (token_counts reads it as given).

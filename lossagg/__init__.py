@@ -123,8 +123,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs: every name of _EXPORTS, from it
     from lossagg.micro_batch import MicroBatch  # noqa: F401
     from lossagg.modes import ALIASES, MODES, REFUSED_NAMES, ModeSpec, ReferenceInputs, register_mode, unregister_mode  # noqa: F401
     from lossagg.one_pass import aggregate  # noqa: F401
-    from lossagg.samples import RankSamples  # noqa: F401
     from lossagg.ops import reduce, reduce_terms, segment_sum  # noqa: F401
+    from lossagg.samples import RankSamples  # noqa: F401
     from lossagg.sequence import (  # noqa: F401
         SEQUENCE_OBJECTIVES,
         SequenceObjective,

@@ -318,14 +318,18 @@ def _group_sessions(x, share: RankShare, nonempty: bool):
     return torch.where(hit, sessions[at], torch.zeros_like(sessions[at])).to(torch.float64).to(share.token_counts.device)
 
 
-def _given_per_sample(name: str, what: str, own: Callable[[Any], Any], at_least: str) -> Callable[[Any, RankShare], Any]:
-    """A per-sample total handed to from_totals: one entry per local sample, each >= the sample's own share."""
+def _given_per_sample(name: str, what: str, own: Callable[[Any], Any], at_least: str, counts_of: bool = False) -> Callable[[Any, RankShare], Any]:
+    """A per-sample total handed to from_totals: one entry per local sample, each >= the sample's own share
+    (and a whole number when it ``counts_of`` samples or sessions)."""
 
     def check(value, share: RankShare):
         counts = share.token_counts
         values = _checks().check_token_counts(value, name=name).to(counts.device)
         if values.shape != counts.shape:
             raise ValueError(f"{name} must have one entry per local sample ({counts.shape[0]}), got shape {tuple(values.shape)}")
+        if counts_of and bool((values != values.round()).any()):
+            i = int((values != values.round()).nonzero()[0, 0])
+            raise ValueError(f"{name}[{i}] ({what}) must be a whole number, got {float(values[i]):g}")
         least = own(counts)
         short = values < least
         if bool(short.any()):
@@ -444,7 +448,7 @@ _ENTRIES = (
         meaning="samples of each local sample's session",
         share=lambda s: _session_sums(_torch().ones_like(s.token_counts), s),
         value=lambda x, s: x[s.session_dense],
-        given=_given_per_sample("session_sizes", "K, the samples of the sample's session", lambda c: _torch().ones_like(c), "1"),
+        given=_given_per_sample("session_sizes", "K, the samples of the sample's session", lambda c: _torch().ones_like(c), "1", counts_of=True),
         per_session=True,
         per_sample=True,
     ),
@@ -455,7 +459,9 @@ _ENTRIES = (
         meaning="samples with at least one rollout token in each local sample's session",
         share=lambda s: _session_sums(_nonempty(s.token_counts), s),
         value=lambda x, s: x[s.session_dense],
-        given=_given_per_sample("nonempty_session_sizes", "K', the non-empty samples of the sample's session", _nonempty, "1 for a non-empty sample"),
+        given=_given_per_sample(
+            "nonempty_session_sizes", "K', the non-empty samples of the sample's session", _nonempty, "1 for a non-empty sample", counts_of=True
+        ),
         per_session=True,
         per_sample=True,
     ),
@@ -477,7 +483,9 @@ _ENTRIES = (
         meaning="sessions in each local sample's prompt group",
         share=_session_groups_share,
         value=lambda x, s: _group_sessions(x, s, nonempty=False),
-        given=_given_per_sample("group_sessions", "Sp, the sessions of the sample's prompt group", lambda c: _torch().ones_like(c), "1"),
+        given=_given_per_sample(
+            "group_sessions", "Sp, the sessions of the sample's prompt group", lambda c: _torch().ones_like(c), "1", counts_of=True
+        ),
         per_group=True,
         per_session=True,
         per_sample=True,
@@ -490,7 +498,11 @@ _ENTRIES = (
         share=_session_groups_share,
         value=lambda x, s: _group_sessions(x, s, nonempty=True),
         given=_given_per_sample(
-            "nonempty_group_sessions", "Sp', the non-empty sessions of the sample's prompt group", _nonempty, "1 for a non-empty sample"
+            "nonempty_group_sessions",
+            "Sp', the non-empty sessions of the sample's prompt group",
+            _nonempty,
+            "1 for a non-empty sample",
+            counts_of=True,
         ),
         per_group=True,
         per_session=True,
@@ -887,6 +899,50 @@ def _given(names: Iterable[str], given: Mapping[str, Any], share: RankShare, mod
     return StepTotals({name: values[name] for name in order}, mode)
 
 
+def _session_consistency(values: Mapping[str, Any], n_samples_per_prompt: int | None) -> None:
+    """Session totals handed to from_totals that contradict each other or the step's other totals
+    (docs/modes.md, "Sessions")."""
+    n, p, s, t = (values.get(k) for k in ("num_samples", "num_groups", "num_sessions", "total_tokens"))
+    k_, k_ne, ts = values.get("session_sizes"), values.get("nonempty_session_sizes"), values.get("session_token_sums")
+    sp, sp_ne = values.get("group_sessions"), values.get("nonempty_group_sessions")
+
+    def first_above(x, bound, what: str, bound_name: str) -> None:
+        if x is not None and bound is not None and x.numel() and bool((x > bound).any()):
+            i = int((x > bound).nonzero()[0, 0])
+            raise ValueError(f"{what}[{i}] is {float(x[i]):g}, more than {bound_name} {float(bound):g}: a part of the step cannot exceed the whole")
+
+    first_above(k_, n, "session_sizes (K, the samples of a session)", "num_samples (N)")
+    first_above(ts, t, "session_token_sums (Ts, the tokens of a session)", "total_tokens (T)")
+    first_above(sp, s, "group_sessions (Sp, the sessions of a prompt group)", "num_sessions (S)")
+    if k_ is not None and k_ne is not None and bool((k_ne > k_).any()):
+        i = int((k_ne > k_).nonzero()[0, 0])
+        raise ValueError(f"nonempty_session_sizes[{i}] (K', {float(k_ne[i]):g}) cannot exceed session_sizes[{i}] (K, {float(k_[i]):g})")
+    if sp is not None and sp_ne is not None and bool((sp_ne > sp).any()):
+        i = int((sp_ne > sp).nonzero()[0, 0])
+        raise ValueError(f"nonempty_group_sessions[{i}] (Sp', {float(sp_ne[i]):g}) cannot exceed group_sessions[{i}] (Sp, {float(sp[i]):g})")
+    if k_ is not None and s is not None and k_.numel():
+        # each session's local samples weigh 1/K each: at most 1 per session, so the sum cannot exceed S (exact in float64 for K < 2**26)
+        represented = float((1.0 / k_.double()).sum())
+        if represented > s + 1e-9 * max(s, 1):
+            raise ValueError(
+                f"session_sizes hold {represented:g} sessions' worth of this rank's samples (the sum of 1/K over them), more than num_sessions "
+                f"(S, {s}): a session of K samples has at most K of them here"
+            )
+    if p is not None and s is not None and p > s:
+        raise ValueError(f"num_groups (P, {p}) cannot exceed num_sessions (S, {s}): every prompt group holds at least one session")
+    if sp is not None and n_samples_per_prompt is not None and sp.numel() and bool((sp != n_samples_per_prompt).any()):
+        i = int((sp != n_samples_per_prompt).nonzero()[0, 0])
+        raise ValueError(
+            f"group_sessions[{i}] (Sp, {float(sp[i]):g}) must equal n_samples_per_prompt ({n_samples_per_prompt}): under a mode with sessions "
+            "in prompt groups it counts each group's sessions"
+        )
+    if sp is not None and n_samples_per_prompt is not None and p is not None and s is not None and s != n_samples_per_prompt * p:
+        raise ValueError(
+            f"num_sessions (S, {s}) must equal n_samples_per_prompt ({n_samples_per_prompt}) × num_groups (P, {p}) = "
+            f"{n_samples_per_prompt * p}: the config promises whole groups of n_samples_per_prompt sessions"
+        )
+
+
 def _consistency(values: Mapping[str, Any], n_samples_per_prompt: int | None) -> None:
     """Totals handed to from_totals that contradict each other."""
     n, p = values.get("num_samples"), values.get("num_groups")
@@ -920,6 +976,7 @@ def _consistency(values: Mapping[str, Any], n_samples_per_prompt: int | None) ->
             raise ValueError(f"{name} ({symbol}, {count}) cannot exceed {of_name}, {of}): every session holds at least one such sample")
     if s is not None and s_ne is not None and s_ne > s:
         raise ValueError(f"num_nonempty_sessions (S', {s_ne}) cannot exceed num_sessions (S, {s}): the non-empty sessions are part of the step's")
+    _session_consistency(values, n_samples_per_prompt)
     t, sg, lmax = values.get("total_tokens"), values.get("group_token_sums"), values.get("max_tokens")
     if t is not None and n_ne is not None and (t > 0) != (n_ne > 0):
         raise ValueError(

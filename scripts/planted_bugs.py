@@ -149,7 +149,9 @@ BUGS = (
     ),
     # the modes: one factor of each built-in mode's d[i] replaced
     *(
-        Bug("modes", f"{mode}: {old} read as {new}", "lossagg/modes.py", f"denoms=DenomProduct({product}),", f"denoms=DenomProduct({mutated}),", tests)
+        Bug(
+            "modes", f"{mode}: {old} read as {new}", "lossagg/modes.py", f"denoms=DenomProduct({product}),", f"denoms=DenomProduct({mutated}),", tests
+        )
         for mode, product, mutated, old, new, tests in (
             ("sample_mean", '"N", "c(M[i])"', '"N", "c(T)"', "c(M[i])", "c(T)", ("tests/test_modes.py",)),
             ("prompt_mean", '"P", "c(Sg[g(i)])"', '"N", "c(Sg[g(i)])"', "P", "N", ("tests/test_modes.py",)),
@@ -158,7 +160,14 @@ BUGS = (
             ("max_length", '"N", "c(L_max)"', '"N", "c(T)"', "c(L_max)", "c(T)", ("tests/test_modes.py",)),
             ("session_mean", '"S", "K[s(i)]", "c(M[i])"', '"S", "c(M[i])"', "K[s(i)]", "1", ("tests/test_sessions.py",)),
             ("session_token_mean", '"S", "c(Ts[s(i)])"', '"N", "c(Ts[s(i)])"', "S", "N", ("tests/test_sessions.py",)),
-            ("prompt_session_mean", '"P", "Sp[g(i)]", "K[s(i)]", "c(M[i])"', '"P", "K[s(i)]", "c(M[i])"', "Sp[g(i)]", "1", ("tests/test_sessions.py",)),
+            (
+                "prompt_session_mean",
+                '"P", "Sp[g(i)]", "K[s(i)]", "c(M[i])"',
+                '"P", "K[s(i)]", "c(M[i])"',
+                "Sp[g(i)]",
+                "1",
+                ("tests/test_sessions.py",),
+            ),
             (
                 "prompt_session_token_mean",
                 '"P", "Sp[g(i)]", "c(Ts[s(i)])"',

@@ -51,21 +51,20 @@ acc_t weighted_total(const acc_t* x, const d_t* d, int64_t n) {
   return combine_lanes(lane);
 }
 
-Tensor segment_sum(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
-  const TokenCall call = segment_sum_args(values, mask, cu_seqlens);
-  Tensor out = call.new_segment_sums(values.scalar_type());
-  engine().segment_sums(kernel_args(call, values.scalar_type()), out.mutable_data_ptr(), nullptr);
+Tensor segment_sum(const TokenCall& call, ScalarType values_dtype) {
+  Tensor out = call.new_segment_sums(values_dtype);
+  engine().segment_sums(kernel_args(call, values_dtype), out.mutable_data_ptr(), nullptr);
   return out;
 }
 
 // segment_sum and token_counts from one read of values and mask ([T] or [B, T] values): the
 // sums [B] and the kept tokens [B] (int64) of each segment.
-std::tuple<Tensor, Tensor> segment_sum_and_count(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
-  const TokenCall call = segment_sum_args(values, mask, cu_seqlens, /*counting=*/true);
-  Tensor out = call.new_segment_sums(values.scalar_type());
+std::tuple<Tensor, Tensor> segment_sum_and_count(
+    const TokenCall& call, ScalarType values_dtype, const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
+  Tensor out = call.new_segment_sums(values_dtype);
   Tensor counts = new_tensor(mask, {call.layout.num_segments}, ScalarType::Long);
-  const bool own_pass = counts_need_own_pass(mask, values.scalar_type());
-  engine().segment_sums(kernel_args(call, values.scalar_type()), out.mutable_data_ptr(), own_pass ? nullptr : counts.mutable_data_ptr<int64_t>());
+  const bool own_pass = counts_need_own_pass(mask, values_dtype);
+  engine().segment_sums(kernel_args(call, values_dtype), out.mutable_data_ptr(), own_pass ? nullptr : counts.mutable_data_ptr<int64_t>());
   if (own_pass) {
     engine().count_kept(kernel_args(token_counts_args(mask, cu_seqlens), ScalarType::Float), counts.mutable_data_ptr<int64_t>());
   }
@@ -74,13 +73,14 @@ std::tuple<Tensor, Tensor> segment_sum_and_count(const Tensor& values, const Ten
 
 // sum_i segment_sum[i] / sample_denoms[i], samples added in a fixed order (weighted_total):
 // deterministic whatever the thread count or instruction set.
-Tensor reduce(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms) {
-  const auto [call, denoms] = reduce_args(values, mask, cu_seqlens, sample_denoms);
-  const ScalarType acc_dtype = acc_scalar_type(values.scalar_type());
+Tensor reduce(const ReduceArgs& args, ScalarType values_dtype) {
+  const TokenCall& call = args.call;
+  const Tensor& denoms = args.denoms;
+  const ScalarType acc_dtype = acc_scalar_type(values_dtype);
   const int64_t b = call.layout.num_segments;
-  Tensor sums = new_tensor(values, {b}, acc_dtype);
-  engine().segment_sums(kernel_args(call, values.scalar_type()), sums.mutable_data_ptr(), nullptr);
-  Tensor out = new_tensor(values, {}, acc_dtype);
+  Tensor sums = new_tensor(*call.values, {b}, acc_dtype);
+  engine().segment_sums(kernel_args(call, values_dtype), sums.mutable_data_ptr(), nullptr);
+  Tensor out = new_tensor(*call.values, {}, acc_dtype);
   dispatch_values(acc_dtype, "values", [&]<typename A>(type_tag<A>) {
     *out.mutable_data_ptr<A>() = weighted_total(sums.const_data_ptr<A>(), denoms.const_data_ptr<A>(), b);
   });
@@ -92,9 +92,14 @@ Tensor reduce(const Tensor& values, const Tensor& mask, const std::optional<Tens
 // quotients (weighted_total, d rounded once to the accumulation dtype as kernel_denoms does),
 // so J has the bits of reduce(values, mask, cu_seqlens, d).
 std::tuple<Tensor, Tensor> aggregate(
-    const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, std::vector<int64_t> denom_program, double divisor) {
-  const TokenCall call = aggregate_args(values, mask, cu_seqlens, denom_program, divisor);
-  const ScalarType acc_dtype = acc_scalar_type(values.scalar_type());
+    const TokenCall& call,
+    ScalarType values_dtype,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens,
+    const std::vector<int64_t>& denom_program,
+    double divisor) {
+  const Tensor& values = *call.values;
+  const ScalarType acc_dtype = acc_scalar_type(values_dtype);
   const int64_t b = call.layout.num_segments;
   Tensor sums = new_tensor(values, {b}, acc_dtype);
   std::vector<int64_t> counts(static_cast<size_t>(b));
@@ -119,17 +124,14 @@ std::tuple<Tensor, Tensor> aggregate(
 }
 
 // Each segment's gradient broadcast to its tokens, weighted by the mask.
-Tensor segment_sum_backward(const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, ScalarType values_dtype) {
-  const BackwardArgs args = segment_sum_backward_args(grad, mask, cu_seqlens, values_dtype);
+Tensor segment_sum_backward(const BackwardArgs& args, ScalarType values_dtype) {
   Tensor out = args.call.new_token_grad(values_dtype);
   engine().expand_to_tokens(kernel_args(args.call, values_dtype), args.grad.const_data_ptr(), out.mutable_data_ptr(), nullptr);
   return out;
 }
 
 // d reduce / d values[t] = grad * mask[t] / sample_denoms[s(t)].
-Tensor reduce_backward(
-    const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms, ScalarType values_dtype) {
-  const BackwardArgs args = reduce_backward_args(grad, mask, cu_seqlens, sample_denoms, values_dtype);
+Tensor reduce_backward(const BackwardArgs& args, ScalarType values_dtype) {
   const TokenCall& call = args.call;
   const Tensor& denoms = *args.denoms;
   Tensor out = call.new_token_grad(values_dtype);
@@ -154,14 +156,9 @@ Tensor reduce_backward(
 // weighted_quotient), and J = c_0 J_0 + c_1 J_1 + ... in term order, each product c_k J_k by
 // scaled_part (kernel_common.h: in float64, rounded once). With one term, coefficient 1 and no
 // weights, J has the bits of reduce.
-std::tuple<Tensor, Tensor> reduce_terms(
-    std::vector<Tensor> values,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens,
-    const Tensor& sample_denoms,
-    const std::optional<Tensor>& sample_weights,
-    std::vector<double> coefficients) {
-  const TermsArgs terms = reduce_terms_args(values, mask, cu_seqlens, sample_denoms, sample_weights, coefficients);
+std::tuple<Tensor, Tensor> reduce_terms(const TermsArgs& terms) {
+  const std::vector<double>& coefficients = terms.coefficients;
+  const Tensor& first = terms.rows[0];
   const ScalarType values_dtype = terms.values_dtype;
   const ScalarType acc_dtype = acc_scalar_type(values_dtype);
   const int64_t k_terms = terms.call.layout.num_metrics;
@@ -170,8 +167,8 @@ std::tuple<Tensor, Tensor> reduce_terms(
   const std::optional<Tensor>& weights = terms.weights;
   KernelArgs args = kernel_args(terms.call, values_dtype);
   args.value_rows = terms.row_data.data();
-  Tensor out = new_tensor(values[0], {}, acc_dtype);
-  Tensor parts = new_tensor(values[0], {k_terms}, acc_dtype);
+  Tensor out = new_tensor(first, {}, acc_dtype);
+  Tensor parts = new_tensor(first, {k_terms}, acc_dtype);
   dispatch_values(acc_dtype, "values", [&]<typename A>(type_tag<A>) {
     std::vector<A> sums(static_cast<size_t>(k_terms * b));  // host scratch: no tensor to allocate
     A* s = sums.data();
@@ -202,15 +199,9 @@ std::tuple<Tensor, Tensor> reduce_terms(
 // (term, sample) computed by term_grad (kernel_common.h: in float64, rounded once), then
 // broadcast to the tokens: K tensors of the mask's shape, each its own allocation (a term's
 // gradient is freed when that term's backward is done with it).
-std::vector<Tensor> reduce_terms_backward(
-    const Tensor& grad,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens,
-    const Tensor& sample_denoms,
-    const std::optional<Tensor>& sample_weights,
-    std::vector<double> coefficients,
-    ScalarType values_dtype) {
-  const TermsArgs terms = reduce_terms_backward_args(grad, mask, cu_seqlens, sample_denoms, sample_weights, coefficients, values_dtype);
+std::vector<Tensor> reduce_terms_backward(const TermsArgs& terms) {
+  const std::vector<double>& coefficients = terms.coefficients;
+  const ScalarType values_dtype = terms.values_dtype;
   const TokenCall& call = terms.call;
   std::vector<Tensor> out = new_term_grads(call, values_dtype);
   const ScalarType acc_dtype = acc_scalar_type(values_dtype);
@@ -238,9 +229,8 @@ std::vector<Tensor> reduce_terms_backward(
   return out;
 }
 
-Tensor token_counts(const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
-  const TokenCall call = token_counts_args(mask, cu_seqlens);
-  Tensor out = new_tensor(mask, {call.layout.num_segments}, ScalarType::Long);
+Tensor token_counts(const TokenCall& call) {
+  Tensor out = new_tensor(call.mask, {call.layout.num_segments}, ScalarType::Long);
   engine().count_kept(kernel_args(call, ScalarType::Float), out.mutable_data_ptr<int64_t>());
   return out;
 }
@@ -248,15 +238,15 @@ Tensor token_counts(const Tensor& mask, const std::optional<Tensor>& cu_seqlens)
 }  // namespace
 
 STABLE_TORCH_LIBRARY_IMPL(lossagg, CPU, m) {
-  m.impl("token_counts", TORCH_BOX(&token_counts));
-  m.impl("segment_sum", TORCH_BOX(&segment_sum));
-  m.impl("segment_sum_and_count", TORCH_BOX(&segment_sum_and_count));
-  m.impl("aggregate", TORCH_BOX(&aggregate));
-  m.impl("segment_sum_backward", TORCH_BOX(&segment_sum_backward));
-  m.impl("reduce", TORCH_BOX(&reduce));
-  m.impl("reduce_backward", TORCH_BOX(&reduce_backward));
-  m.impl("reduce_terms", TORCH_BOX(&reduce_terms));
-  m.impl("reduce_terms_backward", TORCH_BOX(&reduce_terms_backward));
+  m.impl("token_counts", TORCH_BOX(&token_counts_op<&token_counts>));
+  m.impl("segment_sum", TORCH_BOX(&segment_sum_op<&segment_sum>));
+  m.impl("segment_sum_and_count", TORCH_BOX(&segment_sum_and_count_op<&segment_sum_and_count>));
+  m.impl("aggregate", TORCH_BOX(&aggregate_op<&aggregate>));
+  m.impl("segment_sum_backward", TORCH_BOX(&segment_sum_backward_op<&segment_sum_backward>));
+  m.impl("reduce", TORCH_BOX(&reduce_op<&reduce>));
+  m.impl("reduce_backward", TORCH_BOX(&reduce_backward_op<&reduce_backward>));
+  m.impl("reduce_terms", TORCH_BOX(&reduce_terms_op<&reduce_terms>));
+  m.impl("reduce_terms_backward", TORCH_BOX(&reduce_terms_backward_op<&reduce_terms_backward>));
 }
 
 }  // namespace lossagg::cpu

@@ -12,14 +12,13 @@
 namespace lossagg::cuda {
 namespace {
 
-Tensor segment_sum(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
-  const TokenCall call = segment_sum_args(values, mask, cu_seqlens);
-  Tensor out = call.new_segment_sums(values.scalar_type());
+Tensor segment_sum(const TokenCall& call, ScalarType values_dtype) {
+  Tensor out = call.new_segment_sums(values_dtype);
   if (out.numel() == 0) {
     return out;
   }
-  CudaDevice dev(values);
-  call.dispatch(values.scalar_type(), [&]<typename S, typename M>(type_tag<S>, type_tag<M>) {
+  CudaDevice dev(*call.values);
+  call.dispatch(values_dtype, [&]<typename S, typename M>(type_tag<S>, type_tag<M>) {
     using acc_t = acc_t_of<S>;
     launch_segment_sum<acc_t>(
         dev, call.layout, call.segments(), call.values->const_data_ptr<S>(), call.mask_data<M>(), out.mutable_data_ptr<acc_t>());
@@ -28,21 +27,21 @@ Tensor segment_sum(const Tensor& values, const Tensor& mask, const std::optional
 }
 
 // The sums and the kept tokens of each segment from the same two launches.
-std::tuple<Tensor, Tensor> segment_sum_and_count(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
-  const TokenCall call = segment_sum_args(values, mask, cu_seqlens, /*counting=*/true);
-  Tensor out = call.new_segment_sums(values.scalar_type());
+std::tuple<Tensor, Tensor> segment_sum_and_count(
+    const TokenCall& call, ScalarType values_dtype, const Tensor& mask, const std::optional<Tensor>& cu_seqlens) {
+  Tensor out = call.new_segment_sums(values_dtype);
   Tensor counts = new_tensor(mask, {call.layout.num_segments}, ScalarType::Long);
   if (out.numel() == 0) {
     return {out, counts};
   }
-  CudaDevice dev(values);
-  call.dispatch(values.scalar_type(), [&]<typename S, typename M>(type_tag<S>, type_tag<M>) {
+  CudaDevice dev(*call.values);
+  call.dispatch(values_dtype, [&]<typename S, typename M>(type_tag<S>, type_tag<M>) {
     using acc_t = acc_t_of<S>;
     launch_segment_sum_and_count<acc_t>(
         dev, call.layout, call.segments(), call.values->const_data_ptr<S>(), call.mask_data<M>(), out.mutable_data_ptr<acc_t>(),
         counts.mutable_data_ptr<int64_t>());
   });
-  if (counts_need_own_pass(mask, values.scalar_type())) {
+  if (counts_need_own_pass(mask, values_dtype)) {
     // the counts of the float64 mask as given (op_setup.h): the same kernel over (mask, mask),
     // float64 both, its sums discarded
     const TokenCall own = segment_sum_args(mask, mask, cu_seqlens, /*counting=*/true);
@@ -55,11 +54,12 @@ std::tuple<Tensor, Tensor> segment_sum_and_count(const Tensor& values, const Ten
 }
 
 // Two launches: the tile pass, and the fix-up with the final fixed-order combine.
-Tensor reduce(const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms) {
-  const auto [call, d] = reduce_args(values, mask, cu_seqlens, sample_denoms);
-  Tensor out = new_tensor(values, {}, acc_scalar_type(values.scalar_type()));
-  CudaDevice dev(values);
-  call.dispatch(values.scalar_type(), [&]<typename S, typename M>(type_tag<S>, type_tag<M>) {
+Tensor reduce(const ReduceArgs& args, ScalarType values_dtype) {
+  const TokenCall& call = args.call;
+  const Tensor& d = args.denoms;
+  Tensor out = new_tensor(*call.values, {}, acc_scalar_type(values_dtype));
+  CudaDevice dev(*call.values);
+  call.dispatch(values_dtype, [&]<typename S, typename M>(type_tag<S>, type_tag<M>) {
     using acc_t = acc_t_of<S>;
     launch_reduce<acc_t>(
         dev, call.layout, call.segments(), call.values->const_data_ptr<S>(), call.mask_data<M>(), d.const_data_ptr<acc_t>(),
@@ -68,10 +68,11 @@ Tensor reduce(const Tensor& values, const Tensor& mask, const std::optional<Tens
   return out;
 }
 
-Tensor segment_sum_backward(const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, ScalarType values_dtype) {
-  const auto [call, g, _] = segment_sum_backward_args(grad, mask, cu_seqlens, values_dtype);
+Tensor segment_sum_backward(const BackwardArgs& args, ScalarType values_dtype) {
+  const TokenCall& call = args.call;
+  const Tensor& g = args.grad;
   Tensor out = call.new_token_grad(values_dtype);
-  CudaDevice dev(mask);
+  CudaDevice dev(call.mask);
   call.dispatch(values_dtype, [&]<typename S, typename M>(type_tag<S>, type_tag<M>) {
     using acc_t = acc_t_of<S>;
     launch_expand<S, acc_t>(
@@ -82,12 +83,12 @@ Tensor segment_sum_backward(const Tensor& grad, const Tensor& mask, const std::o
 }
 
 // One launch; the incoming gradient is read on the device.
-Tensor reduce_backward(
-    const Tensor& grad, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, const Tensor& sample_denoms, ScalarType values_dtype) {
-  const auto [call, g, denoms] = reduce_backward_args(grad, mask, cu_seqlens, sample_denoms, values_dtype);
-  const Tensor& d = *denoms;
+Tensor reduce_backward(const BackwardArgs& args, ScalarType values_dtype) {
+  const TokenCall& call = args.call;
+  const Tensor& g = args.grad;
+  const Tensor& d = *args.denoms;
   Tensor out = call.new_token_grad(values_dtype);
-  CudaDevice dev(mask);
+  CudaDevice dev(call.mask);
   call.dispatch(values_dtype, [&]<typename S, typename M>(type_tag<S>, type_tag<M>) {
     using acc_t = acc_t_of<S>;
     launch_expand<S, acc_t>(
@@ -100,21 +101,16 @@ Tensor reduce_backward(
 // The whole loss of K terms: per chunk of kMaxTermRows terms, the tile pass over the chunk's
 // values read where they lie (one read of the mask), the fix-up and the chunk's totals
 // (launch_reduce_terms). The coefficients travel as kernel parameters: no host sync.
-std::tuple<Tensor, Tensor> reduce_terms(
-    std::vector<Tensor> values,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens,
-    const Tensor& sample_denoms,
-    const std::optional<Tensor>& sample_weights,
-    std::vector<double> coefficients) {
-  const TermsArgs terms = reduce_terms_args(values, mask, cu_seqlens, sample_denoms, sample_weights, coefficients);
+std::tuple<Tensor, Tensor> reduce_terms(const TermsArgs& terms) {
+  const std::vector<double>& coefficients = terms.coefficients;
+  const Tensor& first = terms.rows[0];
   const ScalarType values_dtype = terms.values_dtype;
   const ScalarType acc_dtype = acc_scalar_type(values_dtype);
   const Tensor& d = terms.denoms;
   const std::optional<Tensor>& w = terms.weights;
-  Tensor out = new_tensor(values[0], {}, acc_dtype);
-  Tensor parts = new_tensor(values[0], {terms.call.layout.num_metrics}, acc_dtype);
-  CudaDevice dev(values[0]);
+  Tensor out = new_tensor(first, {}, acc_dtype);
+  Tensor parts = new_tensor(first, {terms.call.layout.num_metrics}, acc_dtype);
+  CudaDevice dev(first);
   terms.call.dispatch(values_dtype, [&]<typename S, typename M>(type_tag<S>, type_tag<M>) {
     using acc_t = acc_t_of<S>;
     std::vector<const S*> rows;
@@ -130,21 +126,15 @@ std::tuple<Tensor, Tensor> reduce_terms(
 }
 
 // One launch per chunk of kMaxTermRows terms; the incoming gradient is read on the device.
-std::vector<Tensor> reduce_terms_backward(
-    const Tensor& grad,
-    const Tensor& mask,
-    const std::optional<Tensor>& cu_seqlens,
-    const Tensor& sample_denoms,
-    const std::optional<Tensor>& sample_weights,
-    std::vector<double> coefficients,
-    ScalarType values_dtype) {
-  const TermsArgs terms = reduce_terms_backward_args(grad, mask, cu_seqlens, sample_denoms, sample_weights, coefficients, values_dtype);
+std::vector<Tensor> reduce_terms_backward(const TermsArgs& terms) {
+  const std::vector<double>& coefficients = terms.coefficients;
+  const ScalarType values_dtype = terms.values_dtype;
   const TokenCall& call = terms.call;
   const Tensor& d = terms.denoms;
   const std::optional<Tensor>& w = terms.weights;
   const Tensor& g = *terms.grad;
   std::vector<Tensor> out = new_term_grads(call, values_dtype);
-  CudaDevice dev(mask);
+  CudaDevice dev(call.mask);
   call.dispatch(values_dtype, [&]<typename S, typename M>(type_tag<S>, type_tag<M>) {
     using acc_t = acc_t_of<S>;
     std::vector<S*> rows;
@@ -161,13 +151,13 @@ std::vector<Tensor> reduce_terms_backward(
 }  // namespace
 
 STABLE_TORCH_LIBRARY_IMPL(lossagg, CUDA, m) {
-  m.impl("segment_sum", TORCH_BOX(&segment_sum));
-  m.impl("segment_sum_and_count", TORCH_BOX(&segment_sum_and_count));
-  m.impl("segment_sum_backward", TORCH_BOX(&segment_sum_backward));
-  m.impl("reduce", TORCH_BOX(&reduce));
-  m.impl("reduce_backward", TORCH_BOX(&reduce_backward));
-  m.impl("reduce_terms", TORCH_BOX(&reduce_terms));
-  m.impl("reduce_terms_backward", TORCH_BOX(&reduce_terms_backward));
+  m.impl("segment_sum", TORCH_BOX(&segment_sum_op<&segment_sum>));
+  m.impl("segment_sum_and_count", TORCH_BOX(&segment_sum_and_count_op<&segment_sum_and_count>));
+  m.impl("segment_sum_backward", TORCH_BOX(&segment_sum_backward_op<&segment_sum_backward>));
+  m.impl("reduce", TORCH_BOX(&reduce_op<&reduce>));
+  m.impl("reduce_backward", TORCH_BOX(&reduce_backward_op<&reduce_backward>));
+  m.impl("reduce_terms", TORCH_BOX(&reduce_terms_op<&reduce_terms>));
+  m.impl("reduce_terms_backward", TORCH_BOX(&reduce_terms_backward_op<&reduce_terms_backward>));
 }
 
 }  // namespace lossagg::cuda

@@ -199,4 +199,3 @@ def pg_loss_reducer(total_lengths, response_lengths, pg_loss_masks, calculate_pe
     (:func:`lossagg.integrations.seed.pg_reducer`)."""
     planned = _STEP is not None and _STEP.per_token
     return seed.pg_reducer(total_lengths, response_lengths, pg_loss_masks, calculate_per_token_loss, planned, __name__)
-

@@ -243,4 +243,3 @@ def pg_loss_reducer(total_lengths, response_lengths, pg_loss_masks, calculate_pe
     """slime's ``--custom-pg-loss-reducer-function-path``: pg_loss on the mode (:func:`lossagg.integrations.seed.pg_reducer`)."""
     planned = _ROLLOUT is not None and _ROLLOUT.per_token
     return seed.pg_reducer(total_lengths, response_lengths, pg_loss_masks, calculate_per_token_loss, planned, __name__)
-
