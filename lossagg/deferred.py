@@ -200,12 +200,10 @@ class DeferredPlan(Plan):
         cp_group: the CP group, when each rank holds a shard of every sample's tokens: each
             micro-batch's kept tokens are summed over it as it runs (one all-reduce of ``B``
             numbers), and the logged values at :meth:`close`.
-        group_index, num_group_labels: prompt groups, as for :class:`lossagg.StepPlan`
-            (needed by a grouped mode).
-        session_index, num_session_labels: sessions, as for :class:`lossagg.StepPlan` (needed by
-            a mode with sessions; each session lies whole in one micro-batch of one rank, since
-            its samples and tokens are read when its micro-batch runs).
-        sample_weights: ``[num_local_samples]`` weights, as for :class:`lossagg.StepPlan`.
+        group_index, session_index, sample_weights, num_group_labels, num_session_labels: this
+            rank's samples' labels, weights and label bounds, as for :class:`lossagg.StepPlan` (each
+            session, and each prompt group a mode reads when its micro-batch runs, lies whole in
+            one micro-batch of one rank).
         estimate: the step totals to use in the micro-batches' denominators until the final
             ones are known (``G_used``): a :class:`lossagg.StepPlan` of the step (its rollout
             masks, say), or a mapping of totals by name (``StepPlan.from_totals``'s keywords),
@@ -284,7 +282,8 @@ class DeferredPlan(Plan):
             whole["session"] = "rank"
         if isinstance(metrics, str) or not isinstance(metrics, (list, tuple)) or not all(isinstance(k, str) for k in metrics):
             raise TypeError(f"metrics must be a list of the metric names every rank reports (strings), got {metrics!r}")
-        self._estimate_read = self._estimate(estimate)
+        needed = {FACTORS[f].reads for f in (*self._step_factors, *self._metric_step_factors)}
+        self._estimate_read = estimate_read(estimate, needed, config)
         self._used = _value(self._step_factors, self._estimate_read)
         self._metric_used = _value(self._metric_step_factors, self._estimate_read)
         agreed = self.process_group is not None or self.cp_group is not None
@@ -293,35 +292,6 @@ class DeferredPlan(Plan):
         self._closed: DeferredStep | None = None
 
     # ---------------------------------------------------------------- set-up
-    def _estimate(self, estimate) -> dict[str, Any]:
-        """The totals the step-level factors read until the final ones are known (1 without an estimate)."""
-        needed = {FACTORS[f].reads for f in (*self._step_factors, *self._metric_step_factors)}
-        empty = self.config.empty_samples
-        if estimate is None:
-            return {name: 1.0 for name in needed}
-        totals = estimate.totals if isinstance(estimate, StepPlan) else estimate
-        if not isinstance(totals, Mapping):
-            raise TypeError(f"estimate must be a StepPlan or a mapping of step totals by name, got {type(estimate).__name__}")
-        missing = [name for name in mode_totals(tuple(needed), empty) if name not in totals]
-        if missing:
-            raise ValueError(
-                f"estimate must hold the step total(s) {', '.join(missing)} that mode={self.config.mode} reads until the final ones are "
-                f"known, got {', '.join(map(str, totals)) or 'none'}"
-            )
-        read = read_totals(tuple(needed), totals, empty, self.config.mode)
-        out = {}
-        for name in needed:
-            value = read[name]
-            number = plain_number(value)  # a Python or NumPy number, or a 0-dim tensor
-            try:
-                number = None if number is None else float(number)
-            except OverflowError:  # an integer beyond float64
-                number = None
-            if number is None or not math.isfinite(number) or number < 0:
-                raise ValueError(f"estimate: the step total {name} must be a finite number >= 0, got {value!r}")
-            out[name] = number
-        return out
-
     # ---------------------------------------------------------- one micro-batch
     def micro_batch(
         self, samples: Samples, mask: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *, step_layout: bool = False, pieces: bool = False
@@ -447,29 +417,6 @@ class DeferredPlan(Plan):
         estimate = ",".join(f"{k}={v!r}" for k, v in sorted(self._estimate_read.items()))
         return f"terms={','.join(t.name for t in self._terms)}|metrics={','.join(self.ledger.declared)}|estimate={estimate}"
 
-    def _presence(self) -> list[tuple[str, torch.Tensor]]:
-        """For each label kind that must lie whole on one rank (sessions, prompt groups holding sessions:
-        their totals are read when their micro-batch runs), 1.0 for each label this rank holds, over the
-        step's labels: summed over the ranks in the one totals all-reduce, a label held by two ranks is
-        seen by every rank alike (with a process group only; a label out of bounds is the plan's error)."""
-        if self.process_group is None:
-            return []
-        out = []
-        gbs, n = self.config.global_batch_size, self.config.n_samples_per_prompt
-        for kind, size in self._whole.items():
-            if size != "rank":
-                continue
-            index = self.session_index if kind == "session" else self.group_index
-            bound = self.samples.num_session_labels if kind == "session" else self.samples.num_group_labels
-            if bound is None and gbs is not None:
-                bound = gbs if kind == "session" else (gbs // n if n else None)
-            if bound is None or bound > MAX_GROUP_LABELS:
-                continue  # the plan's own error names the missing bound
-            present = torch.zeros(bound, dtype=torch.float64)
-            present[index[(index >= 0) & (index < bound)]] = 1.0
-            out.append((kind, present))
-        return out
-
     def close(self) -> DeferredStep:
         """After the last micro-batch: the step totals of the final masks (one sum all-reduce over the
         process group, plus one max all-reduce for a mode with a maximum; the logged values ride in
@@ -487,7 +434,7 @@ class DeferredPlan(Plan):
         logged = torch.stack([sums[k].to(counts.device) for k in keys])
         if self.cp_group is not None:  # each CP rank logged its shard's contributions (the presence below is not summed over CP)
             problem = all_reduce_with_head(logged, self.cp_group, problem, self._fingerprint(), self.config.mode)
-        presence = self._presence()
+        presence = [] if self.process_group is None else presence_of(self.samples, self._whole, self.config)
         extra = torch.cat([logged, *(p.to(counts.device) for _, p in presence)])
         plan = StepPlan(
             self.config,
@@ -514,6 +461,59 @@ class DeferredPlan(Plan):
         self.ledger.close()
         self._closed = DeferredStep(scale=scale, metric_scale=metric_scale, plan=plan, loss=loss, terms=terms, metrics=metrics)
         return self._closed
+
+
+def estimate_read(estimate, needed: set[str], config) -> dict[str, float]:
+    """The totals ``needed`` (what the step-level factors read) until the final ones are known: from
+    ``estimate`` (a :class:`lossagg.StepPlan` or a mapping of totals by name), or 1 without one; each a
+    finite number >= 0."""
+    empty = config.empty_samples
+    if estimate is None:
+        return {name: 1.0 for name in needed}
+    totals = estimate.totals if isinstance(estimate, StepPlan) else estimate
+    if not isinstance(totals, Mapping):
+        raise TypeError(f"estimate must be a StepPlan or a mapping of step totals by name, got {type(estimate).__name__}")
+    missing = [name for name in mode_totals(tuple(needed), empty) if name not in totals]
+    if missing:
+        raise ValueError(
+            f"estimate must hold the step total(s) {', '.join(missing)} that mode={config.mode} reads until the final ones are "
+            f"known, got {', '.join(map(str, totals)) or 'none'}"
+        )
+    read = read_totals(tuple(needed), totals, empty, config.mode)
+    out = {}
+    for name in needed:
+        value = read[name]
+        number = plain_number(value)  # a Python or NumPy number, or a 0-dim tensor
+        try:
+            number = None if number is None else float(number)
+        except OverflowError:  # an integer beyond float64
+            number = None
+        if number is None or not math.isfinite(number) or number < 0:
+            raise ValueError(f"estimate: the step total {name} must be a finite number >= 0, got {value!r}")
+        out[name] = number
+    return out
+
+
+def presence_of(samples: RankSamples, whole: Mapping[str, Any], config) -> list[tuple[str, torch.Tensor]]:
+    """For each label kind that must lie whole on one rank (``whole[kind] == "rank"``: sessions, prompt groups
+    holding sessions, whose totals are read when their micro-batch runs), 1.0 for each label this rank holds,
+    over the step's labels: summed over the ranks in the one totals all-reduce, a label held by two ranks is
+    seen by every rank alike (a label out of bounds is the plan's own error)."""
+    out = []
+    gbs, n = config.global_batch_size, config.n_samples_per_prompt
+    for kind, size in whole.items():
+        if size != "rank":
+            continue
+        index = samples.session_index if kind == "session" else samples.group_index
+        bound = samples.num_session_labels if kind == "session" else samples.num_group_labels
+        if bound is None and gbs is not None:
+            bound = gbs if kind == "session" else (gbs // n if n else None)
+        if bound is None or bound > MAX_GROUP_LABELS:
+            continue  # the plan's own error names the missing bound
+        present = torch.zeros(bound, dtype=torch.float64)
+        present[index[(index >= 0) & (index < bound)]] = 1.0
+        out.append((kind, present))
+    return out
 
 
 def _check_whole_on_one_rank(held: Mapping[str, torch.Tensor], mode: str) -> None:

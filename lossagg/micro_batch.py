@@ -135,6 +135,16 @@ def term_tables(denoms: torch.Tensor, weights: torch.Tensor | None, device) -> d
     return {torch.float32: (d32, w32), torch.float64: (denoms, weights)}
 
 
+def table_rows(tables: dict, cut, device) -> dict:
+    """The micro-batch's rows of a plan's kernel tables (``cut``: a slice of consecutive samples, cut as
+    views, or their positions), on ``device``."""
+    out = {}
+    for acc, (d, w) in tables.items():
+        d, w = d[:, cut], None if w is None else w[:, cut]
+        out[acc] = (d.to(device), None if w is None else w.to(device))
+    return out
+
+
 def stack_term_tables(terms, denoms: Mapping[str, torch.Tensor], weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The loss's terms (``config.loss_terms``) as :func:`lossagg.reduce_terms` takes them: ``d_k[i]``
     ``[K, B]`` from each term's row ``denoms[name]`` and the weights ``[K, B]`` (the samples' weights

@@ -36,6 +36,7 @@ from lossagg.micro_batch import (
     reduce_metrics,
     sample_positions,
     stack_term_tables,
+    table_rows,
     term_tables,
 )
 from lossagg.modes import METRIC_MODE, mode_spec
@@ -46,6 +47,32 @@ from lossagg.validate import as_int, check_holds_data, check_process_group
 GRADIENT_CONVENTIONS = ("sum", "mean", "micro_batch_mean", "megatron")
 _ALL = slice(None)
 _STRIDED = torch.strided
+
+
+def _samples(config, token_counts, group_index, session_index, sample_weights, num_group_labels, num_session_labels, totals) -> RankSamples:
+    """This rank's samples as a plan takes them: a :class:`RankSamples` given alone, or its fields, checked once."""
+    if isinstance(token_counts, RankSamples):
+        given = {
+            "group_index": group_index,
+            "session_index": session_index,
+            "sample_weights": sample_weights,
+            "num_group_labels": num_group_labels,
+            "num_session_labels": num_session_labels,
+        }
+        named = [name for name, value in given.items() if value is not None]
+        if named:
+            raise TypeError(f"StepPlan: the RankSamples record holds the samples' indices and weights; pass it alone, without {', '.join(named)}")
+        return token_counts
+    return RankSamples.of(
+        config,
+        token_counts,
+        group_index=group_index,
+        session_index=session_index,
+        sample_weights=sample_weights,
+        num_group_labels=num_group_labels,
+        num_session_labels=num_session_labels,
+        indices_required=totals is None,
+    )
 
 
 def _holds_data(t) -> bool:
@@ -60,36 +87,20 @@ class StepPlan(Plan):
         token_counts: ``[n_local]`` rollout token counts ``M[i]`` of this rank's samples
             (all its micro-batches), from the full rollout masks; or this rank's
             :class:`lossagg.RankSamples` (then no other per-sample argument).
-        group_index: ``[n_local]`` prompt-group index of each sample; required by modes
-            with prompt groups. With a process group the labels must mean the same on
-            every rank and lie in ``[0, num_group_labels)``, where ``num_group_labels`` is
-            given or ``global_batch_size // n_samples_per_prompt``.
         process_group: the DP group (``torch.distributed``); None for one process.
-        num_group_labels: how many group labels the step's ``group_index`` can take
-            (with a process group). The groups actually present, ``P``, are counted from
-            the data: ``plan.totals.num_groups``.
-        session_index: ``[n_local]`` session (trajectory) index of each sample; required by
-            modes with sessions (docs/modes.md, "Sessions"). With a process group the labels
-            must mean the same on every rank and lie in ``[0, num_session_labels)``, where
-            ``num_session_labels`` is given or ``global_batch_size``; a session may straddle
-            micro-batches and ranks (its totals travel in the plan's one sum all-reduce).
-        num_session_labels: how many session labels ``session_index`` can take (with a process group).
-        sample_weights: ``[n_local]`` weights, for a term that weighs its samples (docs/terms.md).
+        group_index, session_index, sample_weights, num_group_labels, num_session_labels: this
+            rank's samples' prompt groups and sessions (for the modes that read them), weights (for
+            a term that weighs them) and label bounds (with a process group), as
+            :meth:`lossagg.RankSamples.of` checks and holds them.
 
-    ``plan.totals`` holds the step totals the mode declares and, gathered by every plan built
-    here, ``num_samples`` and ``total_tokens`` (the metrics reducer and Megatron's
-    per-token-loss scale use them), by name. Under ``config.empty_samples == "skip"`` it holds the
-    stand-ins the mode reads instead (``num_nonempty_samples`` for ``N``, ``num_nonempty_groups``
-    for ``P``; gathered in the same all-reduce), and ``num_samples`` still. With a process group,
-    a check that fails on one rank (a label out of range) makes every rank raise after the one sum
-    all-reduce, that rank naming it (docs/composition.md).
+    ``plan.totals`` holds, by name, the step totals the config's terms read (their stand-ins under
+    ``empty_samples="skip"``), and ``num_samples`` and ``total_tokens`` always. With a process group,
+    a check that fails on one rank makes every rank raise after the one sum all-reduce, that rank
+    naming it (docs/composition.md).
 
-    ``_totals`` is private: :meth:`from_totals` hands a trainer's step totals through it
-    (checked by :func:`lossagg.totals.plan_totals` instead of gathered), so that every plan is
-    built by this one constructor. So are ``_extra_sums`` (float64 values summed over the process
-    group in the plan's own sum all-reduce, in place: a :class:`lossagg.DeferredPlan`'s logged
-    values), ``_problem`` (what a deferred plan found its rank lacks, raised on every rank) and
-    ``_fingerprint`` (what else every rank must agree on).
+    The private keywords are for the library's own constructors: ``_totals`` (:meth:`from_totals`),
+    ``_extra_sums``, ``_problem`` and ``_fingerprint`` (a :class:`lossagg.DeferredPlan`'s logged
+    values, what its rank lacks, and what every rank must share, all in the one sum all-reduce).
     """
 
     def __init__(
@@ -111,25 +122,7 @@ class StepPlan(Plan):
         if not isinstance(config, LossAggregationConfig):
             config = LossAggregationConfig.coerce(config)
         process_group = check_process_group(process_group, "process_group", "the DP group of this rank")
-        if isinstance(token_counts, RankSamples):
-            given = [
-                n for n, v in (("group_index", group_index), ("session_index", session_index), ("sample_weights", sample_weights)) if v is not None
-            ]
-            given += [n for n, v in (("num_group_labels", num_group_labels), ("num_session_labels", num_session_labels)) if v is not None]
-            if given:
-                raise TypeError(f"StepPlan: the RankSamples record holds the samples' indices and weights; pass it alone, without {', '.join(given)}")
-            samples = token_counts
-        else:
-            samples = RankSamples.of(
-                config,
-                token_counts,
-                group_index=group_index,
-                session_index=session_index,
-                sample_weights=sample_weights,
-                num_group_labels=num_group_labels,
-                num_session_labels=num_session_labels,
-                indices_required=_totals is None,
-            )
+        samples = _samples(config, token_counts, group_index, session_index, sample_weights, num_group_labels, num_session_labels, _totals)
         self.config = config
         self.samples = samples
         self.token_counts = samples.token_counts
@@ -214,19 +207,13 @@ class StepPlan(Plan):
     def from_totals(cls, config: LossAggregationConfig, token_counts: torch.Tensor, *, sample_weights=None, **totals) -> StepPlan:
         """The plan of this rank's samples from step totals a trainer already has (no collective).
 
-        The keywords are the step totals of :data:`lossagg.totals.TOTALS`: ``num_samples``
-        (``N``, verl's ``global_batch_size``), ``num_nonempty_samples`` (``N'``, NeMo-RL's
-        ``global_valid_seqs``), ``total_tokens`` (``T``, verl's ``batch_num_tokens``, TRL's
-        ``num_items_in_batch``), ``max_tokens`` (``L_max``), ``num_groups`` (``P``),
-        ``num_nonempty_groups`` (``P'``), ``group_token_sums`` (``Sg[g(i)]`` of each local
-        sample) and, for the session modes, ``num_sessions`` (``S``), ``session_sizes``
-        (``K[s(i)]``), ``session_token_sums`` (``Ts[s(i)]``) and ``group_sessions`` (``Sp[g(i)]``),
-        the per-sample ones with one entry per local sample. The mode's totals (``lossagg.MODES[mode].totals``) are required, ``num_samples``
-        also for :meth:`metrics`; under ``empty_samples="skip"`` their stand-ins instead
-        (``num_nonempty_samples`` for ``num_samples``, ``num_nonempty_groups`` for
-        ``num_groups``). Each value is checked against this rank's own ``token_counts`` and
-        against the others. A weighted mean (docs/terms.md) also needs ``weight_sum`` or
-        ``abs_weight_sum`` (their ``nonempty_`` stand-ins under skip), and ``sample_weights``.
+        The keywords are the step totals of :data:`lossagg.totals.TOTALS` by name (docs/modes.md,
+        "Step totals": ``num_samples`` is verl's ``global_batch_size``, ``total_tokens`` its
+        ``batch_num_tokens`` and TRL's ``num_items_in_batch``, ``num_nonempty_samples`` NeMo-RL's
+        ``global_valid_seqs``; a per-sample total has one entry per local sample). The totals the
+        config's terms read are required (under ``empty_samples="skip"`` their stand-ins), and
+        ``num_samples`` for :meth:`metrics`; each is checked against this rank's ``token_counts``
+        and against the others. A weighted mean also needs ``sample_weights`` (docs/terms.md).
         """
         return cls(config, token_counts, sample_weights=sample_weights, _totals=totals)
 
@@ -297,16 +284,8 @@ class StepPlan(Plan):
         if step_layout:
             tokens, mask, cu_seqlens = cut_from_step(positions, mask, cu_seqlens)
         check_layout(positions.shape[0], mask, cu_seqlens)
-        if whole:  # the plan's own tables, moved once per device
-            tables = self._whole_tables(mask.device)
-        else:
-            tables = {}
-            cut = positions if run is None else run  # a run of consecutive samples: views, no gather
-            for acc, (d, w) in self._kernel_tables.items():
-                d, w = d[:, cut], None if w is None else w[:, cut]
-                if d.device != mask.device:
-                    d, w = d.to(mask.device), None if w is None else w.to(mask.device)
-                tables[acc] = (d, w)
+        # the plan's own tables, moved once per device; a run of consecutive samples: views, no gather
+        tables = self._whole_tables(mask.device) if whole else table_rows(self._kernel_tables, positions if run is None else run, mask.device)
         return MicroBatch(self, tuple(t.name for t in self._terms), [t.coefficient for t in self._terms], positions, mask, cu_seqlens, tables, tokens)
 
     @functools.cached_property
@@ -362,22 +341,7 @@ class StepPlan(Plan):
         micro-batch holds all its samples). Both totals come from the plan's one all-reduce. Multiply
         by the engine's factor (``gradient_scale``) as for :meth:`loss`.
         """
-        mb = given_micro_batch(self, micro_batch, None, None, "StepPlan.scalar_term")
-        if mb is None:
-            raise TypeError(f"StepPlan.scalar_term takes a MicroBatch of this plan (plan.micro_batch(...)), got {type(micro_batch).__name__}")
-        if not isinstance(value, torch.Tensor) or value.dim() != 0 or not value.is_floating_point():
-            got = f"shape {tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"StepPlan.scalar_term: value must be a 0-dim floating tensor (one number for the micro-batch), got {got}")
-        if weight == "tokens":
-            own = (mb.mask != 0).sum().to(torch.float64)
-            total = max(float(self.totals.total_tokens), 1.0)
-        elif weight == "samples":
-            cp = as_int("cp_size", cp_size, minimum=1)
-            own = torch.tensor(float(mb.num_samples), dtype=torch.float64)
-            total = float(self.totals.num_samples) * cp
-        else:
-            raise ValueError(f"StepPlan.scalar_term: weight must be 'tokens' or 'samples', got {weight!r}")
-        return scalar_share(value, own, total)
+        return scalar_term(self, value, micro_batch, weight=weight, cp_size=cp_size)
 
     def token_weights(
         self,
@@ -396,58 +360,85 @@ class StepPlan(Plan):
         or into a loss's per-token weights (SkyRL's advantages, verl's ``rollout_is_weights``;
         docs/trainers/skyrl.md): of the PG term, or of the loss's ``term``.
 
-        The result has the token shape of ``mask`` (padded ``[B, T]``, or packed ``[T]`` with
-        ``cu_seqlens``), on its device, in ``dtype`` (a floating dtype, float32 by default): every
-        token of sample ``i``, masked or not, holds ``gradient_scale(convention, dp_size=...,
-        cp_size=..., num_micro_batches=...) / d[i]`` (times ``w_i`` for a term that weighs its
-        samples; ``d_k[i]`` of ``term``). The mask is not in the weights (the
-        trainer masks the loss itself), so::
-
-            (weights * per_token_loss * mask).sum() == plan.loss(per_token_loss, mask, samples, cu_seqlens) * scale
-
-        up to float rounding, wherever ``per_token_loss`` is finite (``plan.loss`` drops a NaN
-        or inf under a zero mask, a product does not). Scaling the advantages instead,
-        ``advantages * weights``, gives the same loss when the per-token loss scales with its
-        advantage, ``l(w·A) = w·l(A)`` for ``w > 0`` (PPO-clip, dual clip, a plain policy
-        gradient); terms without the advantage (a KL or entropy term) are
-        not reweighted and need their own reduction (``plan.loss`` or ``plan.metrics``).
-        ``mask`` and ``cu_seqlens`` are checked as the ops check them (docs/ops.md, "Bad input").
+        Every token of sample ``i`` (of ``mask``'s token shape: padded ``[B, T]``, or packed ``[T]``
+        with ``cu_seqlens``; on its device, in ``dtype``), masked or not, holds
+        ``gradient_scale(convention, ...) / d_k[i]`` (times ``w_i`` for a term that weighs its
+        samples). The mask is not in the weights (the trainer masks the loss itself), so
+        ``(weights * per_token_loss * mask).sum()`` is ``plan.loss`` of the micro-batch times the
+        scale wherever the loss is finite. Scaling the advantages instead gives the same loss when
+        the per-token loss scales with its advantage, ``l(w·A) = w·l(A)`` for ``w > 0`` (PPO-clip,
+        dual clip, a plain policy gradient); a weight that ``dtype`` cannot carry is refused.
         """
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"dtype must be a floating torch.dtype (the weights are 1/d[i]), got {dtype!r}")
-        chosen = next((t for t in self._terms if t.name == term), None)
-        if chosen is None:
-            raise ValueError(f"StepPlan.token_weights: term must be one of the loss's terms ({', '.join(t.name for t in self._terms)}), got {term!r}")
-        scale = gradient_scale(convention, dp_size=dp_size, cp_size=cp_size, num_micro_batches=num_micro_batches)
-        try:  # the layout checks of the ops, on mask and cu_seqlens (one pass over the mask; the counts are not needed)
-            _token_counts(mask, cu_seqlens)
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(str(exc).replace("lossagg.token_counts: ", "StepPlan.token_weights: ", 1)) from None
-        check_holds_data("mask", mask)
-        check_holds_data("cu_seqlens", cu_seqlens)
-        positions = self._positions(samples)
-        d = self.term_denoms[chosen.name][positions].to(device=mask.device, dtype=torch.float64)
-        check_layout(d.shape[0], mask, cu_seqlens)
-        per_sample = d.new_full(d.shape, scale) / d  # float64, rounded once (a number over a tensor is its reciprocal times it)
-        if chosen.weighting != "none":  # the sample's weight too: w_i · scale / d[i], any sign, 0 a weight of 0
-            per_sample = per_sample * self.sample_weights[positions.to(self.sample_weights.device)].to(per_sample.device)
-            rounded = per_sample.to(dtype)
-            lost = ~torch.isfinite(rounded) | ((rounded == 0) & (per_sample != 0))
-        else:
-            rounded = per_sample.to(dtype)
-            lost = ~(torch.isfinite(rounded) & (rounded > 0))
-        if per_sample.numel() and bool(lost.any()):
-            i = int(torch.nonzero(lost)[0, 0])
-            raise ValueError(
-                f"StepPlan.token_weights: the weight of sample {i} is {float(per_sample[i])!r}, which is {float(rounded[i])!r} in {dtype} "
-                f"(gradient_scale {scale} / d[i] = {float(d[i])!r}): the identity with plan.loss would fail silently; use dtype=torch.float32"
-            )
-        if cu_seqlens is None:
-            weights = per_sample[:, None].expand(mask.shape)
-        else:
-            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device=mask.device, dtype=torch.long)
-            weights = torch.repeat_interleave(per_sample, lengths, output_size=mask.shape[0])
-        return weights.to(dtype).contiguous()
+        return token_weights(
+            self,
+            mask,
+            samples,
+            cu_seqlens,
+            scale=gradient_scale(convention, dp_size=dp_size, cp_size=cp_size, num_micro_batches=num_micro_batches),
+            dtype=dtype,
+            term=term,
+        )
+
+
+def scalar_term(plan: StepPlan, value: torch.Tensor, micro_batch, *, weight: str, cp_size) -> torch.Tensor:
+    """:meth:`StepPlan.scalar_term`'s arithmetic (its docstring)."""
+    if not isinstance(micro_batch, MicroBatch):
+        raise TypeError(
+            f"StepPlan.scalar_term: micro_batch must be a MicroBatch of this plan (plan.micro_batch(samples, mask, cu_seqlens)), "
+            f"got {type(micro_batch).__name__}"
+        )
+    mb = given_micro_batch(plan, micro_batch, None, None, "StepPlan.scalar_term")
+    if not isinstance(value, torch.Tensor) or value.dim() != 0 or not value.is_floating_point():
+        got = f"shape {tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"StepPlan.scalar_term: value must be a 0-dim floating tensor (one number for the micro-batch), got {got}")
+    if weight not in ("tokens", "samples"):
+        raise ValueError(f"StepPlan.scalar_term: weight must be 'tokens' or 'samples', got {weight!r}")
+    cp = as_int("cp_size", cp_size, minimum=1)
+    total = "total_tokens" if weight == "tokens" else "num_samples"
+    if total not in plan.totals:
+        raise ValueError(f"StepPlan.scalar_term: weight={weight!r} reads the step's {total}: pass {total} to StepPlan.from_totals")
+    if weight == "tokens":  # this CP rank's own tokens and number: no CP factor
+        return scalar_share(value, (mb.mask != 0).sum().to(torch.float64), max(float(plan.totals.total_tokens), 1.0))
+    return scalar_share(value, torch.tensor(float(mb.num_samples), dtype=torch.float64), float(plan.totals.num_samples) * cp)
+
+
+def token_weights(plan: StepPlan, mask, samples, cu_seqlens, *, scale: float, dtype, term: str) -> torch.Tensor:
+    """:meth:`StepPlan.token_weights` with the engine's factor ``scale`` already computed: ``scale / d_k[i]``
+    (times ``w_i`` for a weighted term) on every token of sample ``i``, checked to survive ``dtype``."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype (the weights are 1/d[i]), got {dtype!r}")
+    chosen = next((t for t in plan._terms if t.name == term), None)
+    if chosen is None:
+        raise ValueError(f"StepPlan.token_weights: term must be one of the loss's terms ({', '.join(t.name for t in plan._terms)}), got {term!r}")
+    try:  # the layout checks of the ops, on mask and cu_seqlens (one pass over the mask; the counts are not needed)
+        _token_counts(mask, cu_seqlens)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(str(exc).replace("lossagg.token_counts: ", "StepPlan.token_weights: ", 1)) from None
+    check_holds_data("mask", mask)
+    check_holds_data("cu_seqlens", cu_seqlens)
+    positions = plan._positions(samples)
+    d = plan.term_denoms[chosen.name][positions].to(device=mask.device, dtype=torch.float64)
+    check_layout(d.shape[0], mask, cu_seqlens)
+    per_sample = d.new_full(d.shape, scale) / d  # float64, rounded once (a number over a tensor is its reciprocal times it)
+    if chosen.weighting != "none":  # the sample's weight too: w_i · scale / d[i], any sign, 0 a weight of 0
+        per_sample = per_sample * plan.sample_weights[positions.to(plan.sample_weights.device)].to(per_sample.device)
+        rounded = per_sample.to(dtype)
+        lost = ~torch.isfinite(rounded) | ((rounded == 0) & (per_sample != 0))
+    else:
+        rounded = per_sample.to(dtype)
+        lost = ~(torch.isfinite(rounded) & (rounded > 0))
+    if per_sample.numel() and bool(lost.any()):
+        i = int(torch.nonzero(lost)[0, 0])
+        raise ValueError(
+            f"StepPlan.token_weights: the weight of sample {i} is {float(per_sample[i])!r}, which is {float(rounded[i])!r} in {dtype} "
+            f"(gradient_scale {scale} / d[i] = {float(d[i])!r}): the identity with plan.loss would fail silently; use dtype=torch.float32"
+        )
+    if cu_seqlens is None:
+        weights = per_sample[:, None].expand(mask.shape)
+    else:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device=mask.device, dtype=torch.long)
+        weights = torch.repeat_interleave(per_sample, lengths, output_size=mask.shape[0])
+    return weights.to(dtype).contiguous()
 
 
 def scalar_share(value: torch.Tensor, own, total) -> torch.Tensor:

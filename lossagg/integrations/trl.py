@@ -374,7 +374,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
         plan = inputs[PLAN_KEY]
         terms = plan.config.terms
         kl_apart = "kl" in terms
-        per_token_loss, is_clipped, per_token_kl = self._surrogate(inputs, logps, entropies, mask, kl_apart=kl_apart)
+        per_token_loss, is_clipped, per_token_kl = surrogate(self, inputs, logps, entropies, mask, kl_apart=kl_apart)
         if self.model.training:
             self._lossagg_step_empty = plan.empty  # the same on every process: gathered totals
         # a per-sample (B, 1) value is broadcast over its tokens (the op reads every element from memory)
@@ -431,66 +431,67 @@ class GRPOTrainer(_TRLGRPOTrainer):
         totals = totals.reshape(-1, 2).sum(0)
         return (totals[0] / totals[1].clamp(min=1.0)).item()
 
-    def _surrogate(self, inputs, logps, entropies, mask, *, kl_apart: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """TRL's per-token objective before aggregation (the clipped surrogate, or ``cispo``, ``sapo``, ``vespo``
-        as TRL computes them), where it clipped, and the per-token KL penalty (``beta`` times it is in the first
-        unless ``kl_apart``, where the KL is the term 'kl')."""
-        advantages = inputs["advantages"]
-        if advantages.dim() == 1:
-            advantages = advantages.unsqueeze(1)
-        old_logps = inputs.get("old_per_token_logps")
-        old_logps = logps.detach() if old_logps is None else old_logps
-        log_ratio = logps - old_logps
-        if self.importance_sampling_level == "sequence":
-            log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-        elif self.importance_sampling_level == "token":
-            log_weights = log_ratio
-        else:
-            raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {self.importance_sampling_level!r}")
-        ratio = torch.exp(log_weights)
-        objective = self.loss_type if self.loss_type in OBJECTIVES else "clip"
-        if objective == "cispo":
-            # the ratio capped at epsilon_high, as a constant weight of the log-probability
-            per_token_loss = -torch.clamp(ratio, max=self.epsilon_high).detach() * advantages * logps
-            is_clipped = ratio > self.epsilon_high
-        elif objective == "sapo":
-            temperatures = torch.where(advantages > 0, self.args.sapo_temperature_pos, self.args.sapo_temperature_neg)
-            per_token_loss = -(torch.sigmoid(temperatures * (ratio - 1)) * 4 / temperatures) * advantages
-            is_clipped = torch.zeros_like(per_token_loss, dtype=torch.bool)
-        elif objective == "vespo":
-            phi = self.get_gamma_weights(
-                advantages=advantages,
-                log_ratio_per_token=log_ratio,
-                mask=mask,
-                importance_sampling_ratio=inputs.get("importance_sampling_ratio"),
-                k_pos=self.args.vespo_k_pos,
-                lambda_pos=self.args.vespo_lambda_pos,
-                k_neg=self.args.vespo_k_neg,
-                lambda_neg=self.args.vespo_lambda_neg,
-            )
-            per_token_loss = -phi * advantages * logps
-            is_clipped = torch.zeros_like(per_token_loss, dtype=torch.bool)
-        else:  # the clipped surrogate (grpo, dapo, dr_grpo, bnpo, luspo and lossagg's modes)
-            clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
-            ratio_for_loss = ratio if self.args.delta is None else torch.clamp(ratio, max=self.args.delta)
-            unclipped_term = ratio_for_loss * advantages
-            clipped_term = clipped * advantages
-            per_token_loss = -torch.min(unclipped_term, clipped_term)
-            is_clipped = clipped_term < unclipped_term
 
-        if self.off_policy_mask_threshold is not None:
-            sampling_logps = inputs.get("sampling_per_token_logps", old_logps)
-            per_token_loss = per_token_loss * self.get_off_policy_mask(advantages, logps, sampling_logps, mask, self.off_policy_mask_threshold)
-        if self.top_entropy_quantile < 1.0:
-            per_token_loss = per_token_loss * self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
-        if self.use_vllm and self.vllm_importance_sampling_correction and objective != "vespo":
-            per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]
-        kl = None
-        if self.beta != 0.0:
-            ref = inputs["ref_per_token_logps"]
-            kl = torch.exp(ref - logps) - (ref - logps) - 1
-            if self.args.use_bias_correction_kl:
-                kl = kl * ratio
-            if not kl_apart:
-                per_token_loss = per_token_loss + self.beta * kl
-        return per_token_loss, is_clipped, kl
+def surrogate(trainer, inputs, logps, entropies, mask, *, kl_apart: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """TRL's per-token objective before aggregation (the clipped surrogate, or ``cispo``, ``sapo``, ``vespo``
+    as TRL computes them), where it clipped, and the per-token KL penalty (``beta`` times it is in the first
+    unless ``kl_apart``, where the KL is the term 'kl')."""
+    advantages = inputs["advantages"]
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    old_logps = inputs.get("old_per_token_logps")
+    old_logps = logps.detach() if old_logps is None else old_logps
+    log_ratio = logps - old_logps
+    if trainer.importance_sampling_level == "sequence":
+        log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    elif trainer.importance_sampling_level == "token":
+        log_weights = log_ratio
+    else:
+        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {trainer.importance_sampling_level!r}")
+    ratio = torch.exp(log_weights)
+    objective = trainer.loss_type if trainer.loss_type in OBJECTIVES else "clip"
+    if objective == "cispo":
+        # the ratio capped at epsilon_high, as a constant weight of the log-probability
+        per_token_loss = -torch.clamp(ratio, max=trainer.epsilon_high).detach() * advantages * logps
+        is_clipped = ratio > trainer.epsilon_high
+    elif objective == "sapo":
+        temperatures = torch.where(advantages > 0, trainer.args.sapo_temperature_pos, trainer.args.sapo_temperature_neg)
+        per_token_loss = -(torch.sigmoid(temperatures * (ratio - 1)) * 4 / temperatures) * advantages
+        is_clipped = torch.zeros_like(per_token_loss, dtype=torch.bool)
+    elif objective == "vespo":
+        phi = trainer.get_gamma_weights(
+            advantages=advantages,
+            log_ratio_per_token=log_ratio,
+            mask=mask,
+            importance_sampling_ratio=inputs.get("importance_sampling_ratio"),
+            k_pos=trainer.args.vespo_k_pos,
+            lambda_pos=trainer.args.vespo_lambda_pos,
+            k_neg=trainer.args.vespo_k_neg,
+            lambda_neg=trainer.args.vespo_lambda_neg,
+        )
+        per_token_loss = -phi * advantages * logps
+        is_clipped = torch.zeros_like(per_token_loss, dtype=torch.bool)
+    else:  # the clipped surrogate (grpo, dapo, dr_grpo, bnpo, luspo and lossagg's modes)
+        clipped = torch.clamp(ratio, 1 - trainer.epsilon_low, 1 + trainer.epsilon_high)
+        ratio_for_loss = ratio if trainer.args.delta is None else torch.clamp(ratio, max=trainer.args.delta)
+        unclipped_term = ratio_for_loss * advantages
+        clipped_term = clipped * advantages
+        per_token_loss = -torch.min(unclipped_term, clipped_term)
+        is_clipped = clipped_term < unclipped_term
+
+    if trainer.off_policy_mask_threshold is not None:
+        sampling_logps = inputs.get("sampling_per_token_logps", old_logps)
+        per_token_loss = per_token_loss * trainer.get_off_policy_mask(advantages, logps, sampling_logps, mask, trainer.off_policy_mask_threshold)
+    if trainer.top_entropy_quantile < 1.0:
+        per_token_loss = per_token_loss * trainer.get_high_entropy_mask(entropies, mask, 1 - trainer.top_entropy_quantile)
+    if trainer.use_vllm and trainer.vllm_importance_sampling_correction and objective != "vespo":
+        per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]
+    kl = None
+    if trainer.beta != 0.0:
+        ref = inputs["ref_per_token_logps"]
+        kl = torch.exp(ref - logps) - (ref - logps) - 1
+        if trainer.args.use_bias_correction_kl:
+            kl = kl * ratio
+        if not kl_apart:
+            per_token_loss = per_token_loss + trainer.beta * kl
+    return per_token_loss, is_clipped, kl
