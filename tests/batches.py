@@ -273,3 +273,9 @@ def engine_modes() -> list[str]:
     """The modes a multi-process engine world runs: every registered mode without sessions, and
     :data:`ENGINE_SESSION_MODES`."""
     return [m for m, spec in lossagg.MODES.items() if not spec.needs_sessions or m in ENGINE_SESSION_MODES]
+
+
+def function_mode(name: str, denom_formula: str, denoms, reference) -> lossagg.ModeSpec:
+    """A test mode whose ``d[i]`` is a function (not a :class:`lossagg.DenomProduct`) reading ``N``."""
+    summary, formula = f"test mode: d[i] = {denom_formula}", f"Σ_i Σ_t m·l / ({denom_formula})"
+    return lossagg.ModeSpec(name, summary, formula, denom_formula, ("num_samples",), denoms, reference)

@@ -58,6 +58,17 @@ LAYOUTS = {
 }
 
 
+def record(path: str, corpus, script: str) -> None:
+    """The ``--record`` entry point of a recorder of step results (tests/golden_plan.py, golden_program.py,
+    golden_micro_batch.py): its corpus written to ``path``, keyed by the torch that made it."""
+    if "--record" not in sys.argv:
+        sys.exit(f"usage: python {script} --record")
+    results = corpus()
+    with open(path, "w") as f:
+        json.dump({"torch": torch.__version__, "cases": results}, f, indent=0, sort_keys=True)
+    print(f"recorded {len(results)} results to {path}")
+
+
 def _digest(t: torch.Tensor) -> str:
     shape = tuple(t.shape)
     t = t.detach().cpu().contiguous().reshape(-1)

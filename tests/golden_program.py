@@ -19,9 +19,7 @@ every instruction set this CPU has, with 1 and 2 threads.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import sys
 
 import numpy as np
 import torch
@@ -179,9 +177,6 @@ def corpus() -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    if "--record" not in sys.argv:
-        sys.exit("usage: python tests/golden_program.py --record")
-    results = corpus()
-    with open(GOLDEN_PATH, "w") as f:
-        json.dump({"torch": torch.__version__, "cases": results}, f, indent=0, sort_keys=True)
-    print(f"recorded {len(results)} results to {GOLDEN_PATH}")
+    import golden
+
+    golden.record(GOLDEN_PATH, corpus, "tests/golden_program.py")

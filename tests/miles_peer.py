@@ -11,49 +11,20 @@ joined by ``os.pathsep``) points elsewhere.
 
 from __future__ import annotations
 
-import functools
 import os
-import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DIRS = (
-    os.environ["LOSSAGG_MILES_PATH"].split(os.pathsep)
-    if os.environ.get("LOSSAGG_MILES_PATH")
-    else [os.path.join(ROOT, "build", "peers", "miles"), os.path.join(ROOT, "build", "peers", "miles-deps")]
-)
+from peer_dirs import PeerDirs
+
+
+def _not_after_megatron_core(dirs) -> None:
+    """miles' own megatron must be the first imported in the process."""
+    megatron = sys.modules.get("megatron")
+    if megatron is not None and not any(os.path.abspath(getattr(megatron, "__file__", "") or "").startswith(d) for d in dirs):
+        raise RuntimeError("megatron-core was imported in this process before miles' own megatron: miles is tested in processes of its own")
+
+
 #: what the tests import of miles
 MODULES = ("miles.utils.arguments", "miles.backends.megatron_utils.model", "miles.backends.training_utils.loss")
-
-
-def enter() -> None:
-    """Put miles' directories first on this process's ``sys.path`` (before any ``megatron`` import)."""
-    if "megatron" in sys.modules and not any(os.path.abspath(getattr(sys.modules["megatron"], "__file__", "") or "").startswith(d) for d in DIRS):
-        raise RuntimeError("megatron-core was imported in this process before miles' own megatron: miles is tested in processes of its own")
-    for d in reversed(DIRS):
-        if d not in sys.path:
-            sys.path.insert(0, d)
-
-
-def env() -> dict[str, str]:
-    """The environment of a subprocess that imports miles."""
-    out = dict(os.environ)
-    out["PYTHONPATH"] = os.pathsep.join([*DIRS, ROOT, out.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return out
-
-
-@functools.lru_cache(maxsize=1)
-def unavailable() -> str | None:
-    """None when miles imports in a subprocess; otherwise why not (the tests skip with it)."""
-    missing = [d for d in DIRS if not os.path.isdir(d)]
-    if missing:
-        return f"miles-rl 0.0.2 is not installed ({', '.join(missing)} missing); scripts/install_peers.sh installs it"
-    code = "import " + ", ".join(MODULES)
-    try:
-        done = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        return "importing miles-rl 0.0.2 took over 600 s"
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        return f"miles-rl 0.0.2 does not import from {DIRS[0]}: {last}; scripts/install_peers.sh installs it"
-    return None
+PEER = PeerDirs("miles-rl 0.0.2", ("miles", "miles-deps"), "LOSSAGG_MILES_PATH", MODULES, "scripts/install_peers.sh", check=_not_after_megatron_core)
+ROOT, DIRS, enter, env, unavailable = PEER.root, PEER.dirs, PEER.enter, PEER.env, PEER.unavailable

@@ -15,17 +15,8 @@ points elsewhere.
 
 from __future__ import annotations
 
-import functools
-import os
-import subprocess
-import sys
+from peer_dirs import PeerDirs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DIRS = (
-    os.environ["LOSSAGG_SLIME_PATH"].split(os.pathsep)
-    if os.environ.get("LOSSAGG_SLIME_PATH")
-    else [os.path.join(ROOT, "build", "peers", "slime"), os.path.join(ROOT, "build", "peers", "slime-deps")]
-)
 #: what the tests import of slime
 MODULES = (
     "slime.utils.arguments",
@@ -36,37 +27,14 @@ MODULES = (
 )
 #: the statement that :func:`enter` runs first, for a subprocess's ``-c`` code too
 TYPING = "import typing, typing_extensions; typing.override = getattr(typing, 'override', typing_extensions.override)"
-
-
-def enter() -> None:
-    """Put slime's directories first on this process's ``sys.path``, with ``typing.override`` in place."""
-    exec(TYPING, {})  # noqa: S102 - a fixed statement of this module
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # slime wraps its policy loss in torch.compile: 2 cores, one compile per world
-    for d in reversed(DIRS):
-        if d not in sys.path:
-            sys.path.insert(0, d)
-
-
-def env() -> dict[str, str]:
-    """The environment of a subprocess that imports slime (its code runs :data:`TYPING` first)."""
-    out = dict(os.environ)
-    out["PYTHONPATH"] = os.pathsep.join([*DIRS, ROOT, out.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    out.setdefault("TORCHDYNAMO_DISABLE", "1")
-    return out
-
-
-@functools.lru_cache(maxsize=1)
-def unavailable() -> str | None:
-    """None when slime imports in a subprocess; otherwise why not (the tests say it and fail under CI)."""
-    missing = [d for d in DIRS if not os.path.isdir(d)]
-    if missing:
-        return f"slime 624b824 is not installed ({', '.join(missing)} missing); scripts/install_slime.sh installs it"
-    code = TYPING + "; import " + ", ".join(MODULES)
-    try:
-        done = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        return "importing slime took over 600 s"
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        return f"slime 624b824 does not import from {DIRS[0]}: {last}; scripts/install_slime.sh installs it"
-    return None
+# slime wraps its policy loss in torch.compile: 2 cores, one compile per world
+PEER = PeerDirs(
+    "slime 624b824",
+    ("slime", "slime-deps"),
+    "LOSSAGG_SLIME_PATH",
+    MODULES,
+    "scripts/install_slime.sh",
+    prelude=TYPING,
+    env={"TORCHDYNAMO_DISABLE": "1"},
+)
+ROOT, DIRS, enter, env, unavailable = PEER.root, PEER.dirs, PEER.enter, PEER.env, PEER.unavailable

@@ -11,7 +11,7 @@ import filtered_step
 import pytest
 import torch
 import torch_engines
-from batches import per_prompt, sessions_in
+from batches import function_mode, per_prompt, sessions_in
 
 import lossagg
 from lossagg.deferred import deferred_factors
@@ -188,14 +188,11 @@ def test_nemo_rls_token_level_scheme_gives_the_same_number():
 
 # ------------------------------------------------------------------------- refusals
 def test_a_mode_whose_denoms_are_a_function_is_refused_by_name():
-    spec = lossagg.ModeSpec(
-        name="sample_sqrt_deferred",
-        summary="each sample's sum over the root of its length",
-        formula="(1/N) Σ_i Σ_t m·l / sqrt(c(M[i]))",
-        denom_formula="N · sqrt(c(M[i]))",
-        totals=("num_samples",),
-        denoms=lambda x: x.totals.num_samples * x.token_counts.clamp(min=1.0).sqrt(),
-        reference=lambda r: sum(s / max(m, 1.0) ** 0.5 for s, m in zip(r.numerators, r.token_counts, strict=True)) / len(r.numerators),
+    spec = function_mode(
+        "sample_sqrt_deferred",
+        "N · sqrt(c(M[i]))",
+        lambda x: x.totals.num_samples * x.token_counts.clamp(min=1.0).sqrt(),
+        lambda r: sum(s / max(m, 1.0) ** 0.5 for s, m in zip(r.numerators, r.token_counts, strict=True)) / len(r.numerators),
     )
     lossagg.register_mode(spec)
     try:

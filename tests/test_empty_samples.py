@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from batches import per_prompt, sessions_in
+from batches import function_mode, per_prompt, sessions_in
 from worlds import report, run_world
 
 import lossagg
@@ -295,14 +295,11 @@ def test_the_metrics_reducer_follows_the_setting(mode):
 
 
 def test_a_registered_mode_that_reads_n_follows_the_setting():
-    spec = lossagg.ModeSpec(
-        name="sample_sq_empty",
-        summary="each sample's token sum over its squared length",
-        formula="(1/N) Σ_i Σ_t m·l / c(M[i])²",
-        denom_formula="N · c(M[i])²",
-        totals=("num_samples",),
-        denoms=lambda x: x.totals.num_samples * x.token_counts.clamp(min=1.0) ** 2,
-        reference=lambda r: sum(s / max(m, 1.0) ** 2 for s, m in zip(r.numerators, r.token_counts, strict=True)) / len(r.numerators),
+    spec = function_mode(
+        "sample_sq_empty",
+        "N · c(M[i])²",
+        lambda x: x.totals.num_samples * x.token_counts.clamp(min=1.0) ** 2,
+        lambda r: sum(s / max(m, 1.0) ** 2 for s, m in zip(r.numerators, r.token_counts, strict=True)) / len(r.numerators),
     )
     lossagg.register_mode(spec)
     try:

@@ -36,6 +36,7 @@ import sys
 import miles_peer
 import pytest
 import torch
+from seed_train import PROMPT_LEN, VOCAB, RecordingOptimizer, Scheduler, ToyLM, caller, rejected, without
 from stand_ins import StandInMisuse, TorchForSchedules
 from worlds import report, run_world
 
@@ -45,12 +46,11 @@ from lossagg.modes import default_term_mode
 pytestmark = pytest.mark.xdist_group("engines")
 
 N_PER_PROMPT, PROMPTS, STEPS, MICRO_BATCH_SIZE = 2, 8, 2, 2
-VOCAB, HIDDEN, PROMPT_LEN = 7, 4, 3
 ENTROPY_COEF, KL_COEF = 0.1, 0.05
 #: entropy and KL on (miles checks that --ref-load exists when KL is on; the reference log-probs come with the rollout)
 TERMS = ["--entropy-coef", str(ENTROPY_COEF), "--use-kl-loss", "--kl-loss-coef", str(KL_COEF), "--kl-loss-type", "k2"]
 TERMS += ["--ref-load", os.path.dirname(os.path.abspath(__file__))]
-TIS_RS = ["--use-tis", "--tis-clip", "1.3", "--tis-clip-low", "0.8", "--custom-tis-function-path", "test_miles_train.rejecting_tis_function"]
+TIS_RS = ["--use-tis", "--tis-clip", "1.3", "--tis-clip-low", "0.8", "--custom-tis-function-path", "seed_train.rejecting_tis_function"]
 
 BASE_ARGV = [
     "train.py",
@@ -151,8 +151,6 @@ def launches(tmp_path_factory):
 
 
 # ----------------------------------------------------------------------- stand-ins
-def _caller(depth: int = 2) -> str:
-    return sys._getframe(depth).f_code.co_filename.replace(os.sep, "/")
 
 
 def install_stand_ins():
@@ -162,13 +160,13 @@ def install_stand_ins():
     real_cuda = torch.Tensor.cuda
 
     def cuda(self, *args, **kwargs):
-        if not _caller().endswith("miles/backends/training_utils/data.py"):
+        if not caller().endswith("miles/backends/training_utils/data.py"):
             return real_cuda(self, *args, **kwargs)
         used["cuda"] += 1
         return self
 
     def current_device():
-        where = _caller()
+        where = caller()
         if not where.endswith(
             ("megatron/core/distributed/param_and_grad_buffer.py", "miles/backends/training_utils/data.py", "miles/backends/megatron_utils/model.py")
         ):
@@ -177,8 +175,8 @@ def install_stand_ins():
         return "cpu"
 
     def mem_get_info(*args):
-        if not _caller().endswith("miles/backends/megatron_utils/model.py"):
-            raise StandInMisuse(f"torch.cuda.mem_get_info stand-in called from {_caller()}")
+        if not caller().endswith("miles/backends/megatron_utils/model.py"):
+            raise StandInMisuse(f"torch.cuda.mem_get_info stand-in called from {caller()}")
         used["mem_get_info"] += 1
         return (1, 1)
 
@@ -234,42 +232,6 @@ def _no_single_token_shard(total: int, response: int, cp_sizes=(1, 2)) -> bool:
         if 1 in held:
             return False
     return True
-
-
-def rejected(response_length: int) -> torch.Tensor:
-    """The tokens the test's rejection sampling drops from the numerator: every third of the response."""
-    out = torch.zeros(response_length, dtype=torch.bool)
-    out[::3] = True
-    return out
-
-
-def rejecting_tis_function(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kwargs):
-    """A TIS/RS function in miles' signature (``--custom-tis-function-path``): miles' truncated importance
-    weights, and a rejection that returns modified masks (every third response token dropped), as
-    miles' TIS/RS functions hand back ``modified_response_masks``."""
-    weights = torch.clamp(torch.exp(torch.cat(train_log_probs) - torch.cat(rollout_log_probs)), min=args.tis_clip_low, max=args.tis_clip)
-    modified = [m * (~rejected(m.numel())).to(m.dtype) for m in loss_masks]
-    return pg_loss * weights, modified, {}
-
-
-class ToyLM(torch.nn.Module):
-    """Logits of each token from its own embedding (no attention, so a CP shard needs no exchange)."""
-
-    def __init__(self, config=None):
-        super().__init__()
-        from megatron.core.enums import ModelType
-
-        self.config = config
-        self.model_type = ModelType.encoder_or_decoder
-        g = torch.Generator().manual_seed(3)
-        self.embed = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=g, dtype=torch.float64))
-        self.head = torch.nn.Parameter(torch.randn(HIDDEN, VOCAB, generator=g, dtype=torch.float64) * 0.5)
-
-    def set_input_tensor(self, input_tensor):
-        """One pipeline stage: nothing comes."""
-
-    def forward(self, input_ids, *args, **kwargs):
-        return self.embed[input_ids] @ self.head
 
 
 def reference_grads(case_config, samples, step, args):
@@ -345,39 +307,6 @@ def reference_grads(case_config, samples, step, args):
     (j * reported).backward()
     scale = float(1.0 / torch.tensor(int(reported), dtype=torch.int))
     return [model.embed.grad * scale, model.head.grad * scale]
-
-
-class RecordingOptimizer:
-    """What miles' train_one_step calls of an optimizer; step() records every parameter's main_grad."""
-
-    def __init__(self, module):
-        self.module = module
-        self.grads = []
-        self.param_groups = [{"lr": 0.0}]
-
-    def scale_loss(self, loss):
-        return loss
-
-    def zero_grad(self):
-        pass
-
-    def prepare_grads(self):
-        return False
-
-    def get_grad_norm(self):
-        return 0.0
-
-    def step(self):
-        self.grads.append([p.main_grad.detach().clone() for p in (self.module.embed, self.module.head)])
-        return True, 0.0, None
-
-
-class Scheduler:
-    def step(self, increment):
-        pass
-
-    def get_lr(self, param_group):
-        return param_group["lr"]
 
 
 def rank_rollout(samples, dp_rank, dp, args):
@@ -481,22 +410,17 @@ def test_miles_train_step_gives_the_gradient_of_j(dp, cp, launches, tmp_path):
 LAUNCH = [a for a in BASE_ARGV if a != "--true-on-policy-mode"]
 
 
-def _without(argv, flag):
-    i = argv.index(flag)
-    return argv[:i] + argv[i + 2 :]
-
-
 def test_launch_checks_through_miles_parse_args():
     """The seed PR's cases and the refusals, on miles' own parse_args (after it derives global_batch_size)."""
     why = miles_peer.unavailable()
     if why:
         pytest.skip(why)
     # --rollout-batch-size 8 --n-samples-per-prompt 4 --num-steps-per-rollout 3: a step of 10 samples
-    bad_batch = _without(_without(LAUNCH, "--n-samples-per-prompt"), "--num-steps-per-rollout")
+    bad_batch = without(without(LAUNCH, "--n-samples-per-prompt"), "--num-steps-per-rollout")
     bad_batch += ["--n-samples-per-prompt", "4", "--num-steps-per-rollout", "3", "--loss-aggregation", "prompt_mean"]
     launches = {
         "seed_step_of_10": (True, bad_batch),
-        "zero_per_prompt": (True, _without(LAUNCH, "--n-samples-per-prompt") + ["--n-samples-per-prompt", "0", "--loss-aggregation", "prompt_mean"]),
+        "zero_per_prompt": (True, without(LAUNCH, "--n-samples-per-prompt") + ["--n-samples-per-prompt", "0", "--loss-aggregation", "prompt_mean"]),
         "legacy_flag_contradicted": (True, LAUNCH + ["--loss-aggregation", "sample_mean", "--calculate-per-token-loss"]),
         "constant_per_token": (True, LAUNCH + ["--loss-aggregation", "constant", "--loss-aggregation-divisor", "8", "--calculate-per-token-loss"]),
         "constant_without_divisor": (True, LAUNCH + ["--loss-aggregation", "constant"]),

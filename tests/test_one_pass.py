@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from batches import LAYOUTS, MASK_DTYPES, VALUE_DTYPES, every_path_batch, long_batch, make_batch, many_short_batch
+from batches import LAYOUTS, MASK_DTYPES, VALUE_DTYPES, every_path_batch, function_mode, long_batch, make_batch, many_short_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -85,14 +85,11 @@ def test_metric_dimension_is_refused_by_name():
 
 # ------------------------------------------------------------------ aggregate
 def _register_squared_mode():
-    spec = lossagg.ModeSpec(
-        name="one_pass_test_sqrt",
-        summary="test mode: d[i] = N · sqrt(c(M[i]))",
-        formula="(1/N) Σ_i Σ_t m·l / sqrt(c(M[i]))",
-        denom_formula="N · sqrt(c(M[i]))",
-        totals=("num_samples",),
-        denoms=lambda x: float(x.totals.num_samples) * x.token_counts.clamp(min=1.0).sqrt(),
-        reference=lambda r: sum(r.numerators[i] / max(float(r.token_counts[i]), 1.0) ** 0.5 for i in range(len(r.numerators))) / len(r.numerators),
+    spec = function_mode(
+        "one_pass_test_sqrt",
+        "N · sqrt(c(M[i]))",
+        lambda x: float(x.totals.num_samples) * x.token_counts.clamp(min=1.0).sqrt(),
+        lambda r: sum(r.numerators[i] / max(float(r.token_counts[i]), 1.0) ** 0.5 for i in range(len(r.numerators))) / len(r.numerators),
     )
     return lossagg.register_mode(spec)
 
@@ -539,14 +536,11 @@ def test_a_token_count_is_a_non_zero_entry_of_the_mask_passed():
 
 def test_denoms_that_require_grad_are_refused_by_aggregate_as_by_plan_loss():
     w = torch.tensor(2.0, requires_grad=True)
-    spec = lossagg.ModeSpec(
-        name="round4_grad_denoms",
-        summary="test mode: d[i] = w · N",
-        formula="(1/(wN)) Σ_i Σ_t m·l",
-        denom_formula="w · N",
-        totals=("num_samples",),
-        denoms=lambda x: w * x.token_counts.new_full(x.token_counts.shape, float(x.totals.num_samples)),
-        reference=lambda r: sum(r.numerators) / (2.0 * len(r.numerators)),
+    spec = function_mode(
+        "round4_grad_denoms",
+        "w · N",
+        lambda x: w * x.token_counts.new_full(x.token_counts.shape, float(x.totals.num_samples)),
+        lambda r: sum(r.numerators) / (2.0 * len(r.numerators)),
     )
     lossagg.register_mode(spec)
     try:

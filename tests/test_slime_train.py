@@ -34,6 +34,7 @@ import sys
 import pytest
 import slime_peer
 import torch
+from seed_train import PROMPT_LEN, VOCAB, RecordingOptimizer, Scheduler, ToyLM, rejected, without
 from stand_ins import install_megatron_core_stand_ins
 from worlds import report, run_world
 
@@ -43,7 +44,6 @@ from lossagg.modes import default_term_mode
 pytestmark = pytest.mark.xdist_group("slime")
 
 N_PER_PROMPT, PROMPTS, STEPS = 2, 6, 2
-VOCAB, HIDDEN, PROMPT_LEN = 7, 4, 3
 ENTROPY_COEF, KL_COEF = 0.1, 0.05
 TOLERANCE = 2e-5
 
@@ -76,7 +76,7 @@ TERMS = [
     "--ref-load",
     os.path.dirname(__file__),
 ]
-TIS = ["--use-tis", "--tis-clip", "1.3", "--tis-clip-low", "0.8", "--custom-tis-function-path", "test_slime_train.rejecting_tis_function"]
+TIS = ["--use-tis", "--tis-clip", "1.3", "--tis-clip-low", "0.8", "--custom-tis-function-path", "seed_train.rejecting_tis_function"]
 
 #: name -> (extra flags, lossagg config of the reference (None: slime's own reducer), {term: mode} of the reference)
 CASES = {
@@ -194,8 +194,6 @@ def launches(tmp_path_factory):
 
 
 # ----------------------------------------------------------------------- stand-ins
-def _caller(depth: int = 2) -> str:
-    return sys._getframe(depth).f_code.co_filename.replace(os.sep, "/")
 
 
 def install_stand_ins():
@@ -300,42 +298,6 @@ def postprocessed(samples):
     return out
 
 
-def rejected(response_length: int) -> torch.Tensor:
-    """The tokens the test's rejection sampling drops: every third of the response."""
-    out = torch.zeros(response_length, dtype=torch.bool)
-    out[::3] = True
-    return out
-
-
-def rejecting_tis_function(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kwargs):
-    """A TIS/RS function in slime's signature (``--custom-tis-function-path``): truncated importance
-    weights on pg_loss, and modified masks (every third response token dropped)."""
-    weights = torch.clamp(torch.exp(torch.cat(train_log_probs) - torch.cat(rollout_log_probs)), min=args.tis_clip_low, max=args.tis_clip)
-    modified = [m * (~rejected(m.numel())).to(m.dtype) for m in loss_masks]
-    return pg_loss * weights, modified, {}
-
-
-class ToyLM(torch.nn.Module):
-    """Logits of each token from its own embedding (no attention, so a CP shard needs no exchange)."""
-
-    def __init__(self, config=None, dtype=torch.float32):
-        super().__init__()
-        g = torch.Generator().manual_seed(3)
-        self.config = config
-        if config is not None:
-            from megatron.core.enums import ModelType
-
-            self.model_type = ModelType.encoder_or_decoder
-        self.embed = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=g, dtype=torch.float64).to(dtype))
-        self.head = torch.nn.Parameter((torch.randn(HIDDEN, VOCAB, generator=g, dtype=torch.float64) * 0.5).to(dtype))
-
-    def set_input_tensor(self, input_tensor):
-        """One pipeline stage: nothing comes."""
-
-    def forward(self, input_ids, *args, **kwargs):
-        return self.embed[input_ids] @ self.head
-
-
 def step_rollouts(samples, step):
     gbs = PROMPTS * N_PER_PROMPT // STEPS
     return [s for s in samples if step * gbs <= s["rollout_id"] < (step + 1) * gbs]
@@ -350,7 +312,7 @@ def reference_j(case, samples, step, args, *, mutated=False):
     if mutated or case in SAME_AS_SLIME:  # slime's per-rollout default (where the case has its mode: mutated)
         case_config, term_modes = None, {}
     chosen = step_rollouts(postprocessed(samples) if case == "user_postprocess" else samples, step)
-    model = ToyLM(dtype=torch.float64)
+    model = ToyLM()
     per_token = bool(args.calculate_per_token_loss)
     tis = bool(args.use_tis)
     values = {"pg": [], "entropy": [], "kl": []}
@@ -426,39 +388,6 @@ def reference_grads(case, samples, step, args, *, mutated=False):
     j, model, reported = reference_j(case, samples, step, args, mutated=mutated)
     j.backward()
     return [model.embed.grad, model.head.grad]
-
-
-class RecordingOptimizer:
-    """What slime's train_one_step calls of an optimizer; step() records every parameter's main_grad."""
-
-    def __init__(self, module):
-        self.module = module
-        self.grads = []
-        self.param_groups = [{"lr": 0.0}]
-
-    def scale_loss(self, loss):
-        return loss
-
-    def zero_grad(self):
-        pass
-
-    def prepare_grads(self):
-        return False
-
-    def get_grad_norm(self):
-        return 0.0
-
-    def step(self):
-        self.grads.append([p.main_grad.detach().clone() for p in (self.module.embed, self.module.head)])
-        return True, 0.0, None
-
-
-class Scheduler:
-    def step(self, increment):
-        pass
-
-    def get_lr(self, param_group):
-        return param_group["lr"]
 
 
 def rank_rollout(samples, dp_rank, dp, cp, args):
@@ -554,7 +483,7 @@ def worker(rank, world, layouts, launches_path, init_file, results_dir):
                 ddp_config = DistributedDataParallelConfig(
                     overlap_grad_reduce=False, grad_reduce_in_fp32=True, use_distributed_optimizer=False, bucket_size=None
                 )
-                module = ToyLM(tconfig)
+                module = ToyLM(tconfig, dtype=torch.float32)  # slime asserts float32 logits
                 model = DistributedDataParallel(tconfig, ddp_config, module)
                 optimizer = RecordingOptimizer(module)
                 rollout = rank_rollout(samples, dp_rank, dp, cp, args)
@@ -601,9 +530,6 @@ def test_slime_train_step_gives_the_gradient_of_j(world, layouts, launches, tmp_
 
 
 # ----------------------------------------------------------------- slime's own parse_args
-def _without(argv, flag):
-    i = argv.index(flag)
-    return argv[:i] + argv[i + 2 :]
 
 
 def test_launch_checks_through_slime_parse_args(tmp_path):
@@ -614,11 +540,11 @@ def test_launch_checks_through_slime_parse_args(tmp_path):
     weighted.write_text('{"mode": "prompt_mean", "weighting": "multiply"}')
     prompt = ["--loss-aggregation", "prompt_mean"]
     entropy = ["--entropy-coef", str(ENTROPY_COEF)]
-    bad_batch = _without(_without(BASE_ARGV, "--n-samples-per-prompt"), "--num-steps-per-rollout")
+    bad_batch = without(without(BASE_ARGV, "--n-samples-per-prompt"), "--num-steps-per-rollout")
     bad_batch += ["--n-samples-per-prompt", "4", "--num-steps-per-rollout", "7", *prompt]
     launches = {
         "seed_step_of_3": (True, bad_batch),
-        "zero_per_prompt": (True, _without(BASE_ARGV, "--n-samples-per-prompt") + ["--n-samples-per-prompt", "0", *prompt]),
+        "zero_per_prompt": (True, without(BASE_ARGV, "--n-samples-per-prompt") + ["--n-samples-per-prompt", "0", *prompt]),
         "legacy_flag_contradicted": (True, BASE_ARGV + ["--loss-aggregation", "sample_mean", "--calculate-per-token-loss"]),
         "unknown_mode": (True, BASE_ARGV + ["--loss-aggregation", "seq_meen"]),
         "term_coefficient": (True, BASE_ARGV + [*prompt, *entropy, "--loss-aggregation-term", "entropy:-0.2:token_mean"]),
