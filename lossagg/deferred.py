@@ -256,16 +256,8 @@ class DeferredPlan(Plan):
         self._step_factors = step_factors[PG_TERM]
         self._metric_spec = config.metric_spec
         self._metric_step_factors, _ = deferred_factors(self._metric_spec)
-        self.samples = RankSamples.of(
-            config,
-            num_samples=num_local_samples,
-            group_index=group_index,
-            session_index=session_index,
-            sample_weights=sample_weights,
-            num_group_labels=num_group_labels,
-            num_session_labels=num_session_labels,
-            owner="DeferredPlan",
-        )
+        per_sample = (group_index, session_index, sample_weights, num_group_labels, num_session_labels)
+        self.samples = RankSamples.of(config, None, *per_sample, num_samples=num_local_samples, owner="DeferredPlan")
         self.num_local_samples = n = self.samples.num_samples
         self.sample_weights = self.samples.sample_weights
         self.group_index, self.session_index = self.samples.group_index, self.samples.session_index
@@ -379,19 +371,9 @@ class DeferredPlan(Plan):
         self.ledger.add(mb.log)
         return out
 
-    def metrics(
-        self,
-        metrics: Mapping[str, torch.Tensor],
-        micro_batch: MicroBatch | torch.Tensor,
-        samples: Samples | None = None,
-        cu_seqlens: torch.Tensor | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """Contributions of per-token metrics under the default reducer (as
-        :meth:`lossagg.StepPlan.metrics`), with the final counts recorded by this micro-batch
-        (a :class:`lossagg.MicroBatch`, or mask, samples and cu_seqlens of samples whose loss ran):
-        times :attr:`DeferredStep.metric_scale` they are final, and :attr:`DeferredStep.metrics`
-        holds the step's values (summed over the ranks at :meth:`close`: every rank reports the
-        same metric names)."""
+    def _metrics(self, metrics, micro_batch, samples, cu_seqlens) -> dict[str, torch.Tensor]:
+        """:meth:`metrics` with the counts recorded by the micro-batch (a :class:`lossagg.MicroBatch`, or mask,
+        samples and cu_seqlens of samples whose loss ran); each metric once per sample, logged for :meth:`close`."""
         self.ledger.check_open("metrics")
         mb = given_micro_batch(self, micro_batch, samples, cu_seqlens, "DeferredPlan.metrics")
         if mb is None:

@@ -415,5 +415,17 @@ class Plan:
         mb, made = self._handle(micro_batch, samples, cu_seqlens, what)
         return self._reduce(values, mb, made, terms=terms, coefficients=coefficients, parts=parts, what=what)
 
+    def _metrics(self, metrics, micro_batch, samples, cu_seqlens) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def metrics(self, metrics: Mapping[str, torch.Tensor], micro_batch, samples=None, cu_seqlens=None) -> dict[str, torch.Tensor]:
+        """Each per-token metric's contribution under the default reducer (``sample_mean``, or ``token_mean`` when
+        the step is token-level; docs/terms.md), float64, detached: one native ``segment_sum`` over the stacked
+        ``[K, tokens]`` metrics. Summed over micro-batches (and ranks) it is each metric's step value; a
+        :class:`lossagg.DeferredPlan`'s, times :attr:`lossagg.DeferredStep.metric_scale` (its :meth:`close`
+        sums them over the ranks: every rank reports the same, declared, metric names). ``micro_batch`` as
+        for :meth:`loss`."""
+        return self._metrics(metrics, micro_batch, samples, cu_seqlens)
+
 
 __all__ = ["MicroBatch", "Plan", "reduce_micro_batch", "reduce_metrics", "sample_positions"]

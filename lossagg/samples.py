@@ -45,14 +45,13 @@ class RankSamples:
         cls,
         config,
         token_counts=None,
+        group_index: torch.Tensor | None = None,
+        session_index: torch.Tensor | None = None,
+        sample_weights: torch.Tensor | None = None,
+        num_group_labels: int | None = None,
+        num_session_labels: int | None = None,
         *,
         num_samples: int | None = None,
-        group_index=None,
-        session_index=None,
-        sample_weights=None,
-        num_group_labels=None,
-        num_session_labels=None,
-        device=None,
         owner: str = "StepPlan",
         indices_required: bool = True,
     ) -> RankSamples:
@@ -61,15 +60,14 @@ class RankSamples:
         config's terms need (required then, unless ``indices_required`` is False: a trainer's step
         totals stand in for them; checked whenever given), the weights (given exactly
         when a term weighs its samples) and the label bounds (integers >= 1). Indices and weights
-        go to the counts' device (``device`` when there are no counts)."""
-        counts = None
+        go to the counts' device (the CPU when there are no counts)."""
+        counts, device = None, torch.device("cpu")
         if token_counts is not None:
             counts = check_token_counts(token_counts)
             device = counts.device
             n = counts.shape[0]
         else:
             n = as_int("num_local_samples" if owner == "DeferredPlan" else "num_samples", num_samples, minimum=0)
-        device = torch.device("cpu") if device is None else device
         bounds = {}
         for name, value in (("num_group_labels", num_group_labels), ("num_session_labels", num_session_labels)):
             bounds[name] = None if value is None else as_int(name, value, minimum=1)

@@ -63,16 +63,8 @@ def _samples(config, token_counts, group_index, session_index, sample_weights, n
         if named:
             raise TypeError(f"StepPlan: the RankSamples record holds the samples' indices and weights; pass it alone, without {', '.join(named)}")
         return token_counts
-    return RankSamples.of(
-        config,
-        token_counts,
-        group_index=group_index,
-        session_index=session_index,
-        sample_weights=sample_weights,
-        num_group_labels=num_group_labels,
-        num_session_labels=num_session_labels,
-        indices_required=totals is None,
-    )
+    per_sample = (group_index, session_index, sample_weights, num_group_labels, num_session_labels)
+    return RankSamples.of(config, token_counts, *per_sample, indices_required=totals is None)
 
 
 def _holds_data(t) -> bool:
@@ -302,20 +294,7 @@ class StepPlan(Plan):
     def _made(self, samples, mask, cu_seqlens) -> MicroBatch:
         return self.micro_batch(samples, mask, cu_seqlens)
 
-    def metrics(
-        self,
-        metrics: Mapping[str, torch.Tensor],
-        micro_batch: MicroBatch | torch.Tensor,
-        samples: Samples | None = None,
-        cu_seqlens: torch.Tensor | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """Contributions of several per-token metrics under the default reducer (:attr:`metric_denoms`:
-        sample_mean, or token_mean when the step is token-level), float64, detached.
-
-        One native segment_sum launch over the stacked ``[K, tokens]`` metrics. Sum the returned
-        values over micro-batches (and all-reduce over ranks) for the step-level value of each
-        metric. ``micro_batch`` as for :meth:`loss`.
-        """
+    def _metrics(self, metrics, micro_batch, samples, cu_seqlens) -> dict[str, torch.Tensor]:
         mb, _ = self._handle(micro_batch, samples, cu_seqlens, "StepPlan.metrics")
         return reduce_metrics(metrics, mb.mask, mb.cu_seqlens, self.metric_denoms[mb.samples])
 

@@ -4,12 +4,28 @@ share to run a trainer's own training step on the CPU: the toy model, the optimi
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
 import torch
 
 VOCAB, HIDDEN, PROMPT_LEN = 7, 4, 3
+
+
+#: What the trainers' parse_args leaves for a launch without lossagg's flags (the attributes lossagg reads or sets).
+LAUNCH_DEFAULTS = {
+    **dict.fromkeys(("loss_aggregation_divisor", "loss_aggregation_empty_samples", "loss_aggregation_config", "loss_aggregation_term")),
+    **dict.fromkeys(("num_steps_per_rollout", "custom_loss_function_path", "custom_pg_loss_reducer_function_path")),
+    "calculate_per_token_loss": False,
+    "loss_type": "policy_loss",
+}
+
+
+def launch_args(mode=None, n=4, gbs=16, **more) -> argparse.Namespace:
+    """A parsed launch of miles or slime with ``--loss-aggregation mode``, ``n`` samples per prompt and a global
+    batch of ``gbs``; ``more`` sets the trainer's other attributes (its hooks' paths, its terms' flags)."""
+    return argparse.Namespace(**{**LAUNCH_DEFAULTS, "loss_aggregation": mode, "n_samples_per_prompt": n, "global_batch_size": gbs, **more})
 
 
 def caller(depth: int = 2) -> str:
@@ -91,3 +107,38 @@ class Scheduler:
 
     def get_lr(self, param_group):
         return param_group["lr"]
+
+
+def check_launches(got: dict, refused: dict[str, list[str]], plain_name: str, trainer: str) -> None:
+    """What a trainer's own parse_args made of the launches (``got``: name -> ("args", pickled Namespace, stderr)
+    or ("exit", status, stderr)): each of ``refused`` ends with exit status 2 and one ``error:`` line naming
+    every needle, never a traceback; with no lossagg flag the launch is the trainer's own (``plain_name``),
+    attribute for attribute, lossagg's flags aside."""
+    import pickle
+
+    for name, needles in refused.items():
+        kind, value, stderr = got[name]
+        assert (kind, value) == ("exit", 2), f"{name}: expected exit status 2, got {kind if kind == 'args' else value}: {stderr[-1500:]}"
+        line = next((ln for ln in stderr.splitlines() if ln.startswith("error: ")), "")
+        assert all(n in line for n in needles), f"{name}: {line!r} should name {needles}"
+        assert "Traceback" not in stderr, f"{name}: a traceback on the launch: {stderr[-2000:]}"
+    plain, through = (pickle.loads(got[k][1]) for k in (plain_name, "no_flag_through_lossagg"))
+    own = {"loss_aggregation", "loss_aggregation_divisor", "loss_aggregation_empty_samples", "loss_aggregation_config", "loss_aggregation_term"}
+    assert set(vars(through)) - set(vars(plain)) == own
+    differ = {k for k in vars(plain) if vars(plain)[k] != vars(through)[k]}
+    assert not differ, f"with no lossagg flag the launch must be {trainer}'s own, attribute for attribute; differ: {sorted(differ)}"
+    assert all(vars(through)[k] is None for k in own)
+
+
+def launches_file(parsed: dict, tmp_path_factory, trainer: str) -> str:
+    """Each launch's pickled Namespace, as the trainer's own parse_args made it (every launch parsed), in a file
+    the spawned ranks read."""
+    import pickle
+
+    out = {}
+    for name, (kind, value, stderr) in parsed.items():
+        assert kind == "args", f"{name}: the launch exited with {value}: {stderr[-3000:]}"
+        out[name] = value
+    path = tmp_path_factory.mktemp(trainer) / "launches.pkl"
+    path.write_bytes(pickle.dumps(out))
+    return str(path)

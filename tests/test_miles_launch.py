@@ -13,6 +13,7 @@ import copy
 import itertools
 
 import pytest
+from seed_train import launch_args
 
 from lossagg import ConfigError
 from lossagg.integrations import miles as adapter
@@ -24,25 +25,9 @@ BATCH = (10, 16)
 
 
 def miles_args(mode=None, per_token=False, divisor=None, n=4, gbs=16, **more):
-    """What miles' parse_args leaves for these flags (the attributes lossagg reads or sets)."""
-    ns = argparse.Namespace(
-        loss_aggregation=mode,
-        loss_aggregation_divisor=divisor,
-        loss_aggregation_empty_samples=None,
-        loss_aggregation_config=None,
-        calculate_per_token_loss=per_token,
-        n_samples_per_prompt=n,
-        global_batch_size=gbs,
-        rollout_batch_size=8,
-        num_steps_per_rollout=None,
-        loss_type="policy_loss",
-        custom_loss_function_path=None,
-        custom_pg_loss_reducer_function_path=None,
-        custom_megatron_before_train_step_hook_path=None,
-    )
-    for k, v in more.items():
-        setattr(ns, k, v)
-    return ns
+    """What miles' parse_args leaves for these flags (tests/seed_train.py, and miles' own attributes)."""
+    hooks = {"custom_megatron_before_train_step_hook_path": None, "rollout_batch_size": 8}
+    return launch_args(mode, n, gbs, **{**hooks, "loss_aggregation_divisor": divisor, "calculate_per_token_loss": per_token, **more})
 
 
 def expected_refusals(mode, per_token, divisor, n, gbs):

@@ -36,7 +36,7 @@ import sys
 import miles_peer
 import pytest
 import torch
-from seed_train import PROMPT_LEN, VOCAB, RecordingOptimizer, Scheduler, ToyLM, caller, rejected, without
+from seed_train import PROMPT_LEN, VOCAB, RecordingOptimizer, Scheduler, ToyLM, caller, check_launches, launches_file, rejected, without
 from stand_ins import StandInMisuse, TorchForSchedules
 from worlds import report, run_world
 
@@ -141,13 +141,7 @@ def launches(tmp_path_factory):
     if why:
         pytest.skip(why)
     parsed = parse_launches({name: (config is not None, BASE_ARGV + flags) for name, (flags, config) in CASES.items()})
-    out = {}
-    for name, (kind, value, stderr) in parsed.items():
-        assert kind == "args", f"{name}: the launch exited with {value}: {stderr[-3000:]}"
-        out[name] = value
-    path = tmp_path_factory.mktemp("miles") / "launches.pkl"
-    path.write_bytes(pickle.dumps(out))
-    return str(path)
+    return launches_file(parsed, tmp_path_factory, "miles")
 
 
 # ----------------------------------------------------------------------- stand-ins
@@ -444,18 +438,7 @@ def test_launch_checks_through_miles_parse_args():
         "terms_under_tis": ["--use-tis", "kl"],
         "token_mean_tis_entropy": ["--use-tis", "token_mean"],
     }
-    for name, needles in refused.items():
-        kind, value, stderr = got[name]
-        assert (kind, value) == ("exit", 2), f"{name}: expected exit status 2, got {kind if kind == 'args' else value}: {stderr[-1500:]}"
-        line = next((ln for ln in stderr.splitlines() if ln.startswith("error: ")), "")
-        assert all(n in line for n in needles), f"{name}: {line!r} should name {needles}"
-        assert "Traceback" not in stderr, f"{name}: a traceback on the launch: {stderr[-2000:]}"
-    plain, through = (pickle.loads(got[k][1]) for k in ("no_flag_miles", "no_flag_through_lossagg"))
-    own = {"loss_aggregation", "loss_aggregation_divisor", "loss_aggregation_empty_samples", "loss_aggregation_config", "loss_aggregation_term"}
-    assert set(vars(through)) - set(vars(plain)) == own
-    differ = {k for k in vars(plain) if vars(plain)[k] != vars(through)[k]}
-    assert not differ, f"with no lossagg flag the launch must be miles' own, attribute for attribute; differ: {sorted(differ)}"
-    assert all(vars(through)[k] is None for k in own)
+    check_launches(got, refused, "no_flag_miles", "miles")
     token = pickle.loads(got["token_mean"][1])
     assert token.calculate_per_token_loss is True and token.loss_type == "custom_loss"
     assert token.custom_pg_loss_reducer_function_path == "lossagg.integrations.miles.pg_loss_reducer"

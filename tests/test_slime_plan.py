@@ -5,10 +5,9 @@ on a Namespace holding the attributes slime's parse_args leaves."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
+from seed_train import launch_args
 
 from lossagg import LossAggregationConfig, StepPlan
 from lossagg.config import ConfigError
@@ -16,32 +15,26 @@ from lossagg.integrations import slime as adapter
 
 
 def slime_args(mode="prompt_mean", n=2, gbs=4, **more):
-    ns = argparse.Namespace(
-        loss_aggregation=mode,
-        loss_aggregation_divisor=None,
-        loss_aggregation_empty_samples=None,
-        loss_aggregation_config=None,
-        loss_aggregation_term=None,
-        calculate_per_token_loss=False,
-        n_samples_per_prompt=n,
-        global_batch_size=gbs,
-        rollout_batch_size=4,
-        num_steps_per_rollout=None,
-        loss_type="policy_loss",
-        custom_loss_function_path=None,
-        custom_pg_loss_reducer_function_path=None,
-        rollout_data_postprocess_path=None,
-        entropy_coef=0.0,
-        use_kl_loss=False,
-        kl_loss_coef=0.0,
-        use_tis=False,
-        get_mismatch_metrics=False,
-        advantage_estimator="grpo",
-        allgather_cp=False,
+    """What slime's parse_args leaves for these flags (tests/seed_train.py, and slime's own attributes)."""
+    return launch_args(
+        mode,
+        n,
+        gbs,
+        **{
+            **dict(
+                rollout_batch_size=4,
+                rollout_data_postprocess_path=None,
+                entropy_coef=0.0,
+                use_kl_loss=False,
+                kl_loss_coef=0.0,
+                use_tis=False,
+                get_mismatch_metrics=False,
+                advantage_estimator="grpo",
+                allgather_cp=False,
+            ),
+            **more,
+        },
     )
-    for k, v in more.items():
-        setattr(ns, k, v)
-    return ns
 
 
 def rollout_data(masks, rollout_ids, indices, schedule, num_microbatches, batch_sizes, prompts=None):

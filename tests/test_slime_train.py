@@ -34,7 +34,7 @@ import sys
 import pytest
 import slime_peer
 import torch
-from seed_train import PROMPT_LEN, VOCAB, RecordingOptimizer, Scheduler, ToyLM, rejected, without
+from seed_train import PROMPT_LEN, VOCAB, RecordingOptimizer, Scheduler, ToyLM, check_launches, launches_file, rejected, without
 from stand_ins import install_megatron_core_stand_ins
 from worlds import report, run_world
 
@@ -184,13 +184,7 @@ def parse_launches(launches: dict[str, tuple[bool, list[str]]], timeout: float =
 def launches(tmp_path_factory):
     need_slime()
     parsed = parse_launches({name: (config is not None or name in SAME_AS_SLIME, BASE_ARGV + flags) for name, (flags, config, _) in CASES.items()})
-    out = {}
-    for name, (kind, value, stderr) in parsed.items():
-        assert kind == "args", f"{name}: the launch exited with {value}: {stderr[-3000:]}"
-        out[name] = value
-    path = tmp_path_factory.mktemp("slime") / "launches.pkl"
-    path.write_bytes(pickle.dumps(out))
-    return str(path)
+    return launches_file(parsed, tmp_path_factory, "slime")
 
 
 # ----------------------------------------------------------------------- stand-ins
@@ -578,18 +572,7 @@ def test_launch_checks_through_slime_parse_args(tmp_path):
         "two_pg_reducers": ["--custom-pg-loss-reducer-function-path", "my.reducer"],
         "weighting": ["--loss-aggregation-config", "weighting"],
     }
-    for name, needles in refused.items():
-        kind, value, stderr = got[name]
-        assert (kind, value) == ("exit", 2), f"{name}: expected exit status 2, got {kind if kind == 'args' else value}: {stderr[-1500:]}"
-        line = next((ln for ln in stderr.splitlines() if ln.startswith("error: ")), "")
-        assert all(n in line for n in needles), f"{name}: {line!r} should name {needles}"
-        assert "Traceback" not in stderr, f"{name}: a traceback on the launch: {stderr[-2000:]}"
-    plain, through = (pickle.loads(got[k][1]) for k in ("no_flag_slime", "no_flag_through_lossagg"))
-    own = {"loss_aggregation", "loss_aggregation_divisor", "loss_aggregation_empty_samples", "loss_aggregation_config", "loss_aggregation_term"}
-    assert set(vars(through)) - set(vars(plain)) == own
-    differ = {k for k in vars(plain) if vars(plain)[k] != vars(through)[k]}
-    assert not differ, f"with no lossagg flag the launch must be slime's own, attribute for attribute; differ: {sorted(differ)}"
-    assert all(vars(through)[k] is None for k in own)
+    check_launches(got, refused, "no_flag_slime", "slime")
     user = pickle.loads(got["user_postprocess"][1])
     assert user.rollout_data_postprocess_path == "lossagg.integrations.slime.rollout_data_postprocess"
     assert user.lossagg_user_rollout_data_postprocess_path == "test_slime_train.user_postprocess"

@@ -10,7 +10,6 @@ refused and why.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from importlib import import_module
 
 import torch
@@ -35,14 +34,8 @@ REBUILT = "each sample by its kept tokens, the modified mask's sum"
 
 
 # ----------------------------------------------------------------------- launch
-LAUNCH = seed.Launch("miles", "miles.utils.arguments")
-add_arguments, config_of = LAUNCH.add_arguments, LAUNCH.config_of
-
-
-def parse_args(add_custom_arguments: Callable | None = None):
-    """miles's ``parse_args`` with lossagg's flags, then :func:`configure`; a refused setting ends the launch as
-    argparse does (``error: ...`` on stderr, exit status 2)."""
-    return LAUNCH.parse_args(add_custom_arguments, configure)
+# parse_args (in place of miles's own), add_arguments (lossagg's flags) and config_of (a parsed launch's config)
+parse_args, add_arguments, config_of = seed.Launch("miles", "miles.utils.arguments").functions(lambda args: configure(args))
 
 
 def configure(args) -> LossAggregationConfig | None:

@@ -134,6 +134,17 @@ class Launch:
         trainer_parse_args = import_module(self.parser_module).parse_args  # the peer, imported only here
         return parse_launch(trainer_parse_args, add_custom_arguments, self.add_arguments, configure, LAUNCH_FLAGS)
 
+    def functions(self, configure: Callable) -> tuple[Callable, Callable, Callable]:
+        """The adapter's ``parse_args(add_custom_arguments=None)``, ``add_arguments(parser)`` and ``config_of(args)``
+        (``configure(args)`` its check and wiring of a parsed launch)."""
+
+        def parse_args(add_custom_arguments: Callable | None = None):
+            """The trainer's ``parse_args`` with lossagg's flags, then the adapter's ``configure``; a refused setting
+            ends the launch as argparse does (``error: ...`` on stderr, exit status 2)."""
+            return self.parse_args(add_custom_arguments, configure)
+
+        return parse_args, self.add_arguments, self.config_of
+
 
 def lossagg_given(args, flags: Sequence[str]) -> bool:
     """Whether any of lossagg's ``flags`` was given on the launch."""

@@ -10,7 +10,6 @@ its rollout's session. docs/trainers/slime.md is the user's page: the scaling, C
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from importlib import import_module
 
 import torch
@@ -46,14 +45,8 @@ REBUILT = "each training sample by its rollout's mask total, rollout_mask_sums"
 
 
 # ----------------------------------------------------------------------- launch
-LAUNCH = seed.Launch("slime", "slime.utils.arguments")
-add_arguments, config_of = LAUNCH.add_arguments, LAUNCH.config_of
-
-
-def parse_args(add_custom_arguments: Callable | None = None):
-    """slime's ``parse_args`` with lossagg's flags, then :func:`configure`; a refused setting ends the launch as
-    argparse does (``error: ...`` on stderr, exit status 2)."""
-    return LAUNCH.parse_args(add_custom_arguments, configure)
+# parse_args (in place of slime's own), add_arguments (lossagg's flags) and config_of (a parsed launch's config)
+parse_args, add_arguments, config_of = seed.Launch("slime", "slime.utils.arguments").functions(lambda args: configure(args))
 
 
 def configure(args) -> LossAggregationConfig | None:
