@@ -222,21 +222,10 @@ def gspo_token_loss(
     return broadcast_to_tokens(loss, mask, cu_seqlens)
 
 
-def luspo_token_loss(
-    log_prob: torch.Tensor,
-    old_log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    cu_seqlens: torch.Tensor | None = None,
-    *,
-    eps_low: float,
-    eps_high: float,
-    cp_group=None,
-) -> torch.Tensor:
-    """LUSPO's per-token loss: GSPO's (:func:`gspo_token_loss`). LUSPO differs from GSPO in the
-    reduction only: each sample's loss counts once per loss token (mode ``constant``, divisor 1:
-    ``J = (1/N) sum_i |y_i| loss_i``) instead of once per sample (``sample_mean``)."""
-    return gspo_token_loss(log_prob, old_log_prob, advantages, mask, cu_seqlens, eps_low=eps_low, eps_high=eps_high, cp_group=cp_group)
+#: LUSPO's per-token loss is GSPO's (:func:`gspo_token_loss`): LUSPO differs from GSPO in the reduction only, each
+#: sample's loss counting once per loss token (mode ``constant``, divisor 1: ``J = (1/N) sum_i |y_i| loss_i``)
+#: instead of once per sample (``sample_mean``).
+luspo_token_loss = gspo_token_loss
 
 
 def gmpo_token_loss(

@@ -60,13 +60,18 @@ def test_planner_results_match_the_recording():
     recorded before the modes registry was reshaped (tests/golden_plan.py)."""
     import golden_plan
 
-    with open(golden_plan.GOLDEN_PATH) as f:
+    _same_as_recorded(golden_plan, golden_plan.corpus(), "the planner")
+
+
+def _same_as_recorded(recorder, now: dict, where: str) -> None:
+    """Every result of ``recorder``'s corpus equals its recording, but those it lists as changed on purpose
+    (``CHANGED``), each of which must differ."""
+    with open(recorder.GOLDEN_PATH) as f:
         recorded = json.load(f)["cases"]
-    now = golden_plan.corpus()
     assert set(now) == set(recorded)
-    changed = [k for k in recorded if now[k] != recorded[k] and k not in golden_plan.CHANGED]
-    assert not changed, f"{len(changed)} planner results changed, e.g. {[(k, recorded[k], now[k]) for k in changed[:4]]}"
-    stale = [k for k in golden_plan.CHANGED if now.get(k) == recorded.get(k)]
+    changed = [k for k in recorded if now[k] != recorded[k] and k not in recorder.CHANGED]
+    assert not changed, f"{len(changed)} results changed ({where}), e.g. {[(k, recorded[k], now[k]) for k in changed[:4]]}"
+    stale = [k for k in recorder.CHANGED if now.get(k) == recorded.get(k)]
     assert not stale, f"listed as changed but equal to the recording: {stale}"
 
 
@@ -78,14 +83,7 @@ def test_denominator_program_routes_match_the_recording(isa, threads):
     the program got one home per language (tests/golden_program.py)."""
     import golden_program
 
-    with open(golden_program.GOLDEN_PATH) as f:
-        recorded = json.load(f)["cases"]
-    now = run_on(isa, threads, golden_program.corpus)
-    assert set(now) == set(recorded)
-    changed = [k for k in recorded if now[k] != recorded[k] and k not in golden_program.CHANGED]
-    assert not changed, f"{len(changed)} results changed on {isa} with {threads} threads, e.g. {[(k, recorded[k], now[k]) for k in changed[:3]]}"
-    stale = [k for k in golden_program.CHANGED if now.get(k) == recorded.get(k)]
-    assert not stale, f"listed as changed but equal to the recording: {stale}"
+    _same_as_recorded(golden_program, run_on(isa, threads, golden_program.corpus), f"{isa} with {threads} threads")
 
 
 @pytest.mark.parametrize("threads", [1, 2])
