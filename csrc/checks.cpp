@@ -180,7 +180,9 @@ int64_t check_offsets(const char* op, const O* p, int64_t n, int64_t stride, int
 // the loop below vectorises.
 template <typename A>
 inline bool positive_finite(A x) {
-  return x > A(0) && x <= std::numeric_limits<A>::max();
+  // normal, not subnormal: a subnormal divisor loses the quotient's precision (and the forward's and the
+  // backward's roundings part ways); x / d with d >= the smallest normal number keeps every bit it can
+  return x >= std::numeric_limits<A>::min() && x <= std::numeric_limits<A>::max();
 }
 
 }  // namespace
@@ -222,8 +224,9 @@ void check_sample_denoms_data(const char* op, const Tensor& sample_denoms, Scala
         std::isfinite(given) && given > 0.0, "lossagg.", op, ": sample_denoms must be finite and > 0, got sample_denoms[", at, "] = ", given);
     LOSSAGG_CHECK_VALUE(
         false, "lossagg.", op, ": sample_denoms[", at, "] = ", given, " is ", converted, " in ", in_double ? "Double" : "Float",
-        ", the dtype the division happens in for ", values_dtype,
-        " values; it must be finite and > 0 there (rescale the denominators or use float64 values)");
+        ", the dtype the division happens in for ", values_dtype, " values; it must be finite and at least the smallest normal number there (",
+        in_double ? std::numeric_limits<double>::min() : std::numeric_limits<float>::min(),
+        ": a subnormal divisor loses the quotient's precision); rescale the denominators or use float64 values");
   };
   auto check = [&]<typename D>(const D* p) {
     auto scan = [&]<typename A>(A) {
@@ -290,8 +293,13 @@ void check_sample_weights_data(const char* op, const Tensor& weights, ScalarType
   const int64_t n = w.size(0) * w.size(1);
   const int64_t row_len = std::max<int64_t>(w.size(1), 1);
   const bool in_double = values_dtype == ScalarType::Double;
+  // finite and, unless 0, normal in the accumulation dtype: a subnormal weight loses the product's precision
   auto finite_in_acc = [&](double x) {
-    return in_double ? std::abs(x) <= std::numeric_limits<double>::max() : std::abs(static_cast<float>(x)) <= std::numeric_limits<float>::max();
+    if (in_double) {
+      return std::abs(x) <= std::numeric_limits<double>::max() && (x == 0.0 || std::abs(x) >= std::numeric_limits<double>::min());
+    }
+    const float f = std::abs(static_cast<float>(x));
+    return f <= std::numeric_limits<float>::max() && (x == 0.0 || f >= std::numeric_limits<float>::min());
   };
   bool all_ok = true;
   for (int64_t i = 0; i < n; ++i) {
@@ -304,8 +312,10 @@ void check_sample_weights_data(const char* op, const Tensor& weights, ScalarType
     LOSSAGG_CHECK_VALUE(
         std::isfinite(p[i]), "lossagg.", op, ": sample_weights must be finite, got sample_weights[", i / row_len, ", ", i % row_len, "] = ", p[i]);
     LOSSAGG_CHECK_VALUE(
-        finite_in_acc(p[i]), "lossagg.", op, ": sample_weights[", i / row_len, ", ", i % row_len, "] = ", p[i], " is inf in Float, the dtype the ",
-        values_dtype, " numerators are scaled in; it must be finite there (rescale the weights or use float64 values)");
+        finite_in_acc(p[i]), "lossagg.", op, ": sample_weights[", i / row_len, ", ", i % row_len, "] = ", p[i], " is ",
+        in_double ? p[i] : static_cast<double>(static_cast<float>(p[i])), " in ", in_double ? "Double" : "Float", ", the dtype the ", values_dtype,
+        " numerators are scaled in; it must be finite there, and 0 or at least its smallest normal number (a subnormal weight loses the "
+        "product's precision): rescale the weights or use float64 values");
   }
 }
 

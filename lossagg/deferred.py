@@ -172,8 +172,8 @@ class DeferredStep:
                 continue
             if not (g.is_floating_point() or g.is_complex()):  # checked for all before any is scaled: never half-applied
                 raise TypeError(
-                    f"DeferredStep.apply_: a gradient of dtype {g.dtype} cannot be scaled by {self.scale!r} in place (gradients are "
-                    "floating): pass the parameters, or floating gradient tensors"
+                    f"DeferredStep.apply_: target holds a gradient of dtype {g.dtype}, which cannot be scaled by {self.scale!r} in place "
+                    "(gradients are floating): pass the parameters, or floating gradient tensors, as target"
                 )
             seen.add(id(g))
             grads.append(g)

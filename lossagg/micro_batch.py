@@ -19,6 +19,7 @@ is refused, naming the terms. One term, unweighted, is one :func:`lossagg.reduce
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -38,12 +39,26 @@ def sample_positions(samples: Samples, n: int, device) -> torch.Tensor:
     return positions_and_run(samples, n, device)[0]
 
 
+def check_slice(samples: slice) -> None:
+    """``samples`` given as a slice: integer bounds (or None) and a step >= 1 (a micro-batch's samples in order)."""
+    for part in ("start", "stop", "step"):
+        value = getattr(samples, part)
+        if value is not None:
+            try:
+                operator.index(value)
+            except TypeError:
+                raise TypeError(f"samples as a slice must have integer bounds, got {part}={value!r}") from None
+    if samples.step is not None and operator.index(samples.step) < 1:
+        raise ValueError(f"samples as a slice must step forward (a step >= 1: the samples in order), got step={samples.step}")
+
+
 def positions_and_run(samples: Samples, n: int, device, pieces: bool = False) -> tuple[torch.Tensor, slice | None]:
     """(:func:`sample_positions`, the same positions as a slice when they are one run of consecutive
     samples, else None): a plan's tables are then cut as views, with no gather. With ``pieces`` a
     sample may be named several times (each segment of the layout a piece of the sample it names)."""
     check_holds_data("samples", samples)
     if isinstance(samples, slice):
+        check_slice(samples)
         lo, hi, step = samples.indices(n)
         run = slice(lo, max(hi, lo)) if step == 1 else None
         return torch.arange(n, device=device)[samples], run
@@ -82,7 +97,17 @@ def positions_and_run(samples: Samples, n: int, device, pieces: bool = False) ->
 
 
 def check_layout(selected: int, mask: torch.Tensor, cu_seqlens) -> None:
-    """The samples selected are the micro-batch's (one per segment of its layout)."""
+    """The micro-batch's layout (``cu_seqlens`` a tensor or None, a padded mask 2-D) and the samples selected
+    its own (one per segment of its layout)."""
+    if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(
+            f"cu_seqlens must be a 1-D int32/int64 tensor of the samples' offsets [B+1], or None for a padded mask, got {type(cu_seqlens).__name__}"
+        )
+    if cu_seqlens is None and mask.dim() != 2:
+        raise ValueError(
+            f"mask has shape {tuple(mask.shape)} and cu_seqlens is None: a packed [T] mask needs cu_seqlens (its samples' offsets), "
+            "a padded mask is [B, T]"
+        )
     b = (cu_seqlens.shape[0] - 1 if cu_seqlens.dim() == 1 else -1) if isinstance(cu_seqlens, torch.Tensor) else mask.shape[0]
     if b >= 0 and selected != b:
         layout = "cu_seqlens has" if cu_seqlens is not None else "the padded mask has"
@@ -107,6 +132,12 @@ def cut_from_step(positions: torch.Tensor, mask: torch.Tensor, cu_seqlens) -> tu
         return rows, mask[rows], None
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
         raise ValueError("cu_seqlens must be the step's 1-D [N+1] tensor to cut a micro-batch from it")
+    if mask.dim() != 1 or cu_seqlens.numel() < 1 or int(cu_seqlens[-1]) != mask.shape[0]:
+        ends = int(cu_seqlens[-1]) if cu_seqlens.numel() else None
+        raise ValueError(
+            f"with step_layout=True, mask must be the step's packed [T] mask and cu_seqlens its offsets: cu_seqlens ends at {ends}, "
+            f"the mask has shape {tuple(mask.shape)}"
+        )
     if not consecutive:
         raise ValueError(
             f"samples must be consecutive positions to cut a micro-batch from the step's packed layout (its tokens one slice), "
@@ -123,14 +154,16 @@ def cut_from_step(positions: torch.Tensor, mask: torch.Tensor, cu_seqlens) -> tu
 def term_tables(denoms: torch.Tensor, weights: torch.Tensor | None, device) -> dict:
     """``d`` ``[K, B]`` and ``w`` (or None) as the kernels take them, by accumulation dtype (float32,
     float64), on ``device``: rounded once here as the kernels would round them. A ``d_k[i]`` or a
-    weight out of float32's range stays as given, so that the op refuses it naming the value."""
+    weight that float32 cannot carry (out of its range, or subnormal there) stays as given, so that
+    the op refuses it naming the value (docs/ops.md, "Bad input")."""
     denoms = denoms.to(device)
     weights = None if weights is None else weights.to(device)
+    tiny = torch.finfo(torch.float32).tiny  # the smallest normal float32: the kernels refuse a subnormal divisor or weight
     d32 = denoms.to(torch.float32)
-    if not bool((torch.isfinite(d32) & (d32 > 0)).all()):
+    if not bool((torch.isfinite(d32) & (d32 >= tiny)).all()):
         d32 = denoms
     w32 = None if weights is None else weights.to(torch.float32)
-    if w32 is not None and not bool(torch.isfinite(w32).all()):
+    if w32 is not None and not bool((torch.isfinite(w32) & ((w32.abs() >= tiny) | (weights == 0))).all()):
         w32 = weights
     return {torch.float32: (d32, w32), torch.float64: (denoms, weights)}
 

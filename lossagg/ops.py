@@ -539,7 +539,11 @@ def _term_coefficients(coefficients, k: int) -> list[float]:
         number = plain_number(c)  # a Python or NumPy number, or a 0-dim tensor
         if number is None:
             _fail(TypeError, "reduce_terms", f"coefficients[{i}] must be a number, got {type(c).__name__}")
-        out.append(float(number))
+        try:
+            out.append(float(number))
+        except OverflowError:  # an integer beyond float64
+            bits = int(number).bit_length()
+            _fail(ValueError, "reduce_terms", f"coefficients must be finite, got coefficients[{i}] = an integer of {bits} bits, beyond float64")
     return out
 
 

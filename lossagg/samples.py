@@ -19,6 +19,9 @@ from lossagg.validate import as_int, check_group_index, check_sample_weights, ch
 
 __all__ = ["RankSamples"]
 
+#: The most samples one rank holds in a step whose counts are learned as it runs (a DeferredPlan keeps a record per sample).
+MAX_LOCAL_SAMPLES = 2**31
+
 
 @dataclass(frozen=True, eq=False)
 class RankSamples:
@@ -67,7 +70,10 @@ class RankSamples:
             device = counts.device
             n = counts.shape[0]
         else:
-            n = as_int("num_local_samples" if owner == "DeferredPlan" else "num_samples", num_samples, minimum=0)
+            name = "num_local_samples" if owner == "DeferredPlan" else "num_samples"
+            n = as_int(name, num_samples, minimum=0)
+            if n > MAX_LOCAL_SAMPLES:  # the ledger keeps a flag per sample: refused before it is allocated
+                raise ValueError(f"{name} (this rank's samples in the step) must be <= 2**31, got {num_samples!r}")
         bounds = {}
         for name, value in (("num_group_labels", num_group_labels), ("num_session_labels", num_session_labels)):
             bounds[name] = None if value is None else as_int(name, value, minimum=1)

@@ -30,6 +30,7 @@ from lossagg.micro_batch import (
     Plan,
     Samples,
     check_layout,
+    check_slice,
     cut_from_step,
     given_micro_batch,
     positions_and_run,
@@ -268,6 +269,7 @@ class StepPlan(Plan):
         if whole:
             positions, run = self._all_positions, None
         elif type(samples) is slice:  # views of the plan's positions and tables
+            check_slice(samples)
             lo, hi, step = samples.indices(n)
             positions, run = self._all_positions[samples], (slice(lo, max(hi, lo)) if step == 1 else None)
         else:

@@ -49,7 +49,7 @@ install_verl() {
 }
 # verl's config objects (omega_conf_to_dataclass, used by lossagg.integrations.verl.install) import hydra
 install_hydra() { pip_install -c "$cons" "hydra-core==1.3.2"; }
-# verl's FSDP engine (tests/test_verl_engine.py) imports peft; its own needs are verl's and TRL's already
+# verl's FSDP engine (tests/test_verl_engine.py) imports peft; its own needs are verl's and TRL's (installed first)
 install_peft() { pip_install --no-deps "peft==0.21.2"; }
 install_trl() { pip_install -c "$cons" "trl==1.16.0" "transformers>=5.5.3,<5.11,!=5.6.0"; }
 install_mcore() { pip_install --no-deps --ignore-requires-python "megatron-core==0.19.2" packaging; }
@@ -60,8 +60,9 @@ install_skyrl() {
 
 peer verl 0.9.1 "import verl.trainer.ppo.core_algos" install_verl
 peer hydra-core 1.3.2 "import hydra" install_hydra
-peer peft 0.21.2 "import peft" install_peft
 peer trl 1.16.0 "from trl import GRPOTrainer, GRPOConfig; import datasets, tokenizers" install_trl
+# after TRL, which brings accelerate: peft imports it (checked once it can be there)
+peer peft 0.21.2 "import peft" install_peft
 peer megatron-core 0.19.2 \
   "from megatron.core.pipeline_parallel import get_forward_backward_func; from megatron.core.distributed import DistributedDataParallel" \
   install_mcore

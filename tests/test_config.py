@@ -536,6 +536,16 @@ def test_cli_check_suggests_a_mistyped_term_setting(tmp_path, capsys):
     assert "terms.kl.coef: unknown setting (did you mean 'coefficient'?)" in err and "Traceback" not in err, err
 
 
+def test_cli_check_suggests_a_misspelled_section_and_leaves_the_trainers_keys_alone(tmp_path, capsys):
+    """A file whose section is misspelled: the section it meant is suggested, and the file's other keys (the
+    trainer's own settings) are not reported as lossagg's errors."""
+    p = write(tmp_path, "train.yaml", "lr: 1.0e-6\nbatch_size: 8\nloss_agregation:\n  mode: sample_mean\n")
+    assert cli_main(["check", str(p)]) == 1
+    err = capsys.readouterr().err
+    assert "loss_agregation" in err and "did you mean 'loss_aggregation'" in err, err
+    assert "lr:" not in err and "batch_size" not in err and "Traceback" not in err, err
+
+
 def test_cli_schema_is_json(capsys):
     assert cli_main(["schema"]) == 0
     schema = json.loads(capsys.readouterr().out)

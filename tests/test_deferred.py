@@ -330,8 +330,43 @@ def test_hostile_and_careless_calls_are_named():
     for number in (np.float64(4.0), np.int64(4), torch.tensor(4.0)):
         plan = lossagg.DeferredPlan({"mode": "sample_mean"}, 2, estimate={"num_samples": number})
         assert plan._used == 4.0
-    with pytest.raises(TypeError, match=r"DeferredStep.apply_: a gradient of dtype torch.int64 cannot be scaled"):
+    with pytest.raises(TypeError, match=r"DeferredStep.apply_: target holds a gradient of dtype torch.int64, which cannot be scaled"):
         step.apply_([torch.ones(3), torch.ones(3, dtype=torch.int64)])
+    with pytest.raises(ValueError, match=r"estimate: the step total num_samples must be a finite number >= 0, got 1000000000"):
+        lossagg.DeferredPlan({"mode": "sample_mean"}, 6, estimate={"num_samples": 10**400})
+    with pytest.raises(ValueError, match=r"num_local_samples \(this rank's samples in the step\) must be <= 2\*\*31, got 1099511627776"):
+        lossagg.DeferredPlan({"mode": "sample_mean"}, 2**40)  # refused before its ledger is allocated (1 TiB)
+
+
+def test_a_micro_batch_reduced_twice_is_refused_and_a_failed_call_can_be_retried():
+    """plan.loss on one DeferredPlan handle counts in the gradients each time it is backpropagated but in the
+    step's J once: a second successful reduction of a term is refused by name; a call that raised recorded
+    nothing, so the same handle is reduced again."""
+    config = lossagg.LossAggregationConfig.from_dict({"mode": "token_mean", "terms": {"kl": {"coefficient": 0.5, "mode": "token_mean"}}})
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    values = {k: torch.randn(2, 3, dtype=F64, requires_grad=True) for k in ("pg", "kl")}
+    plan = lossagg.DeferredPlan(config, 2)
+    mb = plan.micro_batch(slice(None), mask)
+    with pytest.raises(ValueError, match=r"values\['kl'\] must be a tensor with the token shape"):
+        plan.loss({"pg": values["pg"], "kl": torch.ones(3, dtype=F64)}, mb)
+    first = plan.loss(values, mb)  # the retry after the failed call
+    first.backward()
+    with pytest.raises(ValueError, match=r"the term\(s\) pg, kl of this micro-batch were already reduced"):
+        plan.loss(values, mb)
+    with pytest.raises(ValueError, match=r"the term\(s\) kl of this micro-batch were already reduced"):
+        plan.loss(values["kl"], mb, terms="kl")
+    step = plan.close()
+    assert step.loss == pytest.approx(float(first) * step.scale)  # one reduction counted, as in the gradients
+    # the terms one call at a time: each once, then the micro-batch is whole
+    plan = lossagg.DeferredPlan(config, 2)
+    mb = plan.micro_batch(slice(None), mask)
+    parts = [plan.loss(values[k], mb, terms=k) for k in ("pg", "kl")]
+    step = plan.close()
+    assert step.loss == pytest.approx(float(sum(parts)) * step.scale)
+    plan = lossagg.DeferredPlan(config, 2)
+    plan.loss(values["pg"], plan.micro_batch(slice(None), mask), terms="pg")
+    with pytest.raises(ValueError, match=r"never reduced the term\(s\) kl in loss\(\)"):
+        plan.close()
 
 
 def test_a_plan_shared_by_two_threads_records_a_micro_batch_once():

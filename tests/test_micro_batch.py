@@ -195,3 +195,26 @@ def test_values_and_metrics_are_named_as_the_user_passed_them():
         plan.metrics({"kl_metric": torch.ones_like(pg, dtype=torch.int64)}, mb)
     with pytest.raises(TypeError, match="process_group must be a torch.distributed process group .* got str 'dp'"):
         StepPlan.from_mask(LossAggregationConfig(), mask, cu, process_group="dp")
+
+
+def test_slices_lists_and_layouts_are_named_as_the_user_wrote_them():
+    """Slices that do not step forward or have no integer bounds, cu_seqlens given as a list, a packed mask without
+    its cu_seqlens, a step layout whose offsets do not end at its mask's tokens: each refused naming the argument,
+    for both plans (never torch's or Python's own error)."""
+    cfg = LossAggregationConfig()
+    m, cu = torch.ones(6, dtype=torch.bool), torch.tensor([0, 1, 2, 3, 4, 5, 6])
+    plans = (StepPlan(cfg, torch.ones(6)), DeferredPlan(cfg, 6))
+    for plan in plans:
+        for bad, kind, text in (
+            (slice(None, None, -1), ValueError, "samples as a slice must step forward .* got step=-1"),
+            (slice(0, 6, 0), ValueError, "samples as a slice must step forward .* got step=0"),
+            (slice("a", None), TypeError, "samples as a slice must have integer bounds, got start='a'"),
+        ):
+            with pytest.raises(kind, match=text):
+                plan.micro_batch(bad, m, cu)
+        with pytest.raises(TypeError, match="cu_seqlens must be a 1-D int32/int64 tensor .* got list"):
+            plan.micro_batch(slice(0, 6), m, cu.tolist())
+        with pytest.raises(ValueError, match=r"mask has shape \(6,\) and cu_seqlens is None: a packed \[T\] mask needs cu_seqlens"):
+            plan.micro_batch(slice(0, 6), m)
+    with pytest.raises(ValueError, match=r"with step_layout=True, .* cu_seqlens ends at 6, the mask has shape \(5,\)"):
+        plans[0].micro_batch(slice(0, 2), m[:5], cu, step_layout=True)

@@ -139,10 +139,14 @@ def test_config_file(tmp_path):
     assert (config.terms["entropy"].mode, config.terms["entropy"].coefficient) == ("token_mean", -0.01)
     args = miles_args(loss_aggregation_config=str(path), entropy_coef=0.02)
     with pytest.raises(
-        ConfigError, match=r"--loss-aggregation-term: term 'entropy' has coefficient -0.01, miles-rl 0.0.2 applies -entropy_coef = -0.02"
+        ConfigError, match=r"--loss-aggregation-config: term 'entropy' has coefficient -0.01, miles-rl 0.0.2 applies -entropy_coef = -0.02"
     ):
         adapter.configure(args)
     assert getattr(args, "lossagg_config", None) is None
+    # a file's kl term on a launch without --use-kl-loss is blamed on the file, the flag the launch used
+    path.write_text("mode: sample_mean\nterms:\n  kl: {coefficient: 0.1}\n")
+    with pytest.raises(ConfigError, match=r"--loss-aggregation-config: term 'kl': miles-rl 0.0.2 adds its KL term under --use-kl-loss only"):
+        adapter.configure(miles_args(loss_aggregation_config=str(path)))
     path.write_text("mode: sample_mean\nterms:\n  nll: {coefficient: 1.0}\n")
     with pytest.raises(ConfigError, match="term 'nll': miles-rl 0.0.2's policy_loss_function reduces the terms entropy, kl"):
         adapter.configure(miles_args(loss_aggregation_config=str(path)))

@@ -163,6 +163,21 @@ def test_extreme_magnitudes_in_float32_are_the_formulas():
     assert torch.isfinite(small.grad).all() and small.grad[0].item() == pytest.approx(1e37, rel=1e-6)
 
 
+def test_subnormal_denominators_and_weights_are_refused_where_float32_would_lose_them():
+    """A weight and a denominator of 1e-45 (subnormal in float32, ~1 bit) with w / d ~ 1 gave J and a gradient off
+    the formula, each rounded its own way: refused by name in float32, served in float64 (docs/ops.md, "Bad input")."""
+    mask, cu = torch.ones(2, dtype=torch.bool), torch.tensor([0, 1, 2])
+    d, w = torch.full((1, 2), 1e-45, dtype=torch.float64), torch.full((1, 2), 1.1e-45, dtype=torch.float64)
+    for dtype in (torch.float32, torch.bfloat16):
+        with pytest.raises(ValueError, match="smallest normal number"):
+            lossagg.reduce_terms([torch.ones(2, dtype=dtype)], mask, cu_seqlens=cu, sample_denoms=d, sample_weights=w)
+    values = torch.ones(2, dtype=torch.float64, requires_grad=True)
+    total, _ = lossagg.reduce_terms([values], mask, cu_seqlens=cu, sample_denoms=d, sample_weights=w, coefficients=[1e-45 / 1e-45])
+    assert total.item() == pytest.approx(2 * 1.1, rel=1e-12)  # normal in float64: w / d kept
+    total.backward()
+    assert values.grad.tolist() == pytest.approx([1.1, 1.1], rel=1e-12)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("isa", ISAS)
 def test_the_bits_on_every_isa_and_thread_count(isa, threads):
@@ -258,6 +273,8 @@ def _bad_cases():
     zero_d = d.clone()
     zero_d[1, 4] = 0.0
     base = dict(cu_seqlens=cu, sample_denoms=d)
+    subnormal_d, subnormal_w = d.clone(), w.clone()
+    subnormal_d[2, 1], subnormal_w[0, 3] = 1e-40, 1e-42  # subnormal in float32: a few bits left
     return [
         ("a tensor", (values[0], mask), base, TypeError, "values must be a list of the K terms' per-token tensors"),
         ("empty list", ([], mask), base, ValueError, "values must hold at least one term's tensor"),
@@ -277,6 +294,9 @@ def _bad_cases():
         ),
         ("coefficient inf", (values, mask), dict(base, coefficients=[1.0, float("inf"), 2.0]), ValueError, "coefficients[1] = inf"),
         ("coefficient type", (values, mask), dict(base, coefficients=[1.0, "a", 2.0]), TypeError, "coefficients[1] must be a number, got str"),
+        ("coefficient beyond float64", (values, mask), dict(base, coefficients=[1.0, 2**1030, 2.0]), ValueError, "an integer of 1031 bits"),
+        ("denom subnormal in float32", (values, mask), dict(base, sample_denoms=subnormal_d), ValueError, "the smallest normal number there"),
+        ("weight subnormal in float32", (values, mask), dict(base, sample_weights=subnormal_w), ValueError, "at least its smallest normal number"),
         ("no denoms", (values, mask), dict(cu_seqlens=cu), TypeError, "missing the keyword argument sample_denoms"),
         ("positional", (values, mask, cu), dict(sample_denoms=d), TypeError, "takes 2 positional arguments, got 3"),
         ("expanded view", ([values[0], torch.ones(()).expand(values[0].shape), values[2]], mask), base, ValueError, "values[1] is an expanded view"),

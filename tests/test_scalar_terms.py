@@ -100,10 +100,16 @@ def test_scalar_term_refuses_what_it_cannot_scale():
         plan.scalar_term(torch.ones(2), mb)
     with pytest.raises(ValueError, match="weight must be 'tokens' or 'samples', got 'sequences'"):
         plan.scalar_term(torch.tensor(1.0), mb, weight="sequences")
-    with pytest.raises(ValueError, match="cp_size"):
-        plan.scalar_term(torch.tensor(1.0), mb, weight="samples", cp_size=0)
-    with pytest.raises((TypeError, ValueError), match="MicroBatch"):
+    for weight in ("samples", "tokens"):
+        for cp_size in (0, -1, "2"):
+            with pytest.raises(ValueError, match=f"cp_size must be an integer >= 1, got {cp_size!r}"):
+                plan.scalar_term(torch.tensor(1.0), mb, weight=weight, cp_size=cp_size)
+    with pytest.raises(TypeError, match="StepPlan.scalar_term: micro_batch must be a MicroBatch of this plan .* got Tensor"):
         plan.scalar_term(torch.tensor(1.0), torch.tensor([1, 1, 1]))
+    given = StepPlan.from_totals(LossAggregationConfig(), torch.tensor([2, 1]), num_samples=2)
+    gmb = given.micro_batch(slice(None), torch.tensor([1, 1, 1]), torch.tensor([0, 2, 3]))
+    with pytest.raises(ValueError, match="weight='tokens' reads the step's total_tokens: pass total_tokens to StepPlan.from_totals"):
+        given.scalar_term(torch.tensor(1.0), gmb)
     other = StepPlan(LossAggregationConfig(), torch.tensor([2, 1]))
     with pytest.raises(ValueError, match="another plan|not this plan|owner|plan"):
         other.scalar_term(torch.tensor(1.0), mb)

@@ -136,3 +136,41 @@ def test_configure_checks_the_terms_against_slimes_policy_loss():
     # no lossagg flag: nothing wired
     plain = slime_args(mode=None)
     assert adapter.configure(plain) is None and plain.loss_type == "policy_loss"
+
+
+@pytest.mark.parametrize(
+    ("case", "change", "message"),
+    [
+        ("one batch size for two steps", dict(batch_sizes=[4]), r"global_batch_sizes for 1 step\(s\), its schedule \(num_microbatches\) runs 2"),
+        ("rollout_ids short", dict(rollout_ids=ROLLOUTS[:-1]), r"rollout_data\['rollout_ids'\] holds 9 entries for this rank's 10 samples"),
+        ("sample_indices short", dict(indices=INDICES[:-2]), r"rollout_data\['sample_indices'\] holds 8 entries"),
+        ("a micro-batch names sample 99", dict(schedule=[[0, 1], [2, 3, 4], [5, 6, 99], [8, 9]]), r"micro_batch_indices'\] names sample 99"),
+        ("string rollout ids", dict(rollout_ids=["r"] * 10), r"rollout_data\['rollout_ids'\] must hold integers .* got 'r'"),
+    ],
+    ids=lambda c: c if isinstance(c, str) else "",
+)
+def test_malformed_rollout_data_is_named(case, change, message):
+    args = slime_args("prompt_mean", gbs=4)
+    adapter.configure(args)
+    parts = dict(masks=MASKS, rollout_ids=ROLLOUTS, indices=INDICES, schedule=SCHEDULE, num_microbatches=[2, 2], batch_sizes=[4, 4])
+    parts.update(change)
+    with pytest.raises(ValueError, match=message):
+        adapter.plan_rollout(args, rollout_data(**parts), dp_group="unused")
+
+
+def test_the_reducer_names_a_scheduled_term_the_loss_reduced_on_its_own():
+    """A policy loss that reports kl_loss from a reduction of its own (its reducer called for the metrics only)
+    never reduced the config's kl term on its mode: named, not passed."""
+    from lossagg.integrations import seed
+
+    config = LossAggregationConfig.from_dict({"mode": "sample_mean", "terms": {"kl": {"coefficient": 0.1, "mode": "token_mean"}}})
+    masks = [torch.ones(2, dtype=torch.int32), torch.ones(1, dtype=torch.int32)]
+    planned = seed.PlannedSamples(masks, [0, 0], [0, 1], [StepPlan(config, torch.tensor([2, 1]))], [2], False, "--hook")
+    reducer = planned.reducer(masks, lambda m: seed.layout_of(masks if m is None else m), seed.POLICY_LOSS_CALLS, "slime")
+    x = torch.ones(3)
+    reported = {"pg_clipfrac": reducer(x), "ppo_kl": reducer(x), "kl_loss": (x * 0.5).mean()}
+    with pytest.raises(RuntimeError, match="reported kl_loss without calling its reducer for kl"):
+        reducer.check_reported(reported)
+    reducer = planned.reducer(masks, lambda m: seed.layout_of(masks if m is None else m), seed.POLICY_LOSS_CALLS, "slime")
+    reported = {"pg_clipfrac": reducer(x), "ppo_kl": reducer(x), "entropy_loss": reducer(x), "kl_loss": reducer(x)}
+    reducer.check_reported(reported)  # every scheduled call made, in order

@@ -323,3 +323,81 @@ def test_from_totals_non_empty_numbers(num_nonempty_samples, num_samples, total_
     if bad:
         return refused_naming(call, *bad)
     assert call().sample_denoms.tolist() == [k * 3.0, k * 1.0, k * 5.0, k * 4.0]
+
+
+# ------------------------------------------------------------------ session totals against the others
+SIX = torch.tensor([3, 2, 4, 1, 2, 3])  # six samples, 15 tokens
+SESSION_CFG = {
+    "session_mean": LossAggregationConfig(mode="session_mean"),
+    "session_token_mean": LossAggregationConfig(mode="session_token_mean"),
+    "prompt_session_mean": LossAggregationConfig(mode="prompt_session_mean", n_samples_per_prompt=2),
+    "prompt_session_mean_any": LossAggregationConfig(mode="prompt_session_mean"),
+}
+ONES = torch.ones(6)
+SESSION_TOTALS_REFUSED = [
+    (
+        "K larger than N",
+        "session_mean",
+        dict(num_samples=6, num_sessions=4, session_sizes=torch.tensor([200.0, 2, 1, 2, 2, 1])),
+        r"session_sizes .* 200.*num_samples \(N\) 6",
+    ),
+    (
+        "K not whole",
+        "session_mean",
+        dict(num_samples=6, num_sessions=4, session_sizes=torch.tensor([1.5, 2, 1, 2, 2, 1])),
+        r"session_sizes\[0\] .* whole number, got 1.5",
+    ),
+    (
+        "Ts above T",
+        "session_token_mean",
+        dict(num_sessions=4, session_token_sums=torch.tensor([1e9, 3, 4, 5, 6, 7]), total_tokens=15),
+        r"session_token_sums .* 1e\+09, more than total_tokens \(T\) 15",
+    ),
+    (
+        "K' above K",
+        "session_mean",
+        dict(num_samples=6, num_sessions=4, session_sizes=ONES, nonempty_session_sizes=ONES * 2),
+        r"nonempty_session_sizes\[0\] \(K', 2\) cannot exceed session_sizes\[0\] \(K, 1\)",
+    ),
+    (
+        "sum of 1/K above S",
+        "session_mean",
+        dict(num_samples=6, num_sessions=1, session_sizes=ONES * 2),
+        r"session_sizes hold 3 sessions' worth .* num_sessions \(S, 1\)",
+    ),
+    (
+        "Sp above S",
+        "prompt_session_mean_any",
+        dict(num_groups=1, num_sessions=4, group_sessions=ONES * 50, session_sizes=ONES * 2),
+        r"group_sessions .* 50, more than num_sessions \(S\) 4",
+    ),
+    (
+        "Sp not n",
+        "prompt_session_mean",
+        dict(num_groups=2, num_sessions=4, group_sessions=ONES * 3, session_sizes=ONES * 2),
+        r"group_sessions\[0\] \(Sp, 3\) must equal n_samples_per_prompt \(2\)",
+    ),
+    (
+        "P above S",
+        "prompt_session_mean_any",
+        dict(num_groups=5, num_sessions=4, group_sessions=ONES, session_sizes=ONES * 2),
+        r"num_groups \(P, 5\) cannot exceed num_sessions \(S, 4\)",
+    ),
+    (
+        "S not n·P",
+        "prompt_session_mean",
+        dict(num_groups=3, num_sessions=4, group_sessions=ONES * 2, session_sizes=ONES * 2),
+        r"num_sessions \(S, 4\) must equal n_samples_per_prompt \(2\) × num_groups \(P, 3\) = 6",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "cfg", "kwargs", "message"), SESSION_TOTALS_REFUSED, ids=[c[0] for c in SESSION_TOTALS_REFUSED])
+def test_from_totals_refuses_session_totals_that_contradict_the_others(case, cfg, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        StepPlan.from_totals(SESSION_CFG[cfg], SIX, **kwargs)
+
+
+def test_from_totals_takes_consistent_session_totals():
+    plan = StepPlan.from_totals(SESSION_CFG["session_mean"], SIX, num_samples=6, num_sessions=3, session_sizes=ONES * 2)
+    assert plan.sample_denoms.tolist() == [3 * 2 * float(c) for c in SIX]  # S · K · c(M)

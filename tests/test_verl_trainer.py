@@ -407,6 +407,15 @@ def _actor_error(aggregation, distilling=None, **settings):
         ({"mode": "sample_mean", "terms": {"nll": {"coefficient": 1.0}}}, {}, None, ["terms.nll"]),
         ({"mode": "sample_mean", "weighting": "multiply"}, {}, None, ["weighting=multiply"]),
         ({"mode": "sample_mean"}, {"loss_scale_factor": 512}, None, ["actor.loss_scale_factor=512"]),
+        # a coefficient verl's actor holds is named as the actor's setting the user wrote, not as a term of lossagg's
+        ({"mode": "sample_mean"}, {"entropy_coeff": float("nan")}, None, ["actor.entropy_coeff=nan", "finite"]),
+        ({"mode": "sample_mean"}, {"use_kl_loss": True, "kl_loss_coef": float("inf")}, None, ["actor.kl_loss_coef=inf", "finite"]),
+        (
+            {"mode": "sample_mean"},
+            {},
+            {"loss_mode": "k3", "use_policy_gradient": False, "use_task_rewards": True, "distillation_loss_coef": float("nan")},
+            ["distillation_loss_coef=nan", "finite"],
+        ),
     ],
 )
 def test_refused_by_name_when_the_loss_is_built(aggregation, settings, distilling, named):

@@ -16,6 +16,7 @@ file: never a Python traceback.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -223,4 +224,10 @@ def select_section(data: Mapping, path: str, section: str | None) -> tuple[Any, 
         if not isinstance(value, Mapping):
             raise ConfigError([(DEFAULT_SECTION, f"expected a mapping of settings, got {type(value).__name__}")], path)
         return value, f"{path} [{DEFAULT_SECTION}]"
+    near = [k for k in data if isinstance(k, str) and difflib.get_close_matches(k, [DEFAULT_SECTION], n=1, cutoff=0.8)]
+    if near:  # a misspelled section: the file's other keys are the trainer's, not lossagg's settings
+        raise ConfigError(
+            [(near[0], f"the file has no section '{DEFAULT_SECTION}'; did you mean '{DEFAULT_SECTION}' (its other keys are left to the trainer)?")],
+            path,
+        )
     return data, path

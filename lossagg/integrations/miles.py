@@ -113,6 +113,7 @@ def plan_step(args, data_iterator, num_microbatches: int, *, parallel_state=None
     if parallel_state is None:
         parallel_state = import_module(f"{trainer}.backends.training_utils.parallel").get_parallel_state()
     rollout = iterator.rollout_data
+    seed.check_rollout_lists(rollout, len(rollout["loss_masks"]))
     positions = _step_positions(iterator, num_microbatches)
     masks = [rollout["loss_masks"][j] for j in positions]
     n_local, dp = len(masks), parallel_state.intra_dp

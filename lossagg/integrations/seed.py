@@ -256,18 +256,19 @@ def term_issues(args, config: LossAggregationConfig, inner: str, trainer: str, r
             )
         elif config.empty_samples == "skip":
             issues.append(("--loss-aggregation-empty-samples", f"{why}, which counts every sample in N (empty_samples=count), not skip"))
+    where = CONFIG_FLAG if flag_given(args, CONFIG_FLAG) else TERM_FLAG  # where the launch's terms came from
     for name, term in config.terms.items():
         if name not in TERMS:
             issues.append(
                 (
-                    TERM_FLAG,
+                    where,
                     f"term {name!r}: {trainer}'s policy_loss_function reduces the terms {', '.join(TERMS)} besides pg_loss; name one of them, "
                     "or reduce your own term in a custom loss (--custom-loss-function-path) through reducer.term(name)",
                 )
             )
             continue
         if name == "kl" and not getattr(args, "use_kl_loss", False):
-            issues.append((TERM_FLAG, f"term 'kl': {trainer} adds its KL term under --use-kl-loss only, which this launch has not"))
+            issues.append((where, f"term 'kl': {trainer} adds its KL term under --use-kl-loss only, which this launch has not"))
             continue
         own = -float(getattr(args, "entropy_coef", 0.0)) if name == "entropy" else float(getattr(args, "kl_loss_coef", 0.0))
         if float(term.coefficient) != own:
@@ -275,7 +276,7 @@ def term_issues(args, config: LossAggregationConfig, inner: str, trainer: str, r
             flag = TERMS[name]
             issues.append(
                 (
-                    TERM_FLAG,
+                    where,
                     f"term {name!r} has coefficient {term.coefficient}, {trainer} applies {how} = {own} ({flag} {getattr(args, dest(flag), 0.0)}): "
                     "make them agree",
                 )
@@ -384,6 +385,20 @@ def load(path: str):
 def prompt_fingerprint(tokens, prompt_length: int) -> int:
     """A sample's prompt, hashed: the samples of one prompt group must share it."""
     return hash(tuple(torch.as_tensor(tokens[:prompt_length]).tolist())) & ((1 << 62) - 1)
+
+
+def check_rollout_lists(rollout_data, n: int, integers: Sequence[str] = ("sample_indices",)) -> None:
+    """The trainers' per-sample lists of a rank's rollout data hold one entry per sample (``n``), and those of
+    ``integers`` integers, as the trainers fill them (a malformed one named, not an IndexError later)."""
+    for key in ("total_lengths", "response_lengths", "tokens", *integers):
+        values = rollout_data.get(key)
+        if values is None:
+            continue
+        if len(values) != n:
+            raise ValueError(f"lossagg: rollout_data[{key!r}] holds {len(values)} entries for this rank's {n} samples")
+        odd = next((v for v in values if key in integers and (isinstance(v, (str, bytes, float, bool)) or not hasattr(v, "__index__"))), None)
+        if odd is not None:
+            raise ValueError(f"lossagg: rollout_data[{key!r}] must hold integers (one per sample), got {odd!r}")
 
 
 def check_zero_one(masks, names: Sequence[int], trainer: str) -> None:
@@ -594,6 +609,7 @@ __all__ = [
     "Launch",
     "backend_issues",
     "group_index_of",
+    "check_rollout_lists",
     "check_zero_one",
     "load",
     "pg_reducer",

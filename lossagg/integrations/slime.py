@@ -75,8 +75,20 @@ def current_rollout() -> seed.PlannedSamples | None:
     return _ROLLOUT
 
 
+def _check_rollout(rollout_data, n: int) -> None:
+    """slime's per-sample lists (seed.check_rollout_lists); micro-batches of this rank's samples; one batch size per step."""
+    seed.check_rollout_lists(rollout_data, n, ("partition", "rollout_ids", "sample_indices"))
+    steps, sizes = len(rollout_data["num_microbatches"]), len(rollout_data["global_batch_sizes"])
+    if steps != sizes:
+        raise ValueError(f"lossagg: rollout_data holds global_batch_sizes for {sizes} step(s), its schedule (num_microbatches) runs {steps}")
+    bad = next((j for mb in rollout_data["micro_batch_indices"] for j in mb if not 0 <= int(j) < n), None)
+    if bad is not None:
+        raise ValueError(f"lossagg: rollout_data['micro_batch_indices'] names sample {bad}, this rank holds {n} training samples")
+
+
 def _local_steps(rollout_data, n_local: int) -> list[int]:
     """Each local sample's step, from slime's schedule (``num_microbatches`` micro-batches per step)."""
+    _check_rollout(rollout_data, n_local)
     schedule = rollout_data["micro_batch_indices"]
     steps = [-1] * n_local
     offset = 0

@@ -33,6 +33,7 @@ whose per-token loss is not one a reducer can weigh are refused by name when the
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -140,12 +141,18 @@ def actor_config_for(config, aggregation, distillation_config=None) -> LossAggre
             f"actor.loss_scale_factor={config.loss_scale_factor} is the divisor of verl's seq-mean-token-sum-norm, which lossagg's config replaces "
             "(its divisor setting): unset it"
         )
+    for setting, value in (("actor.entropy_coeff", config.entropy_coeff), ("actor.kl_loss_coef", config.kl_loss_coef)):
+        if not math.isfinite(float(value)):  # named as the actor's setting, before it becomes a term's coefficient
+            _check([f"{setting}={value!r} must be a finite number (it is the coefficient of a term of the loss)"], "verl's actor")
     terms = {"entropy": -float(config.entropy_coeff)}
     if config.use_kl_loss:
         terms["kl"] = float(config.kl_loss_coef)
     distilling = distillation_config is not None and getattr(distillation_config, "enabled", False)
     if distilling:
         loss_config = distillation_config.distillation_loss
+        if not math.isfinite(float(loss_config.distillation_loss_coef)):
+            coef = loss_config.distillation_loss_coef
+            _check([f"distillation.distillation_loss.distillation_loss_coef={coef!r} must be a finite number"], "verl's actor")
         terms["distillation"] = float(loss_config.distillation_loss_coef) if loss_config.use_task_rewards else 1.0
         if loss_config.use_policy_gradient:
             found = _policy_loss_issue("distillation.distillation_loss.policy_loss_mode", loss_config.policy_loss_mode)
