@@ -1,7 +1,7 @@
 # The commands people type. `make demo` and `make test` do all the set-up themselves.
 PY ?= python3
 
-.PHONY: demo test test-torch-matrix setup bench lint ctest cuda-report wheel clean
+.PHONY: demo test test-torch-matrix planted-bugs setup bench lint ctest cuda-report wheel clean
 
 demo: setup
 	$(PY) -m lossagg demo
@@ -14,6 +14,11 @@ test:
 # tests run against it (scripts/test_torch_matrix.sh). Needs torch and the build tools here.
 test-torch-matrix:
 	bash scripts/test_torch_matrix.sh
+
+# Each adapter's and each mode's known bugs planted one at a time in a scratch copy, and the tests
+# that must catch each run (scripts/planted_bugs.py; CI's full tier runs it). After `make test`.
+planted-bugs: setup
+	$(PY) scripts/planted_bugs.py
 
 setup:
 	bash scripts/setup.sh

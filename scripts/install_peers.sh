@@ -54,7 +54,7 @@ install_peft() { pip_install --no-deps "peft==0.21.2"; }
 install_trl() { pip_install -c "$cons" "trl==1.16.0" "transformers>=5.5.3,<5.11,!=5.6.0"; }
 install_mcore() { pip_install --no-deps --ignore-requires-python "megatron-core==0.19.2" packaging; }
 install_skyrl() {
-  pip_install --no-deps --ignore-requires-python "skyrl==0.4.0" "skyrl-gym==0.4.0" \
+  pip_install --no-deps --ignore-requires-python "skyrl==0.4.0" "skyrl-gym==0.4.0" "torchdata==0.11.0" \
     && pip_install -c "$cons" jaxtyping loguru ray omegaconf pyyaml pandas requests
 }
 
@@ -66,7 +66,8 @@ peer peft 0.21.2 "import peft" install_peft
 peer megatron-core 0.19.2 \
   "from megatron.core.pipeline_parallel import get_forward_backward_func; from megatron.core.distributed import DistributedDataParallel" \
   install_mcore
-peer skyrl 0.4.0 "import sys; sys.path.insert(0, 'tests'); import skyrl_peer; skyrl_peer.ppo_utils()" install_skyrl
+# its trainer (tests/test_skyrl_trainer.py) needs torchdata as well
+peer skyrl 0.4.0 "import sys; sys.path.insert(0, 'tests'); import skyrl_peer; skyrl_peer.ppo_utils(); skyrl_peer.trainer()" install_skyrl
 
 # miles: its own directories, not site-packages (see above); "installed" is the stamp file. Last: its
 # imports also need what the peers above bring (transformers, attrs)

@@ -104,6 +104,14 @@ BUGS = (
         "        contribution, parts = plan.loss(swapped, mb, parts=True)",
         ("tests/test_megatron_loss_func.py", "tests/test_megatron_engine.py"),
     ),
+    Bug(
+        "megatron",
+        "keep= ignored (the filter inside the loss never applied)",
+        "lossagg/integrations/megatron.py",
+        "final_mask = keep(output_tensor, loss_mask)",
+        "keep(output_tensor, loss_mask)",
+        ("tests/test_megatron_loss_func.py", "tests/test_megatron_engine.py"),
+    ),
     # miles and slime: their shared runtime and each one's step
     Bug(
         "miles",
@@ -143,9 +151,17 @@ BUGS = (
         "skyrl",
         "token weights forget the engine's DP factor",
         "lossagg/step.py",
-        "scale = gradient_scale(convention, dp_size=dp_size, cp_size=cp_size, num_micro_batches=num_micro_batches)",
-        "scale = gradient_scale(convention, dp_size=1, cp_size=cp_size, num_micro_batches=num_micro_batches)",
+        "scale=gradient_scale(convention, dp_size=dp_size, cp_size=cp_size, num_micro_batches=num_micro_batches),",
+        "scale=gradient_scale(convention, dp_size=1, cp_size=cp_size, num_micro_batches=num_micro_batches),",
         ("tests/test_skyrl_advantages.py", "tests/test_token_weights.py"),
+    ),
+    Bug(
+        "skyrl",
+        "the trainer's advantages scaled as if the workers averaged over the DP ranks",
+        "lossagg/integrations/skyrl.py",
+        'convention="sum", dtype=advantages.dtype)',
+        'convention="mean", dp_size=2, dtype=advantages.dtype)',
+        ("tests/test_skyrl_trainer.py",),
     ),
     # the modes: one factor of each built-in mode's d[i] replaced
     *(
@@ -156,7 +172,7 @@ BUGS = (
             ("sample_mean", '"N", "c(M[i])"', '"N", "c(T)"', "c(M[i])", "c(T)", ("tests/test_modes.py",)),
             ("prompt_mean", '"P", "c(Sg[g(i)])"', '"N", "c(Sg[g(i)])"', "P", "N", ("tests/test_modes.py",)),
             ("token_mean", '"c(T)"', '"c(L_max)"', "c(T)", "c(L_max)", ("tests/test_modes.py",)),
-            ("constant", '"N", "L"', '"L"', "N", "1", ("tests/test_modes.py",)),
+            ("constant", '"N", "L"', '"c(T)", "L"', "N", "c(T)", ("tests/test_modes.py",)),
             ("max_length", '"N", "c(L_max)"', '"N", "c(T)"', "c(L_max)", "c(T)", ("tests/test_modes.py",)),
             ("session_mean", '"S", "K[s(i)]", "c(M[i])"', '"S", "c(M[i])"', "K[s(i)]", "1", ("tests/test_sessions.py",)),
             ("session_token_mean", '"S", "c(Ts[s(i)])"', '"N", "c(Ts[s(i)])"', "S", "N", ("tests/test_sessions.py",)),
@@ -184,7 +200,9 @@ BUGS = (
 def _scratch() -> str:
     """The tracked tree, the native library and the peers' folder, copied (linked) into a temporary folder."""
     where = tempfile.mkdtemp(prefix="lossagg-planted-")
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    # the tracked files and the new ones not yet committed (not those git ignores)
+    listed = ["git", "ls-files", "--cached", "--others", "--exclude-standard"]
+    files = subprocess.run(listed, cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     for f in files:
         src = os.path.join(ROOT, f)
         if os.path.isfile(src):
@@ -200,8 +218,10 @@ def _scratch() -> str:
 
 
 def run(bug: Bug, where: str) -> tuple[str, float]:
-    """Plant ``bug`` in the scratch copy, run its tests, restore the file: 'caught', 'MISSED' or 'STALE'."""
+    """Plant ``bug`` in the scratch copy, run its tests, restore the file: 'caught', 'MISSED', 'ERROR' or 'STALE'."""
     path = os.path.join(where, bug.path)
+    if not os.path.isfile(path):
+        return "STALE", 0.0
     text = open(path, encoding="utf-8").read()
     if text.count(bug.old) != 1:
         return "STALE", 0.0
@@ -224,6 +244,9 @@ def run(bug: Bug, where: str) -> tuple[str, float]:
     tail = done.stdout.strip().splitlines()[-1:] or [""]
     if done.returncode == 1:
         return "caught", seconds
+    if done.returncode not in (0, 5):  # pytest could not run the tests: the bug is neither caught nor missed
+        why = (done.stderr.strip().splitlines() or done.stdout.strip().splitlines() or [""])[-1]
+        return f"ERROR (pytest exit {done.returncode}: {why})", seconds
     return f"MISSED (pytest exit {done.returncode}: {tail[0]})", seconds
 
 

@@ -17,10 +17,14 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 # what the package, the demo and the tests import, and the build tools (cmake, ninja)
 missing=$("$PY" - <<'PYEOF'
-import importlib.util, shutil
-need = {"pydantic": "pydantic>=2.6", "yaml": "pyyaml>=6", "pytest": "pytest>=8", "hypothesis": "hypothesis>=6", "xdist": "pytest-xdist>=3",
-        "matplotlib": "matplotlib>=3.8", "setuptools": "setuptools>=64", "wheel": "wheel", "numpy": "numpy"}
+import importlib.metadata, importlib.util, shutil
+# pytest below 9.2: pytest-xdist 3.8 sends the tests of one xdist_group to one worker by rewriting each test's
+# node id, which pytest 9.2 no longer reads (tests/conftest.py refuses a run whose groups did not hold)
+need = {"pydantic": "pydantic>=2.6", "yaml": "pyyaml>=6", "pytest": "pytest>=8,<9.2", "hypothesis": "hypothesis>=6",
+        "xdist": "pytest-xdist>=3", "matplotlib": "matplotlib>=3.8", "setuptools": "setuptools>=64", "wheel": "wheel", "numpy": "numpy"}
 out = [spec for mod, spec in need.items() if importlib.util.find_spec(mod) is None]
+if importlib.util.find_spec("pytest") and tuple(int(p) for p in importlib.metadata.version("pytest").split(".")[:2]) >= (9, 2):
+    out.append(need["pytest"])
 out += [tool for tool in ("cmake", "ninja") if shutil.which(tool) is None]
 print(" ".join(out))
 PYEOF

@@ -8,6 +8,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import tiers  # noqa: E402
+
 import lossagg  # noqa: E402
 
 # scripts/test_torch_matrix.sh runs a copy of these tests against the wheel it installed in a
@@ -26,15 +28,46 @@ else:
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason=_NO_CUDA))]
 
 
+def _xdist_groups_hold() -> bool:
+    """Whether pytest-xdist's ``--dist loadgroup`` can name a test's group: it sets ``item._nodeid``, which a test's
+    ``nodeid`` returns up to pytest 9.1 (pytest 9.2 derives it from elsewhere, and the groups are silently lost)."""
+    from _pytest import nodes
+
+    probe = object.__new__(nodes.Node)
+    probe._nodeid = "test@group"
+    try:
+        return probe.nodeid == "test@group"
+    except Exception:
+        return False
+
+
 def pytest_configure(config):
+    if getattr(config.option, "dist", "no") == "loadgroup" and not _xdist_groups_hold():
+        raise pytest.UsageError(
+            f"--dist loadgroup: pytest {pytest.__version__} ignores the node ids pytest-xdist sets for xdist_group, so the "
+            "groups' tests would spread over the workers (each paying their set-up): install pytest<9.2 (scripts/setup.sh does)"
+        )
     # pytest-xdist's mark (tests that must share one worker); known without xdist too
     config.addinivalue_line("markers", "xdist_group(name): run in one pytest-xdist worker with the group's other tests")
+    config.addinivalue_line("markers", "full_tier: run in the full tier only (LOSSAGG_TEST_TIER=full; tests/tiers.py)")
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own, which names each test's group
+def pytest_collection_modifyitems(config, items):
+    """The default tier leaves out the tests marked full_tier (tests/tiers.py), as deselected. Under pytest-xdist's
+    ``--dist loadgroup`` every test of an ``xdist_group`` must carry its group (its worker pays the group's set-up once
+    and runs its process worlds one at a time; pytest_configure refuses a pytest that would lose the groups)."""
+    if not tiers.FULL:
+        left = [item for item in items if item.get_closest_marker("full_tier") is not None]
+        if left:
+            config.hook.pytest_deselected(items=left)
+            items[:] = [item for item in items if item.get_closest_marker("full_tier") is None]
 
 
 def pytest_report_header(config):
     where = os.path.dirname(lossagg.__file__)
     cuda = f"built_with_cuda={lossagg.built_with_cuda()}, cuda available={torch.cuda.is_available()}"
-    return f"lossagg: {where}, torch {torch.__version__}, {cuda}"
+    return f"lossagg: {where}, torch {torch.__version__}, {cuda}; test tier: {tiers.TIER}"
 
 
 @pytest.fixture(params=DEVICES)

@@ -18,14 +18,30 @@ import os
 import sys
 
 PPO_UTILS = "skyrl.backends.skyrl_train.utils.ppo_utils"
+TRAINER = "skyrl.train.trainer"
+
+
+def _bare(package: str, folder: str) -> None:
+    """``package`` entered without running its ``__init__`` (on Python < 3.12 only), over ``folder``."""
+    if sys.version_info < (3, 12) and package not in sys.modules:
+        spec = importlib.machinery.ModuleSpec(package, None, is_package=True)
+        spec.submodule_search_locations = [folder]
+        sys.modules[package] = importlib.util.module_from_spec(spec)
 
 
 def ppo_utils():
     """SkyRL's ``ppo_utils`` module; ImportError when SkyRL or one of the module's imports is missing."""
     import skyrl
 
-    if sys.version_info < (3, 12) and "skyrl.backends" not in sys.modules:
-        spec = importlib.machinery.ModuleSpec("skyrl.backends", None, is_package=True)
-        spec.submodule_search_locations = [os.path.join(os.path.dirname(skyrl.__file__), "backends")]
-        sys.modules["skyrl.backends"] = importlib.util.module_from_spec(spec)
+    _bare("skyrl.backends", os.path.join(os.path.dirname(skyrl.__file__), "backends"))
     return importlib.import_module(PPO_UTILS)
+
+
+def trainer():
+    """SkyRL's trainer module (``RayPPOTrainer``; it needs torchdata). On Python < 3.12 ``skyrl.train.generators`` is
+    entered as a bare package too: its ``__init__`` imports the Tinker types as well."""
+    import skyrl
+
+    ppo_utils()
+    _bare("skyrl.train.generators", os.path.join(os.path.dirname(skyrl.__file__), "train", "generators"))
+    return importlib.import_module(TRAINER)

@@ -29,6 +29,7 @@ import torch
 from batches import loss_like
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiers import grid
 
 import lossagg
 from lossagg.integrations.megatron import make_loss_func
@@ -110,9 +111,8 @@ def assert_same_as_verl(loss, mask, mode, **kwargs):
     torch.testing.assert_close(g_ours, g_theirs, rtol=RTOL, atol=1e-300)
 
 
-@pytest.mark.parametrize("arguments", list(ARGUMENTS))
-@pytest.mark.parametrize("mask_name", list(MASKS))
-@pytest.mark.parametrize("mode", VERL_MODES)
+# every pair of values in the default tier, the product in the full one (tests/tiers.py)
+@pytest.mark.parametrize("mode,mask_name,arguments", grid(VERL_MODES, list(MASKS), list(ARGUMENTS)))
 def test_verl_weighs_by_the_mask_like_verl(mode, mask_name, arguments):
     mask = MASKS[mask_name]
     assert_same_as_verl(loss_like(mask), mask, mode, **ARGUMENTS[arguments](mask))

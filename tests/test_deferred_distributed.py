@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch_engines
 from batches import engine_modes, per_prompt, sessions_in
+from tiers import full_tier
 from worlds import report, run_world
 
 import lossagg
@@ -149,7 +150,8 @@ def torch_worker(rank, world, engine, init_file, results_dir):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("engine", ["sum", "ddp", "fsdp2"])
+# DDP's gradient average is the plain sum's divided by the ranks: the default tier runs the sum and FSDP2 (tests/tiers.py)
+@pytest.mark.parametrize("engine", ["sum", pytest.param("ddp", marks=full_tier), "fsdp2"])
 def test_a_filter_inside_the_loss_gives_the_filtered_steps_gradient(engine, tmp_path):
     world = DP * CP
     failures, runs = run_world(torch_worker, world, (engine,), tmp_path)

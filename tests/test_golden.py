@@ -9,6 +9,7 @@ import json
 import golden
 import pytest
 import torch
+from tiers import full_tier
 
 import lossagg
 
@@ -31,6 +32,10 @@ def run_on(isa: str, threads: int, corpus):
         torch.set_num_threads(before)
 
 
+#: every instruction set with 2 threads, the best one with 1 too; the full tier (tests/tiers.py) each with 1 and 2
+ISA_THREADS = [pytest.param(isa, threads, marks=[full_tier] if threads == 1 and isa != ISAS[-1] else []) for isa in ISAS for threads in (1, 2)]
+
+
 @pytest.fixture(scope="module")
 def recorded():
     with open(golden.GOLDEN_PATH) as f:
@@ -47,8 +52,7 @@ def test_corpus_covers_every_admitted_dtype_combination(recorded):
     assert len(cases) == len(golden.LAYOUTS) * len(golden.VALUE_DTYPES) * len(golden.MASK_DTYPES)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa,threads", ISA_THREADS)
 def test_outputs_match_the_recorded_hashes(recorded, isa, threads):
     now = run_on(isa, threads, golden.corpus_hashes)
     changed = [f"{case}:{op}" for case, ops in recorded.items() for op, h in ops.items() if now[case][op] != h]
@@ -75,8 +79,7 @@ def _same_as_recorded(recorder, now: dict, where: str) -> None:
     assert not stale, f"listed as changed but equal to the recording: {stale}"
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa,threads", ISA_THREADS)
 def test_denominator_program_routes_match_the_recording(isa, threads):
     """The plan, every route of aggregate (the native program, the Python one pass, plan then
     reduce), their gradients, the native op and its composite keep the bits recorded before
@@ -86,8 +89,7 @@ def test_denominator_program_routes_match_the_recording(isa, threads):
     _same_as_recorded(golden_program, run_on(isa, threads, golden_program.corpus), f"{isa} with {threads} threads")
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa,threads", ISA_THREADS)
 def test_micro_batch_reductions_match_the_recording(isa, threads):
     """Every micro-batch reduction of both plans (one tensor, terms, parts, weights, several dtypes,
     metrics, a DeferredPlan's close) keeps the bits recorded through the five entrances of before

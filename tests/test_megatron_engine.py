@@ -29,6 +29,7 @@ import pytest
 import torch
 from batches import engine_modes, per_prompt, sessions_in
 from stand_ins import install_megatron_core_stand_ins
+from tiers import full_tier
 from worlds import report, run_world
 
 import lossagg
@@ -245,7 +246,8 @@ def worker(rank, world, dp, cp, init_file, results_dir):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("dp,cp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+# the default tier runs one rank and DP x CP; the full tier DP and CP each alone too (tests/tiers.py)
+@pytest.mark.parametrize("dp,cp", [(1, 1), pytest.param(2, 1, marks=full_tier), pytest.param(1, 2, marks=full_tier), (2, 2)])
 def test_megatron_core_schedule_gives_the_gradient_of_j(dp, cp, tmp_path):
     world = dp * cp
     failures, runs = run_world(worker, world, (dp, cp), tmp_path)

@@ -37,8 +37,8 @@ def per_token_loss(model, features):
     return -torch.nn.functional.logsigmoid(model(features).squeeze(-1))
 
 
-def megatron_schedule(config, per_token_loss_on, seed):
-    """Gradient Megatron would apply, for a step split over DP ranks and micro-batches."""
+def megatron_schedule(config, per_token_loss_on, seed, values_of=per_token_loss, reference=None):
+    """Gradient Megatron would apply, for a step split over DP ranks and micro-batches, and J's gradient (float64 reference)."""
     lengths, cu, features, mask, groups = make_step(seed)
     n = lengths.numel()
     model = torch.nn.Linear(5, 1).double()
@@ -57,7 +57,7 @@ def megatron_schedule(config, per_token_loss_on, seed):
             loss_func = make_loss_func(
                 plan, local, mb_cu, mask[lo:hi], num_micro_batches=MICRO_BATCHES, dp_size=DP, calculate_per_token_loss=per_token_loss_on
             )
-            out = loss_func(per_token_loss(model, features[lo:hi]))
+            out = loss_func(values_of(model, features[lo:hi]))
             if len(out) == 3:  # per-token loss: kept as is, num_tokens summed
                 out[0].backward()
                 all_num_tokens.append(out[1])
@@ -69,7 +69,10 @@ def megatron_schedule(config, per_token_loss_on, seed):
     else:
         grad = sum(rank_grads) / DP  # averaged over DP
     model.zero_grad()
-    reference_loss(config, per_token_loss(model, features), mask, cu, groups, session_index=sessions_in(groups)).backward()
+    if reference is None:
+        reference_loss(config, values_of(model, features), mask, cu, groups, session_index=sessions_in(groups)).backward()
+    else:
+        reference(config, values_of(model, features), mask, cu, groups).backward()
     return grad, model.weight.grad
 
 
@@ -79,6 +82,63 @@ def test_megatron_schedule_gives_the_gradient_of_j(mode, per_token_loss_on):
     config = lossagg.LossAggregationConfig(mode=mode, n_samples_per_prompt=per_prompt(mode, N_PER_PROMPT), **MODES[mode].example_settings)
     grad, expected = megatron_schedule(config, per_token_loss_on, seed=sum(map(ord, mode)) % 100)  # str hash() changes from run to run
     torch.testing.assert_close(grad, expected, rtol=1e-9, atol=1e-12)
+
+
+# the PG term and two terms, each on a mode of its own: a term reduced on another's denominators changes the gradient
+TERMS_CONFIG = {
+    "mode": "sample_mean",
+    "n_samples_per_prompt": N_PER_PROMPT,
+    "terms": {"entropy": {"mode": "token_mean", "coefficient": -0.01}, "kl": {"mode": "prompt_mean", "coefficient": 0.05}},
+}
+
+
+def term_values(model, features):
+    out = model(features).squeeze(-1)
+    return {"pg": -torch.nn.functional.logsigmoid(out), "entropy": out**2, "kl": torch.sin(out) + 1.5}
+
+
+def terms_reference(config, values, mask, cu, groups):
+    """Σ_k c_k J_k, each J_k the float64 reference of the term's own mode."""
+    total = 0.0
+    for term in config.loss_terms:
+        single = lossagg.LossAggregationConfig(mode=term.spec.name, n_samples_per_prompt=config.n_samples_per_prompt)
+        total = total + term.coefficient * reference_loss(single, values[term.name], mask, cu, groups)
+    return total
+
+
+@pytest.mark.parametrize("per_token_loss_on", [False, True])
+def test_megatron_schedule_with_terms_on_their_own_modes(per_token_loss_on):
+    """output_tensor a mapping of the terms' per-token values: the gradient is that of Σ_k c_k J_k, each term on its own mode."""
+    config = lossagg.LossAggregationConfig.from_dict(TERMS_CONFIG)
+    grad, expected = megatron_schedule(config, per_token_loss_on, seed=11, values_of=term_values, reference=terms_reference)
+    torch.testing.assert_close(grad, expected, rtol=1e-9, atol=1e-12)
+
+
+def test_a_filter_inside_the_loss_gives_the_filtered_steps_gradient():
+    """keep= (a filter inside the loss, after the forward) with a DeferredPlan over three micro-batches: after the step's
+    rescale the gradient is that of J over the kept tokens, not over the rollout's mask."""
+    lengths, cu, features, mask, groups = make_step(seed=5)
+    # one rescale after the step serves every term that divides by the PG term's step-level factors (here N)
+    terms = {"entropy": {"mode": "sample_mean", "coefficient": -0.01}, "kl": {"mode": "sample_mean", "coefficient": 0.05}}
+    config = lossagg.LossAggregationConfig.from_dict({**TERMS_CONFIG, "terms": terms})
+    model = torch.nn.Linear(5, 1).double()
+    torch.nn.init.normal_(model.weight, generator=torch.Generator().manual_seed(0))
+    keep = lambda output, m: m & (output["pg"].detach() < 0.9)  # noqa: E731  (drops a good share of the tokens)
+    plan = lossagg.DeferredPlan(config, lengths.numel(), group_index=groups)
+    kept = torch.zeros_like(mask)
+    for samples in torch.tensor_split(torch.arange(lengths.numel()), MICRO_BATCHES):
+        lo, hi = int(cu[samples[0]]), int(cu[samples[-1] + 1])
+        loss_func = make_loss_func(plan, samples, cu[samples[0] : samples[-1] + 2] - lo, mask[lo:hi], num_micro_batches=MICRO_BATCHES, keep=keep)
+        values = term_values(model, features[lo:hi])
+        kept[lo:hi] = keep(values, mask[lo:hi])
+        loss, _ = loss_func(values)
+        (loss / MICRO_BATCHES).backward()
+    plan.close().apply_(model)
+    grad = model.weight.grad.clone()
+    assert 0 < int(kept.sum()) < int(mask.sum())  # the filter changed the step
+    model.zero_grad()
+    terms_reference(config, term_values(model, features), kept, cu, groups).backward()
+    torch.testing.assert_close(grad, model.weight.grad, rtol=1e-9, atol=1e-12)
 
 
 def test_reports_and_num_tokens():

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import itertools
 
 import pytest
 from seed_train import launch_args
+from tiers import grid
 
 from lossagg import ConfigError
 from lossagg.integrations import miles as adapter
@@ -51,7 +51,8 @@ def expected_refusals(mode, per_token, divisor, n, gbs):
     return bad
 
 
-GRID = list(itertools.product(MODES, (False, True), DIVISORS, N_PER_PROMPT, BATCH))
+# every pair of values in the default tier, the product in the full one (tests/tiers.py)
+GRID = grid(MODES, (False, True), DIVISORS, N_PER_PROMPT, BATCH)
 
 
 @pytest.mark.parametrize("mode,per_token,divisor,n,gbs", GRID)

@@ -38,6 +38,7 @@ import pytest
 import torch
 from seed_train import PROMPT_LEN, VOCAB, RecordingOptimizer, Scheduler, ToyLM, caller, check_launches, launches_file, rejected, without
 from stand_ins import StandInMisuse, TorchForSchedules
+from tiers import full_tier
 from worlds import report, run_world
 
 import lossagg
@@ -135,13 +136,20 @@ def parse_launches(launches: dict[str, tuple[bool, list[str]]], timeout: float =
     return {name: (kind, value, errs.get(name, "")) for name, (kind, value) in parsed.items()}
 
 
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory):
+@pytest.fixture(scope="session")  # once per worker: xdist interleaves files, which would redo a module fixture
+def parsed_launches():
+    """Every launch of this file (the worlds' cases and the launch checks) parsed by miles' parse_args in one
+    subprocess (miles' import paid once): name -> what parse_launches gives, the checks' names prefixed "check:"."""
     why = miles_peer.unavailable()
     if why:
         pytest.skip(why)
-    parsed = parse_launches({name: (config is not None, BASE_ARGV + flags) for name, (flags, config) in CASES.items()})
-    return launches_file(parsed, tmp_path_factory, "miles")
+    train = {name: (config is not None, BASE_ARGV + flags) for name, (flags, config) in CASES.items()}
+    return parse_launches({**train, **{f"check:{name}": launch for name, launch in CHECK_LAUNCHES.items()}})
+
+
+@pytest.fixture(scope="session")
+def launches(parsed_launches, tmp_path_factory):
+    return launches_file({name: parsed_launches[name] for name in CASES}, tmp_path_factory, "miles")
 
 
 # ----------------------------------------------------------------------- stand-ins
@@ -393,7 +401,10 @@ def worker(rank, world, dp, cp, launches_path, init_file, results_dir):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("dp,cp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+# the default tier runs DP and CP together; the full tier each alone too (tests/tiers.py)
+@pytest.mark.parametrize(
+    "dp,cp", [pytest.param(1, 1, marks=full_tier), pytest.param(2, 1, marks=full_tier), pytest.param(1, 2, marks=full_tier), (2, 2)]
+)
 def test_miles_train_step_gives_the_gradient_of_j(dp, cp, launches, tmp_path):
     failures, runs = run_world(worker, dp * cp, (dp, cp, launches), tmp_path)
     assert not failures, "\n".join(failures)[:8000]
@@ -404,29 +415,35 @@ def test_miles_train_step_gives_the_gradient_of_j(dp, cp, launches, tmp_path):
 LAUNCH = [a for a in BASE_ARGV if a != "--true-on-policy-mode"]
 
 
-def test_launch_checks_through_miles_parse_args():
+# --rollout-batch-size 8 --n-samples-per-prompt 4 --num-steps-per-rollout 3: a step of 10 samples
+_BAD_BATCH = without(without(LAUNCH, "--n-samples-per-prompt"), "--num-steps-per-rollout") + [
+    "--n-samples-per-prompt",
+    "4",
+    "--num-steps-per-rollout",
+    "3",
+    "--loss-aggregation",
+    "prompt_mean",
+]
+#: the launches of test_launch_checks_through_miles_parse_args: name -> (through lossagg, argv)
+CHECK_LAUNCHES = {
+    "seed_step_of_10": (True, _BAD_BATCH),
+    "zero_per_prompt": (True, without(LAUNCH, "--n-samples-per-prompt") + ["--n-samples-per-prompt", "0", "--loss-aggregation", "prompt_mean"]),
+    "legacy_flag_contradicted": (True, LAUNCH + ["--loss-aggregation", "sample_mean", "--calculate-per-token-loss"]),
+    "constant_per_token": (True, LAUNCH + ["--loss-aggregation", "constant", "--loss-aggregation-divisor", "8", "--calculate-per-token-loss"]),
+    "constant_without_divisor": (True, LAUNCH + ["--loss-aggregation", "constant"]),
+    "unknown_mode": (True, LAUNCH + ["--loss-aggregation", "seq_meen"]),
+    "no_flag_through_lossagg": (True, LAUNCH),
+    "no_flag_miles": (False, LAUNCH),
+    "token_mean": (True, LAUNCH + ["--loss-aggregation", "token_mean"]),
+    "term_coefficient": (True, LAUNCH + ["--loss-aggregation", "prompt_mean", *TERMS, "--loss-aggregation-term", "kl:0.5:token_mean"]),
+    "terms_under_tis": (True, LAUNCH + ["--loss-aggregation", "prompt_mean", *TERMS, *TIS_RS, "--loss-aggregation-term", "kl:0.05"]),
+    "token_mean_tis_entropy": (True, LAUNCH + ["--loss-aggregation", "token_mean", "--entropy-coef", "0.1", *TIS_RS]),
+}
+
+
+def test_launch_checks_through_miles_parse_args(parsed_launches):
     """The seed PR's cases and the refusals, on miles' own parse_args (after it derives global_batch_size)."""
-    why = miles_peer.unavailable()
-    if why:
-        pytest.skip(why)
-    # --rollout-batch-size 8 --n-samples-per-prompt 4 --num-steps-per-rollout 3: a step of 10 samples
-    bad_batch = without(without(LAUNCH, "--n-samples-per-prompt"), "--num-steps-per-rollout")
-    bad_batch += ["--n-samples-per-prompt", "4", "--num-steps-per-rollout", "3", "--loss-aggregation", "prompt_mean"]
-    launches = {
-        "seed_step_of_10": (True, bad_batch),
-        "zero_per_prompt": (True, without(LAUNCH, "--n-samples-per-prompt") + ["--n-samples-per-prompt", "0", "--loss-aggregation", "prompt_mean"]),
-        "legacy_flag_contradicted": (True, LAUNCH + ["--loss-aggregation", "sample_mean", "--calculate-per-token-loss"]),
-        "constant_per_token": (True, LAUNCH + ["--loss-aggregation", "constant", "--loss-aggregation-divisor", "8", "--calculate-per-token-loss"]),
-        "constant_without_divisor": (True, LAUNCH + ["--loss-aggregation", "constant"]),
-        "unknown_mode": (True, LAUNCH + ["--loss-aggregation", "seq_meen"]),
-        "no_flag_through_lossagg": (True, LAUNCH),
-        "no_flag_miles": (False, LAUNCH),
-        "token_mean": (True, LAUNCH + ["--loss-aggregation", "token_mean"]),
-        "term_coefficient": (True, LAUNCH + ["--loss-aggregation", "prompt_mean", *TERMS, "--loss-aggregation-term", "kl:0.5:token_mean"]),
-        "terms_under_tis": (True, LAUNCH + ["--loss-aggregation", "prompt_mean", *TERMS, *TIS_RS, "--loss-aggregation-term", "kl:0.05"]),
-        "token_mean_tis_entropy": (True, LAUNCH + ["--loss-aggregation", "token_mean", "--entropy-coef", "0.1", *TIS_RS]),
-    }
-    got = parse_launches(launches)
+    got = {name.removeprefix("check:"): value for name, value in parsed_launches.items() if name.startswith("check:")}
     refused = {
         "seed_step_of_10": ["--global-batch-size", "(10)", "--num-steps-per-rollout 3"],
         "zero_per_prompt": ["--n-samples-per-prompt", "got 0"],

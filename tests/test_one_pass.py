@@ -13,8 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 from batches import LAYOUTS, MASK_DTYPES, VALUE_DTYPES, every_path_batch, function_mode, long_batch, make_batch, many_short_batch
+from conftest import DEVICES
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import grid
 
 import lossagg
 from lossagg import LossAggregationConfig, StepPlan
@@ -36,9 +38,8 @@ def two_passes(values, mask, cu):
     return torch.ops.lossagg.segment_sum(values, mask, cu), torch.ops.lossagg.token_counts(mask, cu)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", VALUE_DTYPES)
-@pytest.mark.parametrize("mask_dtype", [*MASK_DTYPES, torch.float64, torch.bfloat16])
+# every pair of values in the default tier, the product in the full one (tests/tiers.py)
+@pytest.mark.parametrize("device,layout,dtype,mask_dtype", grid(DEVICES, LAYOUTS, VALUE_DTYPES, [*MASK_DTYPES, torch.float64, torch.bfloat16]))
 def test_sums_and_counts_are_those_of_segment_sum_and_token_counts(device, layout, dtype, mask_dtype):
     b = make_batch(layout, dtype=dtype, mask_dtype=mask_dtype, device=device)
     sums, counts = torch.ops.lossagg.segment_sum_and_count(b.values, b.mask, b.cu_seqlens)

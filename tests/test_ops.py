@@ -7,7 +7,9 @@ import native_ops
 import pytest
 import torch
 from batches import LAYOUTS, MASK_DTYPES, VALUE_DTYPES, make_batch
+from conftest import DEVICES
 from reference import ref_reduce, ref_reduce_grad, ref_segment_sum
+from tiers import grid
 
 import lossagg
 
@@ -32,10 +34,8 @@ def acc_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-@pytest.mark.parametrize("mask_dtype", MASK_DTYPES)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", VALUE_DTYPES)
-@pytest.mark.parametrize("num_metrics", [None, 3])
+# every pair of values in the default tier, the product in the full one (tests/tiers.py)
+@pytest.mark.parametrize("device,dtype,layout,mask_dtype,num_metrics", grid(DEVICES, VALUE_DTYPES, LAYOUTS, MASK_DTYPES, [None, 3]))
 def test_segment_sum_matches_reference(device, dtype, layout, mask_dtype, num_metrics):
     b = make_batch(layout, dtype=dtype, mask_dtype=mask_dtype, num_metrics=num_metrics, device=device)
     out = lossagg.segment_sum(b.values, b.mask, b.cu_seqlens)
@@ -46,9 +46,8 @@ def test_segment_sum_matches_reference(device, dtype, layout, mask_dtype, num_me
     torch.testing.assert_close(out.cpu().double(), expected, **fwd_tol(dtype))
 
 
-@pytest.mark.parametrize("mask_dtype", MASK_DTYPES)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", VALUE_DTYPES)
+# every pair of values in the default tier, the product in the full one (tests/tiers.py)
+@pytest.mark.parametrize("device,dtype,layout,mask_dtype", grid(DEVICES, VALUE_DTYPES, LAYOUTS, MASK_DTYPES))
 def test_reduce_and_grad_match_reference(device, dtype, layout, mask_dtype):
     b = make_batch(layout, dtype=dtype, mask_dtype=mask_dtype, device=device, requires_grad=True)
     out = lossagg.reduce(b.values, b.mask, cu_seqlens=b.cu_seqlens, sample_denoms=b.sample_denoms)

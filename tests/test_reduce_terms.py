@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from batches import LAYOUTS, MASK_DTYPES, VALUE_DTYPES, long_batch, make_batch
+from conftest import DEVICES
 from reference import ref_reduce_terms, ref_reduce_terms_grads
 from test_golden import ISAS
+from tiers import grid
 
 import lossagg
 
@@ -44,10 +46,8 @@ def terms_batch(layout, dtype=torch.float32, mask_dtype=torch.bool, device="cpu"
     return values, b.mask, b.cu_seqlens, denoms, weights
 
 
-@pytest.mark.parametrize("weighted", [False, True])
-@pytest.mark.parametrize("mask_dtype", MASK_DTYPES)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", VALUE_DTYPES)
+# every pair of values in the default tier, the product in the full one (tests/tiers.py)
+@pytest.mark.parametrize("device,dtype,layout,mask_dtype,weighted", grid(DEVICES, VALUE_DTYPES, LAYOUTS, MASK_DTYPES, [False, True]))
 def test_reduce_terms_and_grads_match_reference(device, dtype, layout, mask_dtype, weighted):
     values, mask, cu, d, w = terms_batch(layout, dtype, mask_dtype, device, weighted=weighted, requires_grad=True)
     total, parts = lossagg.reduce_terms(values, mask, cu_seqlens=cu, sample_denoms=d, sample_weights=w, coefficients=COEFFICIENTS)
@@ -123,9 +123,8 @@ def _per_term_grads(values, mask, cu, d, w, coefficients):
     return out
 
 
-@pytest.mark.parametrize("weighted", [False, True])
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", VALUE_DTYPES)
+# every pair of values in the default tier, the product in the full one (tests/tiers.py)
+@pytest.mark.parametrize("device,dtype,layout,weighted", grid(DEVICES, VALUE_DTYPES, LAYOUTS, [False, True]))
 def test_the_bits_of_one_call_per_term(device, dtype, layout, weighted):
     # each J_k is added as reduce adds its quotients and the terms in order: the bits of K calls
     values, mask, cu, d, w = terms_batch(layout, dtype, device=device, weighted=weighted, requires_grad=True)

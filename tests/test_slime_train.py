@@ -36,6 +36,7 @@ import slime_peer
 import torch
 from seed_train import PROMPT_LEN, VOCAB, RecordingOptimizer, Scheduler, ToyLM, check_launches, launches_file, rejected, without
 from stand_ins import install_megatron_core_stand_ins
+from tiers import full_tier
 from worlds import report, run_world
 
 import lossagg
@@ -101,6 +102,13 @@ CASES = {
         + ["--loss-aggregation-term", f"entropy:{-ENTROPY_COEF}:token_mean", "--loss-aggregation-term", f"kl:{KL_COEF}:max_length"],
         {"mode": "prompt_mean"},
         {"entropy": "token_mean", "kl": "max_length"},
+    ),
+    # KL alone at slime's default --entropy-coef 0: slime still calls its reducer for entropy (a schedule that skipped that
+    # call would reduce KL on entropy's reducer)
+    "prompt_mean_kl_only": (
+        ["--loss-aggregation", "prompt_mean", *without(TERMS, "--entropy-coef"), "--loss-aggregation-term", f"kl:{KL_COEF}:token_mean"],
+        {"mode": "prompt_mean"},
+        {"kl": "token_mean"},
     ),
     "prompt_mean_tis": (["--loss-aggregation", "prompt_mean", "--entropy-coef", str(ENTROPY_COEF), *TIS], {"mode": "prompt_mean"}, {}),
     "user_postprocess": (
@@ -180,11 +188,19 @@ def parse_launches(launches: dict[str, tuple[bool, list[str]]], timeout: float =
     return {name: (kind, value, errs.get(name, "")) for name, (kind, value) in parsed.items()}
 
 
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory):
+@pytest.fixture(scope="session")  # once per worker: xdist interleaves files, which would redo a module fixture
+def parsed_launches(tmp_path_factory):
+    """Every launch of this file (the worlds' cases and the launch checks) parsed by slime's parse_args in one
+    subprocess (slime's import paid once): name -> what parse_launches gives, the checks' names prefixed "check:"."""
     need_slime()
-    parsed = parse_launches({name: (config is not None or name in SAME_AS_SLIME, BASE_ARGV + flags) for name, (flags, config, _) in CASES.items()})
-    return launches_file(parsed, tmp_path_factory, "slime")
+    train = {name: (config is not None or name in SAME_AS_SLIME, BASE_ARGV + flags) for name, (flags, config, _) in CASES.items()}
+    checks = {f"check:{name}": launch for name, launch in check_launches_argv(tmp_path_factory.mktemp("slime-checks")).items()}
+    return parse_launches({**train, **checks})
+
+
+@pytest.fixture(scope="session")
+def launches(parsed_launches, tmp_path_factory):
+    return launches_file({name: parsed_launches[name] for name in CASES}, tmp_path_factory, "slime")
 
 
 # ----------------------------------------------------------------------- stand-ins
@@ -516,7 +532,11 @@ def worker(rank, world, layouts, launches_path, init_file, results_dir):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world,layouts", [(1, (1,)), (2, (1, 2)), (4, (2,))], ids=["dp1cp1", "dp2cp1+dp1cp2", "dp2cp2"])
+# the default tier runs one rank and DP x CP; the full tier DP and CP each alone too (tests/tiers.py)
+@pytest.mark.parametrize(
+    "world,layouts",
+    [pytest.param(1, (1,), id="dp1cp1"), pytest.param(2, (1, 2), id="dp2cp1+dp1cp2", marks=full_tier), pytest.param(4, (2,), id="dp2cp2")],
+)
 def test_slime_train_step_gives_the_gradient_of_j(world, layouts, launches, tmp_path):
     failures, runs = run_world(worker, world, (layouts, launches), tmp_path)
     assert not failures, "\n".join(failures)[:8000]
@@ -526,10 +546,8 @@ def test_slime_train_step_gives_the_gradient_of_j(world, layouts, launches, tmp_
 # ----------------------------------------------------------------- slime's own parse_args
 
 
-def test_launch_checks_through_slime_parse_args(tmp_path):
-    """The refusals a launch needs, each naming the flag, on slime's own parse_args (after it derives
-    global_batch_size); with no lossagg flag the launch is slime's own, attribute for attribute."""
-    need_slime()
+def check_launches_argv(tmp_path) -> dict[str, tuple[bool, list[str]]]:
+    """The launches of test_launch_checks_through_slime_parse_args: name -> (through lossagg, argv)."""
     weighted = tmp_path / "weighted.json"
     weighted.write_text('{"mode": "prompt_mean", "weighting": "multiply"}')
     prompt = ["--loss-aggregation", "prompt_mean"]
@@ -556,7 +574,13 @@ def test_launch_checks_through_slime_parse_args(tmp_path):
         "term_flag_alone": (True, BASE_ARGV + [*entropy, "--loss-aggregation-term", f"entropy:{-ENTROPY_COEF}:token_mean"]),
         "tis_entropy_served": (True, BASE_ARGV + [*prompt, *entropy, *TIS]),
     }
-    got = parse_launches(launches)
+    return launches
+
+
+def test_launch_checks_through_slime_parse_args(parsed_launches):
+    """The refusals a launch needs, each naming the flag, on slime's own parse_args (after it derives
+    global_batch_size); with no lossagg flag the launch is slime's own, attribute for attribute."""
+    got = {name.removeprefix("check:"): value for name, value in parsed_launches.items() if name.startswith("check:")}
     refused = {
         "seed_step_of_3": ["--global-batch-size", "(3)", "--num-steps-per-rollout 7"],
         "zero_per_prompt": ["--n-samples-per-prompt", "got 0"],

@@ -222,7 +222,7 @@ def worker(rank, port, out_dir):
     os._exit(0)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker: xdist interleaves files, which would redo a module fixture
 def world_results(tmp_path_factory):
     """One 2-process world for every case (the spawn and TRL's import once); the folder of their results."""
     out = str(tmp_path_factory.mktemp("trl-world"))

@@ -25,6 +25,7 @@ import sys
 
 import pytest
 import torch
+from tiers import full_tier
 
 pytest.importorskip("verl")
 pytest.importorskip("tensordict")
@@ -298,7 +299,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker: xdist interleaves files, which would redo a module fixture
 def model_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llama")
     save_tiny_model(str(path))
@@ -306,7 +307,8 @@ def model_path(tmp_path_factory):
 
 
 @pytest.mark.xdist_group("engines")
-@pytest.mark.parametrize("world", [1, 2])
+# the default tier runs DP 2 (tests/tiers.py)
+@pytest.mark.parametrize("world", [pytest.param(1, marks=full_tier), 2])
 def test_verl_engine_gradient_does_not_move_with_the_micro_batch_split(world, model_path, tmp_path):
     """verl's FSDP2 engine on DP ``world``: lossagg's loss (pg and entropy sample_mean, KL token_mean) gives the
     same gradient whether the engine splits the mini-batch into 1, 2 or 4 micro-batches or by tokens, equal to

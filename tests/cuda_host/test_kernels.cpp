@@ -605,10 +605,12 @@ const char* kMasks[] = {"bool", "uint8", "floating (accumulation dtype)", "int64
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int cases = argc > 1 ? std::atoi(argv[1]) : 300;
+  // test_kernels [cases [seed [shard shards [bad_tables]]]]: scripts/ctest.sh passes the tier's numbers
+  const int cases = argc > 1 ? std::atoi(argv[1]) : 200;
   const uint64_t seed = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 20261130;
   const int shard = argc > 3 ? std::atoi(argv[3]) : 0;
   const int shards = argc > 4 ? std::max(1, std::atoi(argv[4])) : 1;
+  const int bad_tables = argc > 5 ? std::atoi(argv[5]) : 60;
   auto seed_case = [&](uint64_t kind, int i) { rng.seed(seed * 1000003ULL + kind * 1000000007ULL + static_cast<uint64_t>(i)); };
 
   for (int i = shard; i < cases; i += shards) {
@@ -624,7 +626,7 @@ int main(int argc, char** argv) {
   }
 
   // Invalid tables, every defect, with the device checks off.
-  for (int i = shard; i < 200; i += shards) {
+  for (int i = shard; i < bad_tables; i += shards) {
     seed_case(1, i);
     Case c = random_case(true, 150);
     if (c.B < 2) {
