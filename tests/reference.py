@@ -8,6 +8,17 @@ from __future__ import annotations
 import torch
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the ops accumulate and return in for values of ``dtype`` (docs/ops.md, "Dtypes")."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def fwd_tol(dtype: torch.dtype) -> dict:
+    """The forward's tolerance against this reference: the ops accumulate in float32 from inputs the reference
+    reads exactly, so its error is float32 accumulation error whatever the input dtype (float64: exact sums)."""
+    return dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
+
+
 def segments(cu_seqlens: torch.Tensor | None, token_shape) -> list[tuple[int, int]]:
     """(begin, end) of each segment in the flattened token index space."""
     if cu_seqlens is None:

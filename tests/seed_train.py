@@ -28,6 +28,59 @@ def launch_args(mode=None, n=4, gbs=16, **more) -> argparse.Namespace:
     return argparse.Namespace(**{**LAUNCH_DEFAULTS, "loss_aggregation": mode, "n_samples_per_prompt": n, "global_batch_size": gbs, **more})
 
 
+_PARSE = r"""
+import importlib, pickle, sys
+adapter_parse_args = importlib.import_module(sys.argv[2]).parse_args
+own_parse_args = importlib.import_module(sys.argv[3]).parse_args
+out = {}
+for name, (through_lossagg, argv) in pickle.loads(bytes.fromhex(sys.argv[1])).items():
+    sys.argv = argv
+    sys.stderr.write(f"@@launch {name}\n")
+    sys.stderr.flush()
+    try:
+        args = adapter_parse_args() if through_lossagg else own_parse_args()
+    except SystemExit as exc:
+        out[name] = ("exit", exc.code)
+    else:
+        out[name] = ("args", pickle.dumps(args))
+sys.stdout.buffer.write(b"ARGS" + pickle.dumps(out))
+"""
+
+
+def parse_launches(launches: dict, *, env: dict, adapter: str, own: str, prelude: str = "", timeout: float = 600) -> dict:
+    """Each launch's argument parsing by the trainer's own parse_args (module ``own``; lossagg's, ``adapter``, when
+    the launch's bool is true), all in one subprocess of ``env`` (the trainer on its path), after ``prelude``:
+    name -> ("args", pickled Namespace, stderr) or ("exit", status, stderr)."""
+    import pickle
+    import subprocess
+
+    command = [sys.executable, "-c", prelude + _PARSE, pickle.dumps(launches).hex(), adapter, own]
+    done = subprocess.run(command, env=env, capture_output=True, timeout=timeout)
+    stderr = done.stderr.decode(errors="replace")
+    assert done.returncode == 0 and b"ARGS" in done.stdout, stderr[-3000:]
+    parsed = pickle.loads(done.stdout[done.stdout.index(b"ARGS") + 4 :])
+    errs = {}
+    for chunk in stderr.split("@@launch ")[1:]:
+        name, _, text = chunk.partition("\n")
+        errs[name] = text
+    return {name: (kind, value, errs.get(name, "")) for name, (kind, value) in parsed.items()}
+
+
+#: what both seed trainers' launches refuse alike (their launch flags are the seed's): launch name -> what the
+#: message names (tests/test_miles_train.py and tests/test_slime_train.py build these launches on their own argv)
+SEED_REFUSALS = {
+    "zero_per_prompt": ["--n-samples-per-prompt", "got 0"],
+    "legacy_flag_contradicted": ["--calculate-per-token-loss", "mode=sample_mean"],
+    "unknown_mode": ["--loss-aggregation", "seq_meen"],
+    "token_mean_tis_entropy": ["--use-tis", "token_mean"],
+}
+
+
+def checked_launches(parsed: dict) -> dict:
+    """The launches a file's parse prefixed ``check:`` (its launch checks), by their own names."""
+    return {name.removeprefix("check:"): value for name, value in parsed.items() if name.startswith("check:")}
+
+
 def caller(depth: int = 2) -> str:
     """The file of the code ``depth`` frames up (stand-ins check who calls them)."""
     return sys._getframe(depth).f_code.co_filename.replace(os.sep, "/")
@@ -53,6 +106,28 @@ def without(argv, flag):
     """A launch's argv without ``flag`` and its value."""
     i = argv.index(flag)
     return argv[:i] + argv[i + 2 :]
+
+
+def toy_ddp_model(args, cp: int, dtype: torch.dtype):
+    """The toy LM wrapped in Megatron's DDP as the trainer's step takes it (the megatron on this process's path:
+    miles' vendored one, or megatron-core for slime), for a launch's ``args`` and CP size: (module, model).
+    Gradients reduce in float32 for a float32 model (slime's logits), in the model's dtype otherwise."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    tconfig = TransformerConfig(
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=1,
+        context_parallel_size=cp,
+        calculate_per_token_loss=args.calculate_per_token_loss,
+        params_dtype=dtype,
+    )
+    ddp_config = DistributedDataParallelConfig(
+        overlap_grad_reduce=False, grad_reduce_in_fp32=dtype == torch.float32, use_distributed_optimizer=False, bucket_size=None
+    )
+    module = ToyLM(tconfig, dtype=dtype)
+    return module, DistributedDataParallel(tconfig, ddp_config, module)
 
 
 class ToyLM(torch.nn.Module):

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch_engines
 from batches import engine_modes, per_prompt, sessions_in
 from tiers import full_tier
-from worlds import report, run_world
+from worlds import crashed, dp_cp_groups, join, leave, run_world
 
 import lossagg
 from lossagg.deferred import deferred_factors
@@ -46,11 +46,13 @@ def _servable():
 
 
 def _groups(rank):
-    """Every rank makes every group, in the same order: (the DP group of this rank, its CP group)."""
-    dp_groups = [dist.new_group([d * CP + c for d in range(DP)]) for c in range(CP)]
-    cp_groups = [dist.new_group([d * CP + c for c in range(CP)]) for d in range(DP)]
-    dp_rank, cp_rank = divmod(rank, CP)
-    return dp_groups[cp_rank], cp_groups[dp_rank]
+    """(the DP group of this rank, its CP group)"""
+    return dp_cp_groups(rank, DP, CP)[2:]
+
+
+def deferred_plan(config, own, groups, dp_group, cp_group, **more) -> lossagg.DeferredPlan:
+    """The DeferredPlan of a rank holding the samples ``own`` of a step with four prompt groups."""
+    return lossagg.DeferredPlan(config, own.numel(), process_group=dp_group, cp_group=cp_group, group_index=groups[own], num_group_labels=4, **more)
 
 
 def _relative(got, want):
@@ -97,16 +99,7 @@ def torch_worker(rank, world, engine, init_file, results_dir):
                 rollout = lossagg.StepPlan(
                     config, lossagg.token_counts(mask, cu)[own], group_index=groups[own], process_group=dp_group, num_group_labels=4, **sessions
                 )
-                plan = lossagg.DeferredPlan(
-                    config,
-                    own.numel(),
-                    process_group=dp_group,
-                    cp_group=cp_group,
-                    group_index=groups[own],
-                    num_group_labels=4,
-                    estimate=rollout,
-                    **sessions,
-                )
+                plan = deferred_plan(config, own, groups, dp_group, cp_group, estimate=rollout, **sessions)
                 model = torch_engines.make_model() if engine == "sum" else torch_engines.wrap(torch_engines.make_model(), engine)
                 scale = 1.0 if engine == "sum" else lossagg.gradient_scale("mean", dp_size=DP, cp_size=CP)
                 for i, (samples, x, y, m, local_cu) in enumerate(batches):
@@ -143,11 +136,8 @@ def torch_worker(rank, world, engine, init_file, results_dir):
                 if not torch.equal(closed.plan.token_counts, final_counts.double()):
                     failures.append(f"{engine} rank {rank} mode {mode} {empty}: final counts {closed.plan.token_counts} vs {final_counts}")
     except Exception as exc:
-        import traceback
-
-        failures.append(f"{engine} rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    report(results_dir, rank, ran, failures)
-    dist.destroy_process_group()
+        failures.append(crashed(f"{engine} rank {rank}", exc))
+    leave(results_dir, rank, ran, failures)
 
 
 # DDP's gradient average is the plain sum's divided by the ranks: the default tier runs the sum and FSDP2 (tests/tiers.py)
@@ -187,24 +177,16 @@ class _MegatronModel(torch.nn.Module):
 
 
 def megatron_worker(rank, world, init_file, results_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    failures, ran = [], 0
+    failures, ran = join(rank, world, init_file)
     try:
-        from test_megatron_engine import install_stand_ins
+        from test_megatron_engine import enter_megatron, run_schedule
 
-        used = install_stand_ins()
-        from megatron.core import parallel_state
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron.core.transformer import TransformerConfig
-
+        used, mc = enter_megatron(CP)
         from lossagg.integrations.megatron import make_loss_func
 
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=CP)
-        dp_group = parallel_state.get_data_parallel_group()
-        cp_group = parallel_state.get_context_parallel_group()
-        rank_in_world = parallel_state.get_data_parallel_rank() * CP + parallel_state.get_context_parallel_rank()
+        dp_group = mc.parallel_state.get_data_parallel_group()
+        cp_group = mc.parallel_state.get_context_parallel_group()
+        rank_in_world = mc.parallel_state.get_data_parallel_rank() * CP + mc.parallel_state.get_context_parallel_rank()
         for mode in _servable():
             spec = lossagg.MODES[mode]
             config = lossagg.LossAggregationConfig(mode=mode, n_samples_per_prompt=per_prompt(mode, 4), global_batch_size=16, **spec.example_settings)
@@ -212,20 +194,12 @@ def megatron_worker(rank, world, init_file, results_dir):
             features, targets, mask, cu, groups = step
             want, _, _ = filtered_step.reference(config, step)
             _, _, own, batches = filtered_step.rank_share(step, DP, CP, MICRO_BATCHES, rank_in_world)
-            plan = lossagg.DeferredPlan(
-                config,
-                own.numel(),
-                process_group=dp_group,
-                cp_group=cp_group,
-                group_index=groups[own],
-                num_group_labels=4,
-                session_index=sessions_in(groups)[own],  # labels below global_batch_size
-            )
-            tconfig = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, context_parallel_size=CP, params_dtype=torch.float64)
-            ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, grad_reduce_in_fp32=False, use_distributed_optimizer=False)
-            model = DistributedDataParallel(tconfig, ddp_config, _MegatronModel(tconfig))
+            plan = deferred_plan(config, own, groups, dp_group, cp_group, session_index=sessions_in(groups)[own])  # labels below global_batch_size
+            tconfig = mc.TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, context_parallel_size=CP, params_dtype=torch.float64)
+            ddp_config = mc.DistributedDataParallelConfig(overlap_grad_reduce=False, grad_reduce_in_fp32=False, use_distributed_optimizer=False)
+            model = mc.DistributedDataParallel(tconfig, ddp_config, _MegatronModel(tconfig))
             tconfig.no_sync_func = model.no_sync
-            tconfig.finalize_model_grads_func = finalize_model_grads
+            tconfig.finalize_model_grads_func = mc.finalize_model_grads
             model.zero_grad_buffer()
 
             def forward_step(data_iterator, model, plan=plan):
@@ -242,15 +216,7 @@ def megatron_worker(rank, world, init_file, results_dir):
                 )
                 return (model(x) - y) ** 2, loss_func
 
-            get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=iter(batches),
-                model=model,
-                num_microbatches=MICRO_BATCHES,
-                seq_length=1,
-                micro_batch_size=1,
-                forward_only=False,
-            )
+            run_schedule(mc, forward_step, batches, model, MICRO_BATCHES)
             plan.close().apply_(model)
             ran += 1
             err = _relative([p.main_grad for p in model.module.parameters()], want)
@@ -258,13 +224,10 @@ def megatron_worker(rank, world, init_file, results_dir):
                 failures.append(f"megatron rank {rank} mode {mode}: relative error {err:.3g}")
         if used["current_device"] == 0:
             failures.append(f"rank {rank}: a stand-in was never used ({used})")
-        parallel_state.destroy_model_parallel()
+        mc.parallel_state.destroy_model_parallel()
     except Exception as exc:
-        import traceback
-
-        failures.append(f"megatron rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    report(results_dir, rank, ran, failures)
-    dist.destroy_process_group()
+        failures.append(crashed(f"megatron rank {rank}", exc))
+    leave(results_dir, rank, ran, failures)
 
 
 @pytest.mark.skipif(not HAVE_MCORE, reason=WHY)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from batches import per_prompt, sessions_in
+from worlds import dp_cp_groups
 
 import lossagg
 
@@ -71,9 +72,7 @@ def worker(rank, world, init_file, convention, results_dir, setup=None, modes=No
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    dp_rank, cp_rank = divmod(rank, CP)
-    dp_groups = [dist.new_group([d * CP + c for d in range(DP)]) for c in range(CP)]
-    dp_group = dp_groups[cp_rank]
+    dp_rank, cp_rank, dp_group, _ = dp_cp_groups(rank, DP, CP)
 
     step = make_step()
     features, targets, mask, cu, groups = step

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 from batches import engine_modes, per_prompt, sessions_in
 from stand_ins import install_megatron_core_stand_ins
 from tiers import full_tier
-from worlds import report, run_world
+from worlds import crashed, join, leave, run_world
 
 import lossagg
 
@@ -55,6 +56,39 @@ def _caller_file(depth: int = 2) -> str:
 def install_stand_ins():
     """The three narrow CUDA stand-ins (see the module docstring); returns their use counts."""
     return install_megatron_core_stand_ins()
+
+
+def run_schedule(mc, forward_step, batches, model, num_micro_batches: int) -> None:
+    """Megatron's schedule (``mc`` from :func:`enter_megatron`) over ``batches``, one forward_step per micro-batch."""
+    mc.get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(batches),
+        model=model,
+        num_microbatches=num_micro_batches,
+        seq_length=1,
+        micro_batch_size=1,
+        forward_only=False,
+    )
+
+
+def enter_megatron(cp: int):
+    """A worker's entry into Megatron-Core: the stand-ins, then the model-parallel state of TP 1 x PP 1 x CP ``cp``.
+    Returns (the stand-ins' use counts, a namespace of the modules' names the workers use)."""
+    used = install_stand_ins()
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer import TransformerConfig
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=cp)
+    return used, SimpleNamespace(
+        parallel_state=parallel_state,
+        DistributedDataParallel=DistributedDataParallel,
+        DistributedDataParallelConfig=DistributedDataParallelConfig,
+        finalize_model_grads=finalize_model_grads,
+        get_forward_backward_func=get_forward_backward_func,
+        TransformerConfig=TransformerConfig,
+    )
 
 
 # ------------------------------------------------------------------------- the step
@@ -136,26 +170,16 @@ def micro_batches(step, own, dp_rank, cp_size, cp_rank, layout):
 
 # ------------------------------------------------------------------------ the world
 def worker(rank, world, dp, cp, init_file, results_dir):
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    failures, ran = [], 0
+    failures, ran = join(rank, world, init_file)
     try:
-        used = install_stand_ins()
-        from megatron.core import parallel_state
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron.core.transformer import TransformerConfig
-
+        used, mc = enter_megatron(cp)
         from lossagg import LossAggregationConfig, StepPlan
         from lossagg.integrations.megatron import make_loss_func
         from lossagg.testing import rank_totals
 
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=cp)
-        dp_rank = parallel_state.get_data_parallel_rank()
-        cp_rank = parallel_state.get_context_parallel_rank()
-        dp_group = parallel_state.get_data_parallel_group()  # same samples on the CP ranks: DP only
+        dp_rank = mc.parallel_state.get_data_parallel_rank()
+        cp_rank = mc.parallel_state.get_context_parallel_rank()
+        dp_group = mc.parallel_state.get_data_parallel_group()  # same samples on the CP ranks: DP only
         step = make_step()
         lengths, cu, features, mask, groups = step
         n = lengths.numel()
@@ -186,7 +210,7 @@ def worker(rank, world, dp, cp, init_file, results_dir):
                             else:
                                 totals = rank_totals(config, all_counts, own, groups, sessions_in(groups))
                                 plan = StepPlan.from_totals(config, all_counts[own], **totals)
-                            tconfig = TransformerConfig(
+                            tconfig = mc.TransformerConfig(
                                 num_layers=1,
                                 hidden_size=8,
                                 num_attention_heads=1,
@@ -194,12 +218,12 @@ def worker(rank, world, dp, cp, init_file, results_dir):
                                 calculate_per_token_loss=per_token,
                                 params_dtype=torch.float64,
                             )
-                            ddp_config = DistributedDataParallelConfig(
+                            ddp_config = mc.DistributedDataParallelConfig(
                                 overlap_grad_reduce=overlap, grad_reduce_in_fp32=False, use_distributed_optimizer=False, bucket_size=None
                             )
-                            model = DistributedDataParallel(tconfig, ddp_config, TinyModel(tconfig))
+                            model = mc.DistributedDataParallel(tconfig, ddp_config, TinyModel(tconfig))
                             tconfig.no_sync_func = model.no_sync
-                            tconfig.finalize_model_grads_func = finalize_model_grads
+                            tconfig.finalize_model_grads_func = mc.finalize_model_grads
                             model.zero_grad_buffer()
                             batches = micro_batches(step, own, dp_rank, cp, cp_rank, layout)
 
@@ -217,15 +241,7 @@ def worker(rank, world, dp, cp, init_file, results_dir):
                                 )
                                 return model(x), loss_func
 
-                            get_forward_backward_func()(
-                                forward_step_func=forward_step,
-                                data_iterator=iter(batches),
-                                model=model,
-                                num_microbatches=MICRO_BATCHES,
-                                seq_length=1,
-                                micro_batch_size=1,
-                                forward_only=False,
-                            )
+                            run_schedule(mc, forward_step, batches, model, MICRO_BATCHES)
                             ran += 1
                             got = [p.main_grad for p in model.module.parameters()]
                             for g, e in zip(got, expected, strict=True):
@@ -237,13 +253,10 @@ def worker(rank, world, dp, cp, init_file, results_dir):
                                     )
         if used["current_device"] == 0 or used["zeros"] == 0:
             failures.append(f"rank {rank}: a stand-in was never used ({used}); the test no longer exercises what it says")
-        parallel_state.destroy_model_parallel()
+        mc.parallel_state.destroy_model_parallel()
     except Exception as exc:  # reported by the parent with the rank
-        import traceback
-
-        failures.append(f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    report(results_dir, rank, ran, failures)
-    dist.destroy_process_group()
+        failures.append(crashed(f"rank {rank}", exc))
+    leave(results_dir, rank, ran, failures)
 
 
 # the default tier runs one rank and DP x CP; the full tier DP and CP each alone too (tests/tiers.py)

@@ -36,10 +36,25 @@ import sys
 import miles_peer
 import pytest
 import torch
-from seed_train import PROMPT_LEN, VOCAB, RecordingOptimizer, Scheduler, ToyLM, caller, check_launches, launches_file, rejected, without
+from seed_train import (
+    PROMPT_LEN,
+    SEED_REFUSALS,
+    VOCAB,
+    RecordingOptimizer,
+    Scheduler,
+    ToyLM,
+    caller,
+    check_launches,
+    checked_launches,
+    launches_file,
+    parse_launches,
+    rejected,
+    toy_ddp_model,
+    without,
+)
 from stand_ins import StandInMisuse, TorchForSchedules
 from tiers import full_tier
-from worlds import report, run_world
+from worlds import crashed, join, leave, run_world
 
 import lossagg
 from lossagg.modes import default_term_mode
@@ -103,38 +118,6 @@ CASES = {
     ),
 }
 
-PARSE = r"""
-import pickle, sys
-from lossagg.integrations import miles as adapter
-from miles.utils.arguments import parse_args as miles_parse_args
-out = {}
-for name, (through_lossagg, argv) in pickle.loads(bytes.fromhex(sys.argv[1])).items():
-    sys.argv = argv
-    sys.stderr.write(f"@@launch {name}\n")
-    sys.stderr.flush()
-    try:
-        args = adapter.parse_args() if through_lossagg else miles_parse_args()
-    except SystemExit as exc:
-        out[name] = ("exit", exc.code)
-    else:
-        out[name] = ("args", pickle.dumps(args))
-sys.stdout.buffer.write(b"ARGS" + pickle.dumps(out))
-"""
-
-
-def parse_launches(launches: dict[str, tuple[bool, list[str]]], timeout: float = 600) -> dict[str, tuple[str, object, str]]:
-    """Each launch's argument parsing, by miles' own parse_args (through lossagg's when the bool is true), in one
-    subprocess that has miles on its path: name -> ("args", pickled Namespace, stderr) or ("exit", status, stderr)."""
-    done = subprocess.run([sys.executable, "-c", PARSE, pickle.dumps(launches).hex()], env=miles_peer.env(), capture_output=True, timeout=timeout)
-    stderr = done.stderr.decode(errors="replace")
-    assert done.returncode == 0 and b"ARGS" in done.stdout, stderr[-3000:]
-    parsed = pickle.loads(done.stdout[done.stdout.index(b"ARGS") + 4 :])
-    errs = {}
-    for chunk in stderr.split("@@launch ")[1:]:
-        name, _, text = chunk.partition("\n")
-        errs[name] = text
-    return {name: (kind, value, errs.get(name, "")) for name, (kind, value) in parsed.items()}
-
 
 @pytest.fixture(scope="session")  # once per worker: xdist interleaves files, which would redo a module fixture
 def parsed_launches():
@@ -144,7 +127,8 @@ def parsed_launches():
     if why:
         pytest.skip(why)
     train = {name: (config is not None, BASE_ARGV + flags) for name, (flags, config) in CASES.items()}
-    return parse_launches({**train, **{f"check:{name}": launch for name, launch in CHECK_LAUNCHES.items()}})
+    checks = {f"check:{name}": launch for name, launch in CHECK_LAUNCHES.items()}
+    return parse_launches({**train, **checks}, env=miles_peer.env(), adapter="lossagg.integrations.miles", own="miles.utils.arguments")
 
 
 @pytest.fixture(scope="session")
@@ -336,16 +320,10 @@ def rank_rollout(samples, dp_rank, dp, args):
 # ------------------------------------------------------------------------ the world
 def worker(rank, world, dp, cp, launches_path, init_file, results_dir):
     miles_peer.enter()
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    failures, ran = [], 0
+    failures, ran = join(rank, world, init_file)
     try:
         used = install_stand_ins()
         from megatron.core import parallel_state as mpu
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.transformer import TransformerConfig
         from megatron.training.global_vars import set_args
         from miles.backends.megatron_utils import model as miles_model
         from miles.backends.megatron_utils.parallel import create_megatron_parallel_state
@@ -364,19 +342,7 @@ def worker(rank, world, dp, cp, launches_path, init_file, results_dir):
             args.bf16 = False  # miles' set_default_megatron_args sets bf16 = not fp16; true-on-policy mode would cast the logits to it
             set_args(args)
             set_parallel_state(create_megatron_parallel_state())
-            tconfig = TransformerConfig(
-                num_layers=1,
-                hidden_size=8,
-                num_attention_heads=1,
-                context_parallel_size=cp,
-                calculate_per_token_loss=args.calculate_per_token_loss,
-                params_dtype=torch.float64,
-            )
-            ddp_config = DistributedDataParallelConfig(
-                overlap_grad_reduce=False, grad_reduce_in_fp32=False, use_distributed_optimizer=False, bucket_size=None
-            )
-            module = ToyLM(tconfig)
-            model = DistributedDataParallel(tconfig, ddp_config, module)
+            module, model = toy_ddp_model(args, cp, torch.float64)
             optimizer = RecordingOptimizer(module)
             rollout = rank_rollout(samples, dp_rank, dp, args)
             data_iterator, num_microbatches = get_data_iterator(args, [model], rollout)
@@ -394,11 +360,8 @@ def worker(rank, world, dp, cp, launches_path, init_file, results_dir):
             failures.append(f"rank {rank}: a stand-in was never used ({used}); the test no longer exercises what it says")
         mpu.destroy_model_parallel()
     except Exception as exc:  # reported by the parent with the rank
-        import traceback
-
-        failures.append(f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    report(results_dir, rank, ran, failures)
-    dist.destroy_process_group()
+        failures.append(crashed(f"rank {rank}", exc))
+    leave(results_dir, rank, ran, failures)
 
 
 # the default tier runs DP and CP together; the full tier each alone too (tests/tiers.py)
@@ -443,17 +406,14 @@ CHECK_LAUNCHES = {
 
 def test_launch_checks_through_miles_parse_args(parsed_launches):
     """The seed PR's cases and the refusals, on miles' own parse_args (after it derives global_batch_size)."""
-    got = {name.removeprefix("check:"): value for name, value in parsed_launches.items() if name.startswith("check:")}
+    got = checked_launches(parsed_launches)
     refused = {
+        **SEED_REFUSALS,
         "seed_step_of_10": ["--global-batch-size", "(10)", "--num-steps-per-rollout 3"],
-        "zero_per_prompt": ["--n-samples-per-prompt", "got 0"],
-        "legacy_flag_contradicted": ["--calculate-per-token-loss", "mode=sample_mean"],
         "constant_per_token": ["--calculate-per-token-loss", "mode=constant"],
         "constant_without_divisor": ["--loss-aggregation-divisor", "mode=constant"],
-        "unknown_mode": ["--loss-aggregation", "seq_meen"],
         "term_coefficient": ["--loss-aggregation-term", "'kl'", "0.5", "--kl-loss-coef"],
         "terms_under_tis": ["--use-tis", "kl"],
-        "token_mean_tis_entropy": ["--use-tis", "token_mean"],
     }
     check_launches(got, refused, "no_flag_miles", "miles")
     token = pickle.loads(got["token_mean"][1])

@@ -8,15 +8,11 @@ import pytest
 import torch
 from batches import LAYOUTS, MASK_DTYPES, VALUE_DTYPES, make_batch
 from conftest import DEVICES
-from reference import ref_reduce, ref_reduce_grad, ref_segment_sum
+from reference import acc_dtype, fwd_tol, ref_reduce, ref_reduce_grad, ref_segment_sum
 from tiers import grid
 
 import lossagg
 
-# Results accumulate in float32 from inputs that the reference reads exactly, so the
-# forward error is float32 accumulation error whatever the input dtype.
-FWD_TOL = {torch.float64: dict(rtol=1e-12, atol=1e-12)}
-FWD_TOL_DEFAULT = dict(rtol=2e-5, atol=2e-5)
 # Gradients are returned in the values dtype: one rounding of m / d.
 GRAD_TOL = {
     torch.float32: dict(rtol=1e-6, atol=1e-7),
@@ -24,14 +20,6 @@ GRAD_TOL = {
     torch.bfloat16: dict(rtol=8e-3, atol=1e-5),
     torch.float16: dict(rtol=1e-3, atol=1e-6),
 }
-
-
-def fwd_tol(dtype):
-    return FWD_TOL.get(dtype, FWD_TOL_DEFAULT)
-
-
-def acc_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # every pair of values in the default tier, the product in the full one (tests/tiers.py)

@@ -8,15 +8,13 @@ import pytest
 import torch
 from batches import LAYOUTS, MASK_DTYPES, VALUE_DTYPES, long_batch, make_batch
 from conftest import DEVICES
-from reference import ref_reduce_terms, ref_reduce_terms_grads
+from reference import acc_dtype, fwd_tol, ref_reduce_terms, ref_reduce_terms_grads
 from test_golden import ISAS
 from tiers import grid
 
 import lossagg
 
 COEFFICIENTS = [1.0, -0.01, 0.05]
-FWD_TOL = {torch.float64: dict(rtol=1e-12, atol=1e-12)}
-FWD_TOL_DEFAULT = dict(rtol=2e-5, atol=2e-5)
 # the gradient: ((g c_k) / d) w in the accumulation dtype (three roundings), then one to the values dtype
 GRAD_TOL = {
     torch.float32: dict(rtol=4e-7, atol=1e-9),
@@ -24,10 +22,6 @@ GRAD_TOL = {
     torch.bfloat16: dict(rtol=8e-3, atol=1e-7),
     torch.float16: dict(rtol=1e-3, atol=1e-7),
 }
-
-
-def acc_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def terms_batch(layout, dtype=torch.float32, mask_dtype=torch.bool, device="cpu", k=3, weighted=False, requires_grad=False, seed=0):
@@ -55,7 +49,7 @@ def test_reduce_terms_and_grads_match_reference(device, dtype, layout, mask_dtyp
     want, want_parts = ref_reduce_terms([v.detach().cpu() for v in values], mask.cpu(), d.cpu(), cpu(w), COEFFICIENTS, cpu(cu))
     assert total.dim() == 0 and total.dtype == acc_dtype(dtype) and parts.shape == (3,) and parts.dtype == acc_dtype(dtype)
     assert not parts.requires_grad
-    tol = FWD_TOL.get(dtype, FWD_TOL_DEFAULT)
+    tol = fwd_tol(dtype)
     torch.testing.assert_close(total.detach().cpu().double(), want, **tol)
     torch.testing.assert_close(parts.cpu().double(), want_parts, **tol)
 

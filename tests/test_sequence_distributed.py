@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from sequence_reference import reference_objective
-from worlds import report, run_world
+from worlds import crashed, dp_cp_groups, leave, run_world
 
 import lossagg
 import lossagg.sequence
@@ -128,11 +128,7 @@ class _ForwardOnlySum(torch.autograd.Function):
 def worker(rank, world, init_file, results_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    dp_rank, cp_rank = divmod(rank, CP)
-    # every rank creates every group, in the same order
-    dp_groups = [dist.new_group([d * CP + c for d in range(DP)]) for c in range(CP)]
-    cp_groups = [dist.new_group([d * CP + c for c in range(CP)]) for d in range(DP)]
-    dp_group, cp_group = dp_groups[cp_rank], cp_groups[dp_rank]
+    dp_rank, cp_rank, dp_group, cp_group = dp_cp_groups(rank, DP, CP)
     step = make_step()
     failures, ran = [], 0
     try:
@@ -164,11 +160,8 @@ def worker(rank, world, init_file, results_dir):
             if not max(relative_error(g, e) for g, e in zip(grads, grads_ref, strict=True)) > 1e-3:
                 failures.append(f"rank {rank} {objective}: the gradient without the backward all-reduce is J's: the check cannot fail")
     except Exception as exc:
-        import traceback
-
-        failures.append(f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    report(results_dir, rank, ran, failures)
-    dist.destroy_process_group()
+        failures.append(crashed(f"rank {rank}", exc))
+    leave(results_dir, rank, ran, failures)
 
 
 def test_gspo_gmpo_luspo_cispo_over_micro_batches_dp2_cp2_are_the_unsplit_j(tmp_path):

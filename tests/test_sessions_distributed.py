@@ -15,7 +15,7 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-from worlds import report, run_world
+from worlds import crashed, dp_cp_groups, leave, run_world
 
 import lossagg
 
@@ -72,10 +72,7 @@ def worker(rank, world, init_file, results_dir):
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    dp_rank, cp_rank = divmod(rank, CP)
-    dp_groups = [dist.new_group([d * CP + c for d in range(DP)]) for c in range(CP)]
-    cp_groups = [dist.new_group([d * CP + c for c in range(CP)]) for d in range(DP)]
-    dp_group, cp_group = dp_groups[cp_rank], cp_groups[dp_rank]
+    dp_rank, cp_rank, dp_group, cp_group = dp_cp_groups(rank, DP, CP)
     step = make_step()
     features, targets, mask, cu, groups, sessions = step
     n = cu.numel() - 1
@@ -140,11 +137,8 @@ def worker(rank, world, init_file, results_dir):
                 failures.append(f"rank {rank}: DeferredPlan.close named another problem: {exc}")
         ran += 1
     except Exception as exc:  # reported with the rank
-        import traceback
-
-        failures.append(f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    report(results_dir, rank, ran, failures)
-    dist.destroy_process_group()
+        failures.append(crashed(f"rank {rank}", exc))
+    leave(results_dir, rank, ran, failures)
 
 
 def test_sessions_straddling_micro_batches_and_ranks(tmp_path):

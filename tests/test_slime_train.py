@@ -28,16 +28,29 @@ from __future__ import annotations
 
 import os
 import pickle
-import subprocess
 import sys
 
 import pytest
 import slime_peer
 import torch
-from seed_train import PROMPT_LEN, VOCAB, RecordingOptimizer, Scheduler, ToyLM, check_launches, launches_file, rejected, without
+from seed_train import (
+    PROMPT_LEN,
+    SEED_REFUSALS,
+    VOCAB,
+    RecordingOptimizer,
+    Scheduler,
+    ToyLM,
+    check_launches,
+    checked_launches,
+    launches_file,
+    parse_launches,
+    rejected,
+    toy_ddp_model,
+    without,
+)
 from stand_ins import install_megatron_core_stand_ins
 from tiers import full_tier
-from worlds import report, run_world
+from worlds import crashed, join, leave, run_world
 
 import lossagg
 from lossagg.modes import default_term_mode
@@ -141,27 +154,14 @@ CASES = {
 #: cases launched through lossagg whose reference is slime's own reducer: the same J, by another name
 SAME_AS_SLIME = ("session_token_mean_is_slime",)
 
-PARSE = (
+#: run before each launch's parsing, in the parsing subprocess
+PARSE_PRELUDE = (
     slime_peer.TYPING
     + r"""
-import os, pickle, sys
+import os, sys
 sys.path.insert(0, os.environ["LOSSAGG_TESTS_DIR"])
 from test_mode_registry import register_throwaway
 register_throwaway()  # a registered mode: the registry is per process
-from lossagg.integrations import slime as adapter
-from slime.utils.arguments import parse_args as slime_parse_args
-out = {}
-for name, (through_lossagg, argv) in pickle.loads(bytes.fromhex(sys.argv[1])).items():
-    sys.argv = argv
-    sys.stderr.write(f"@@launch {name}\n")
-    sys.stderr.flush()
-    try:
-        args = adapter.parse_args() if through_lossagg else slime_parse_args()
-    except SystemExit as exc:
-        out[name] = ("exit", exc.code)
-    else:
-        out[name] = ("args", pickle.dumps(args))
-sys.stdout.buffer.write(b"ARGS" + pickle.dumps(out))
 """
 )
 
@@ -173,21 +173,6 @@ def need_slime():
         (pytest.fail if os.environ.get("CI") else pytest.skip)(why)
 
 
-def parse_launches(launches: dict[str, tuple[bool, list[str]]], timeout: float = 600) -> dict[str, tuple[str, object, str]]:
-    """Each launch's argument parsing by slime's own parse_args (through lossagg's when the bool is true), in
-    one subprocess that has slime on its path: name -> ("args", pickled Namespace, stderr) or ("exit", status, stderr)."""
-    env = {**slime_peer.env(), "LOSSAGG_TESTS_DIR": os.path.dirname(os.path.abspath(__file__))}
-    done = subprocess.run([sys.executable, "-c", PARSE, pickle.dumps(launches).hex()], env=env, capture_output=True, timeout=timeout)
-    stderr = done.stderr.decode(errors="replace")
-    assert done.returncode == 0 and b"ARGS" in done.stdout, stderr[-3000:]
-    parsed = pickle.loads(done.stdout[done.stdout.index(b"ARGS") + 4 :])
-    errs = {}
-    for chunk in stderr.split("@@launch ")[1:]:
-        name, _, text = chunk.partition("\n")
-        errs[name] = text
-    return {name: (kind, value, errs.get(name, "")) for name, (kind, value) in parsed.items()}
-
-
 @pytest.fixture(scope="session")  # once per worker: xdist interleaves files, which would redo a module fixture
 def parsed_launches(tmp_path_factory):
     """Every launch of this file (the worlds' cases and the launch checks) parsed by slime's parse_args in one
@@ -195,7 +180,8 @@ def parsed_launches(tmp_path_factory):
     need_slime()
     train = {name: (config is not None or name in SAME_AS_SLIME, BASE_ARGV + flags) for name, (flags, config, _) in CASES.items()}
     checks = {f"check:{name}": launch for name, launch in check_launches_argv(tmp_path_factory.mktemp("slime-checks")).items()}
-    return parse_launches({**train, **checks})
+    env = {**slime_peer.env(), "LOSSAGG_TESTS_DIR": os.path.dirname(os.path.abspath(__file__))}
+    return parse_launches({**train, **checks}, env=env, adapter="lossagg.integrations.slime", own="slime.utils.arguments", prelude=PARSE_PRELUDE)
 
 
 @pytest.fixture(scope="session")
@@ -452,19 +438,15 @@ def rank_rollout(samples, dp_rank, dp, cp, args):
 def worker(rank, world, layouts, launches_path, init_file, results_dir):
     slime_peer.enter()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    torch.set_num_threads(1)
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    failures, ran = [], 0
+    failures, ran = join(rank, world, init_file)
     try:
         from test_mode_registry import register_throwaway
 
         register_throwaway()  # the registry is per process: the launch's mode, in every rank
         used = install_stand_ins()
         from megatron.core import parallel_state as mpu
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.transformer import TransformerConfig
         from megatron.training.global_vars import set_args
         from slime.backends.megatron_utils import model as slime_model
         from slime.backends.megatron_utils.data import get_data_iterator
@@ -482,19 +464,7 @@ def worker(rank, world, layouts, launches_path, init_file, results_dir):
                 args.context_parallel_size, args.data_parallel_size = cp, dp
                 args.bf16 = False
                 set_args(args)
-                tconfig = TransformerConfig(
-                    num_layers=1,
-                    hidden_size=8,
-                    num_attention_heads=1,
-                    context_parallel_size=cp,
-                    calculate_per_token_loss=args.calculate_per_token_loss,
-                    params_dtype=torch.float32,
-                )
-                ddp_config = DistributedDataParallelConfig(
-                    overlap_grad_reduce=False, grad_reduce_in_fp32=True, use_distributed_optimizer=False, bucket_size=None
-                )
-                module = ToyLM(tconfig, dtype=torch.float32)  # slime asserts float32 logits
-                model = DistributedDataParallel(tconfig, ddp_config, module)
+                module, model = toy_ddp_model(args, cp, torch.float32)  # slime asserts float32 logits
                 optimizer = RecordingOptimizer(module)
                 rollout = rank_rollout(samples, dp_rank, dp, cp, args)
                 data_iterator = get_data_iterator(rollout)
@@ -525,11 +495,8 @@ def worker(rank, world, layouts, launches_path, init_file, results_dir):
         if not used["current_device"] or not used["zeros"] or not used["accelerator"]:
             failures.append(f"rank {rank}: a stand-in was never used ({used}); the test no longer exercises what it says")
     except Exception as exc:  # reported by the parent with the rank
-        import traceback
-
-        failures.append(f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    report(results_dir, rank, ran, failures)
-    dist.destroy_process_group()
+        failures.append(crashed(f"rank {rank}", exc))
+    leave(results_dir, rank, ran, failures)
 
 
 # the default tier runs one rank and DP x CP; the full tier DP and CP each alone too (tests/tiers.py)
@@ -580,17 +547,14 @@ def check_launches_argv(tmp_path) -> dict[str, tuple[bool, list[str]]]:
 def test_launch_checks_through_slime_parse_args(parsed_launches):
     """The refusals a launch needs, each naming the flag, on slime's own parse_args (after it derives
     global_batch_size); with no lossagg flag the launch is slime's own, attribute for attribute."""
-    got = {name.removeprefix("check:"): value for name, value in parsed_launches.items() if name.startswith("check:")}
+    got = checked_launches(parsed_launches)
     refused = {
+        **SEED_REFUSALS,
         "seed_step_of_3": ["--global-batch-size", "(3)", "--num-steps-per-rollout 7"],
-        "zero_per_prompt": ["--n-samples-per-prompt", "got 0"],
-        "legacy_flag_contradicted": ["--calculate-per-token-loss", "mode=sample_mean"],
-        "unknown_mode": ["--loss-aggregation", "seq_meen"],
         "term_coefficient": ["--loss-aggregation-term", "'entropy'", "-0.2", "--entropy-coef"],
         "term_unknown": ["--loss-aggregation-term", "'nll'"],
         "kl_without_kl_loss": ["--loss-aggregation-term", "--use-kl-loss"],
         "terms_under_tis": ["--use-tis", "entropy"],
-        "token_mean_tis_entropy": ["--use-tis", "token_mean"],
         "skip_tis_entropy": ["--loss-aggregation-empty-samples", "--use-tis"],
         "sft_loss": ["--loss-type", "sft_loss"],
         "two_pg_reducers": ["--custom-pg-loss-reducer-function-path", "my.reducer"],

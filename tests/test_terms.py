@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from batches import per_prompt, sessions_in
+from worlds import dp_cp_groups
 
 import lossagg
 from lossagg import ConfigError, LossAggregationConfig, StepPlan
@@ -276,8 +277,7 @@ def _terms_of(model, features):
 def _worker(rank, world, init_file, results_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    dp_rank, cp_rank = divmod(rank, CP)
-    dp_group = [dist.new_group([d * CP + c for d in range(DP)]) for c in range(CP)][cp_rank]
+    dp_rank, cp_rank, dp_group, _ = dp_cp_groups(rank, DP, CP)
     features, mask, cu, groups = _step()
     n = cu.numel() - 1
     lengths = cu[1:] - cu[:-1]

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from batches import engine_modes, per_prompt, sessions_in
-from worlds import report, run_world
+from worlds import crashed, leave, run_world
 
 import lossagg
 
@@ -43,11 +43,8 @@ def worker(rank, world, engine, init_file, results_dir):
                 if not err <= 1e-10:
                     failures.append(f"{engine} rank {rank} mode {mode}: relative error {err:.3g}")
     except Exception as exc:
-        import traceback
-
-        failures.append(f"{engine} rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    report(results_dir, rank, ran, failures)
-    dist.destroy_process_group()
+        failures.append(crashed(f"{engine} rank {rank}", exc))
+    leave(results_dir, rank, ran, failures)
 
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])

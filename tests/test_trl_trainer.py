@@ -74,21 +74,14 @@ def dataset():
     return make_dataset()
 
 
+#: the sizes and special tokens of the tiny models (a Llama, and a Mixtral for the router's loss)
+TINY = dict(vocab_size=len(VOCAB), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+TINY.update(max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+
+
 def tiny_model():
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=len(VOCAB),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-    )
-    return transformers.LlamaForCausalLM(cfg).double()
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).double()
 
 
 def reward(completions, **kwargs):
@@ -558,21 +551,7 @@ def test_a_generation_batch_of_two_optimizer_steps(tmp_path, tokenizer, dataset)
 
 def tiny_moe():
     torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(
-        vocab_size=len(VOCAB),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-        router_aux_loss_coef=0.0,
-    )
+    cfg = transformers.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.0)
     return transformers.MixtralForCausalLM(cfg)  # float32: the experts' grouped matmul takes no float64
 
 

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("verl")
 pytest.importorskip("tensordict")
 
-from worlds import report, run_world  # noqa: E402
+from worlds import join, report, run_world  # noqa: E402
 
 import lossagg  # noqa: E402
 from lossagg.integrations import verl as adapter  # noqa: E402
@@ -243,9 +243,7 @@ CRITIC_CASES = {
 def _world(rank, world, seeds, init_file, results_dir):
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    failures, ran = [], 0
+    failures, ran = join(rank, world, init_file)
     try:
         for seed in seeds:
             step = make_step(seed)

@@ -8,6 +8,42 @@ import tempfile
 import torch.multiprocessing as mp
 
 
+def dp_cp_groups(rank: int, dp: int, cp: int):
+    """This rank's place in a DP x CP world of DP-major ranks (rank = dp_rank * cp + cp_rank): (dp_rank, cp_rank,
+    its DP group, its CP group). Every rank makes every group, in the same order (new_group is collective)."""
+    import torch.distributed as dist
+
+    dp_groups = [dist.new_group([d * cp + c for d in range(dp)]) for c in range(cp)]
+    cp_groups = [dist.new_group([d * cp + c for c in range(cp)]) for d in range(dp)]
+    dp_rank, cp_rank = divmod(rank, cp)
+    return dp_rank, cp_rank, dp_groups[cp_rank], cp_groups[dp_rank]
+
+
+def join(rank: int, world: int, init_file: str) -> tuple[list[str], int]:
+    """A rank's start: one thread, the gloo group of ``world`` ranks; returns its (failures, checks run), empty."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    return [], 0
+
+
+def crashed(who: str, exc: BaseException) -> str:
+    """A rank's failure from the exception being handled: who, the exception and its traceback."""
+    import traceback
+
+    return f"{who}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+
+
+def leave(results_dir: str, rank: int, ran: int, failures: list[str]) -> None:
+    """A rank's end: its report (:func:`report`), then it leaves the process group."""
+    import torch.distributed as dist
+
+    report(results_dir, rank, ran, failures)
+    dist.destroy_process_group()
+
+
 def report(results_dir: str, rank: int, ran: int, failures: list[str]) -> None:
     """Called by each rank at its end: how many checks it ran and what failed."""
     with open(os.path.join(results_dir, f"rank{rank}.txt"), "w") as f:
