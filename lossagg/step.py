@@ -211,26 +211,63 @@ class StepPlan(Plan):
         return cls(config, token_counts, sample_weights=sample_weights, _totals=totals)
 
     @classmethod
-    def from_denoms(cls, sample_denoms: torch.Tensor) -> StepPlan:
-        """A plan of one unweighted term whose ``d[i]`` a trainer made by its own rule (verl's own
-        ``loss_agg_mode`` names, whose masks are weights: lossagg.integrations.verl), checked finite
-        and > 0: its micro-batches reduce through the same handle as every plan's. It holds no step
-        total, so :meth:`metrics`, :attr:`empty` and :meth:`scalar_term` are refused by name."""
-        d = (
-            check_denoms(sample_denoms, "StepPlan.from_denoms: sample_denoms", tuple(sample_denoms.shape))
-            if isinstance(sample_denoms, torch.Tensor)
-            else None
-        )
-        if d is None or d.dim() != 1:
-            got = f"shape {tuple(sample_denoms.shape)}" if isinstance(sample_denoms, torch.Tensor) else type(sample_denoms).__name__
-            raise ValueError(f"StepPlan.from_denoms: sample_denoms must be a 1-D floating tensor of d[i] (one per sample), got {got}")
+    def from_denoms(cls, sample_denoms, *, config: LossAggregationConfig | None = None, sample_weights: torch.Tensor | None = None) -> StepPlan:
+        """A plan whose ``d_k[i]`` were made elsewhere: by a trainer's own rule (verl's own
+        ``loss_agg_mode`` names, whose masks are weights: lossagg.integrations.verl), or by a plan made
+        where the step was whole and carried with the samples to the micro-batches (verl's driver:
+        lossagg.integrations.verl_trainer). Its micro-batches reduce through the same handle as every
+        plan's.
+
+        ``sample_denoms``: a 1-D float tensor, the ``d[i]`` of one unweighted term; or, with ``config``,
+        a mapping of each of ``config.loss_terms``' names to its ``d_k[i]`` (one per sample, the same
+        samples), and ``sample_weights`` ``w_i`` when a term weighs its samples. Each is checked finite
+        and > 0 (weights finite and >= 0). It holds no step total, so :meth:`metrics`, :attr:`empty`
+        and :meth:`scalar_term` are refused by name.
+        """
+        config = LossAggregationConfig() if config is None else LossAggregationConfig.coerce(config)
+        terms = config.loss_terms
+        names = [t.name for t in terms]
+        if isinstance(sample_denoms, Mapping):
+            if sorted(sample_denoms) != sorted(names):
+                raise ValueError(
+                    f"StepPlan.from_denoms: sample_denoms must map each of the loss's terms ({', '.join(names)}) to its d_k[i], "
+                    f"got {sorted(sample_denoms)}"
+                )
+            given = {name: sample_denoms[name] for name in names}
+        elif len(terms) > 1:
+            raise ValueError(
+                f"StepPlan.from_denoms: the config has the terms {', '.join(names)}: sample_denoms must map each to its d_k[i], got one tensor"
+            )
+        else:
+            given = {PG_TERM: sample_denoms}
+        denoms = {}
+        for name, d in given.items():
+            what = "StepPlan.from_denoms: sample_denoms" + (f"[{name!r}]" if isinstance(sample_denoms, Mapping) else "")
+            if not isinstance(d, torch.Tensor) or d.dim() != 1:
+                got = f"shape {tuple(d.shape)}" if isinstance(d, torch.Tensor) else type(d).__name__
+                raise ValueError(f"{what} must be a 1-D floating tensor of d[i] (one per sample), got {got}")
+            n = next(iter(denoms.values())).shape[0] if denoms else d.shape[0]
+            denoms[name] = check_denoms(d, what, (n,))
+        n = denoms[PG_TERM].shape[0]
+        weighted = [t.name for t in terms if t.weighting != "none"]
+        if weighted and sample_weights is None:
+            raise ValueError(
+                f"StepPlan.from_denoms: the term(s) {', '.join(weighted)} weigh their samples: pass sample_weights (w_i, one per sample)"
+            )
+        if sample_weights is not None and not weighted:
+            raise ValueError("StepPlan.from_denoms: sample_weights were given but no term of the config weighs its samples (weighting none)")
         plan = cls.__new__(cls)
-        plan.config = LossAggregationConfig()
-        plan.samples = RankSamples(int(d.shape[0]))
-        plan.token_counts, plan.sample_weights, plan.device = None, None, d.device
-        plan._terms = plan.config.loss_terms
+        plan.config = config
+        device = denoms[PG_TERM].device
+        plan.samples = (
+            RankSamples.of(config, None, sample_weights=sample_weights, num_samples=n, indices_required=False) if weighted else RankSamples(n)
+        )
+        weights = plan.samples.sample_weights
+        plan.token_counts, plan.sample_weights, plan.device = None, None if weights is None else weights.to(device), device
+        plan._terms = terms
         plan.totals = StepTotals({}, "given denominators")
-        plan.sample_denoms = d
+        plan.sample_denoms = denoms[PG_TERM]
+        plan.__dict__["term_denoms"] = denoms
         return plan
 
     # ------------------------------------------------------------------- use

@@ -3,7 +3,8 @@
 # installed at its pinned version (the tests skip, with the reason, a peer that does not
 # import); torch and numpy stay as they are (constraints):
 # * verl 0.9.1 with --no-deps, plus only what `import verl.trainer.ppo.core_algos` needs,
-#   in the versions verl states;
+#   in the versions verl states, and what `verl.trainer.ppo.ray_trainer` (lossagg_trainer's base) adds:
+#   cachetools and fastapi;
 # * TRL 1.16.0 with its own (light) dependencies: accelerate, datasets, transformers;
 # * megatron-core 0.19.2 with --no-deps (its needs, torch, numpy and packaging, are here);
 #   it declares Python >= 3.12 but its files run on 3.11 (--ignore-requires-python);
@@ -47,6 +48,8 @@ install_verl() {
   pip_install --no-deps "verl==0.9.1" \
     && pip_install -c "$cons" ray "tensordict>=0.8,<=0.10,!=0.9.0" omegaconf "transformers>=5.5.3,<5.11,!=5.6.0" codetiming
 }
+# verl's trainer module (the base of lossagg.integrations.verl.lossagg_trainer, tests/test_verl_trainer.py) imports these too
+install_verl_trainer() { pip_install -c "$cons" "cachetools==8.0.3" "fastapi==0.165.0"; }
 # verl's config objects (omega_conf_to_dataclass, used by lossagg.integrations.verl.install) import hydra
 install_hydra() { pip_install -c "$cons" "hydra-core==1.3.2"; }
 # verl's FSDP engine (tests/test_verl_engine.py) imports peft; its own needs are verl's and TRL's (installed first)
@@ -63,6 +66,7 @@ peer hydra-core 1.3.2 "import hydra" install_hydra
 peer trl 1.16.0 "from trl import GRPOTrainer, GRPOConfig; import datasets, tokenizers" install_trl
 # after TRL, which brings accelerate: peft imports it (checked once it can be there)
 peer peft 0.21.2 "import peft" install_peft
+peer cachetools 8.0.3 "import verl.trainer.ppo.ray_trainer" install_verl_trainer
 peer megatron-core 0.19.2 \
   "from megatron.core.pipeline_parallel import get_forward_backward_func; from megatron.core.distributed import DistributedDataParallel" \
   install_mcore

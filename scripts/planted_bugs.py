@@ -69,6 +69,22 @@ BUGS = (
         "    return plan.loss(values, mb, terms=name, coefficients=False)",
         ("tests/test_verl_trainer.py",),
     ),
+    Bug(
+        "verl",
+        "the driver plans the whole batch as one step, not each PPO mini-batch",
+        "lossagg/integrations/verl_trainer.py",
+        "return (torch.arange(n) % (n // dp)) // (m // dp)",
+        "return torch.zeros(n, dtype=torch.int64)",
+        ("tests/test_verl_trainer.py",),
+    ),
+    Bug(
+        "verl",
+        "the carried denominators read in the other terms' order",
+        "lossagg/integrations/verl_trainer.py",
+        "{name: denoms[:, k] for k, name in enumerate(names)}",
+        "{name: denoms[:, len(names) - 1 - k] for k, name in enumerate(names)}",
+        ("tests/test_verl_trainer.py",),
+    ),
     # TRL
     Bug(
         "trl",

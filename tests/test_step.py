@@ -428,3 +428,31 @@ def test_plan_tensors_without_data_are_named(case, changes, kind, message):
     kwargs.update(changes)
     with pytest.raises(kind, match=re.escape(message)):
         StepPlan({"mode": "prompt_mean"}, kwargs.pop("token_counts"), **kwargs)
+
+
+def test_from_denoms_carries_a_plan_of_every_term_and_names_what_does_not_fit():
+    """A plan's d_k[i] (and w_i) carried elsewhere (verl's driver -> its micro-batches) reduce as the plan itself does,
+    split or not; a mapping that misses a term, one tensor for several terms, or weights that do not match are named."""
+    config = lossagg.LossAggregationConfig.from_dict(
+        {"mode": "prompt_mean", "weighting": "multiply", "terms": {"kl": {"mode": "session_token_mean", "coefficient": 0.1}}}
+    )
+    g = torch.Generator().manual_seed(3)
+    mask = torch.rand(6, 7, generator=g) > 0.3
+    groups, sessions = torch.tensor([0, 0, 0, 1, 1, 1]), torch.tensor([0, 0, 1, 2, 3, 3])
+    weights = torch.rand(6, generator=g, dtype=torch.float64) + 0.5
+    plan = lossagg.StepPlan.from_mask(config, mask, group_index=groups, session_index=sessions, sample_weights=weights)
+    carried = lossagg.StepPlan.from_denoms(plan.term_denoms, config=config, sample_weights=weights)
+    values = {"pg": torch.randn(6, 7, generator=g, dtype=torch.float64), "kl": torch.randn(6, 7, generator=g, dtype=torch.float64)}
+    want = plan.loss(values, plan.micro_batch(slice(None), mask))
+    halves = sum(carried.loss({k: v[rows] for k, v in values.items()}, carried.micro_batch(rows, mask[rows])) for rows in ([0, 4], [1, 2, 3, 5]))
+    torch.testing.assert_close(halves, want, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match=r"must map each of the loss's terms \(pg, kl\)"):
+        lossagg.StepPlan.from_denoms({"pg": plan.sample_denoms}, config=config, sample_weights=weights)
+    with pytest.raises(ValueError, match="the config has the terms pg, kl"):
+        lossagg.StepPlan.from_denoms(plan.sample_denoms, config=config, sample_weights=weights)
+    with pytest.raises(ValueError, match="weigh their samples: pass sample_weights"):
+        lossagg.StepPlan.from_denoms(plan.term_denoms, config=config)
+    with pytest.raises(ValueError, match="no term of the config weighs"):
+        lossagg.StepPlan.from_denoms(plan.sample_denoms, sample_weights=weights)
+    with pytest.raises(ValueError, match=r"sample_denoms\['kl'\]"):
+        lossagg.StepPlan.from_denoms({"pg": plan.sample_denoms, "kl": plan.sample_denoms[:3]}, config=config, sample_weights=weights)

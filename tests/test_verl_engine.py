@@ -156,10 +156,11 @@ def build_engine(model_path: str):
     return built
 
 
-def mini_batch(rows: list[int]):
+def mini_batch(rows: list[int], carried=None):
     """The mini-batch's ``rows`` as verl's trainer hands them to its engine (``_update_actor``): left-padded
     prompts, right-padded responses with holes in the loss mask and one empty response, converted by
-    ``left_right_2_no_padding``, with the step's global batch size."""
+    ``left_right_2_no_padding``, with the step's global batch size (and the rows of what lossagg's driver
+    plan added to the batch, ``carried``, with each row's place in the step, ``row``)."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
@@ -184,6 +185,8 @@ def mini_batch(rows: list[int]):
         "ref_log_prob": -3.4 + 0.3 * torch.randn(N, R, generator=g),
         "advantages": torch.randn(N, 1, generator=g).expand(N, R).clone(),
     }
+    step["row"] = torch.arange(N)
+    step.update(carried or {})
     index = torch.tensor(rows)
     data = left_right_2_no_padding(TensorDict({k: v[index] for k, v in step.items()}, batch_size=[len(rows)]))
     tu.assign_non_tensor(data, calculate_entropy=True, global_batch_size=N, temperature=1.0, use_remove_padding=False, use_fused_kernels=False)
@@ -230,11 +233,11 @@ def counted(fn, sizes: list[int]):
     return loss_function
 
 
-def gradient(engine, loss_fn, rows, **split) -> tuple[torch.Tensor, list[int]]:
+def gradient(engine, loss_fn, rows, carried=None, **split) -> tuple[torch.Tensor, list[int]]:
     """One mini-batch through the engine's forward_backward_batch: the full gradient (DP-averaged by FSDP) and the micro-batch sizes."""
     from verl.utils import tensordict_utils as tu
 
-    data = mini_batch(rows)
+    data = mini_batch(rows, carried)
     tu.assign_non_tensor(data, **split)
     sizes: list[int] = []
     with engine.train_mode():
@@ -283,6 +286,7 @@ def _world(rank, world, model_path, init_file, results_dir):
         results["verl seq-mean-token-mean"] = gradient(
             engine, functools.partial(ppo_loss, actor_config(loss_agg_mode="seq-mean-token-mean")), rows, **whole
         )
+        results.update(planned_prompt_mean(engine, rows, world))
         if rank == 0:
             torch.save({k: (g, sizes) for k, (g, sizes) in results.items()}, os.path.join(results_dir, f"grads_dp{world}.pt"))
         ran = len(results)
@@ -293,6 +297,70 @@ def _world(rank, world, model_path, init_file, results_dir):
     finally:
         report(results_dir, rank, ran, failures)
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ prompt groups, planned on verl's driver
+GROUPS = torch.arange(N) // 2  # verl's uid: four prompts of rollout.n = 2
+PLANNED = {"mode": "prompt_mean", "empty_samples": "skip", "terms": {"kl": {"mode": "session_mean", "coefficient": KL_COEF}}}
+
+
+def driver_plan(aggregation) -> dict[str, torch.Tensor]:
+    """What lossagg_trainer's driver adds to verl's batch of the whole step (one mini-batch of N rows over DP 2)."""
+    import numpy as np
+    from verl import DataProto
+    from verl.utils import tensordict_utils as tu
+
+    from lossagg.integrations.verl_trainer import DENOMS_KEY, plan_batch
+
+    whole = mini_batch(list(range(N)))
+    mask = tu.get(whole, "response_mask").to_padded_tensor(0) if whole["response_mask"].is_nested else whole["response_mask"]
+    batch = DataProto.from_dict(tensors={"response_mask": mask}, non_tensors={"uid": np.array([f"p{int(g)}" for g in GROUPS], dtype=object)})
+    plan_batch(batch, aggregation, mini_batch_size=N, dp_size=2)
+    return {DENOMS_KEY: batch.batch[DENOMS_KEY]}
+
+
+def reference_j(config, model_output, data, dp_group=None):
+    """The unsplit float64 J of ``PLANNED`` (lossagg.testing's reference, docs/modes.md) over all N samples, with this
+    micro-batch's per-token losses in their rows and the other rows' held at 0: J is linear in them, so its gradient
+    is this micro-batch's share of J's (times DP, which FSDP's average divides away). verl's vanilla loss per token
+    with its clips out of reach (clip_ratio, its low and high bounds and clip_ratio_c 1e9): -A · ratio; KL k1: log_prob - ref_log_prob."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    import lossagg
+    from lossagg.testing import reference_loss
+
+    log_prob = no_padding_2_padding(model_output["log_probs"], data).to(torch.float64)
+    padded = data.select("response_mask", "old_log_probs", "advantages", "ref_log_prob").to_padded_tensor()
+    rows, width = data["row"], log_prob.shape[1]
+    whole = mini_batch(list(range(N)))
+    mask = whole.select("response_mask").to_padded_tensor()["response_mask"].to(torch.float64)
+    pg = torch.zeros(N, mask.shape[1], dtype=torch.float64)
+    kl = torch.zeros_like(pg)
+    pg[rows, :width] = -padded["advantages"].to(torch.float64) * torch.exp(log_prob - padded["old_log_probs"].to(torch.float64))
+    kl[rows, :width] = log_prob - padded["ref_log_prob"].to(torch.float64)
+    cu = torch.arange(N + 1) * mask.shape[1]
+    sessions = torch.arange(N)  # one trajectory, one sample (verl's agent loop)
+    j = reference_loss(lossagg.LossAggregationConfig(mode="prompt_mean", empty_samples="skip"), pg.reshape(-1), mask.reshape(-1), cu, GROUPS)
+    j_kl = reference_loss(
+        lossagg.LossAggregationConfig(mode="session_mean", empty_samples="skip"), kl.reshape(-1), mask.reshape(-1), cu, session_index=sessions
+    )
+    return (j + KL_COEF * j_kl).to(torch.float32) * int(data["dp_size"]), {}
+
+
+def planned_prompt_mean(engine, rows, world) -> dict:
+    """``PLANNED`` through verl's engine with the step planned on the driver, split as ``splits`` splits it, and
+    the unsplit float64 J's gradient (one micro-batch per rank)."""
+    import functools
+
+    from lossagg.integrations.verl import actor_loss
+
+    unclipped = actor_config(entropy_coeff=0.0, clip_ratio=1e9, clip_ratio_low=1e9, clip_ratio_high=1e9, clip_ratio_c=1e9)
+    ours = actor_loss(unclipped, PLANNED, planned=True)
+    carried = driver_plan(ours.keywords["aggregation"])
+    out = {f"planned {name}": gradient(engine, ours, rows, carried, **split) for name, split in splits(world).items()}
+    whole = {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": N // world}
+    out["J"] = gradient(engine, functools.partial(reference_j, unclipped), rows, carried, **whole)
+    return out
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -334,3 +402,9 @@ def test_verl_engine_gradient_does_not_move_with_the_micro_batch_split(world, mo
     assert len(results["dynamic bsz"][1]) > 1
     assert relative(same, verls) < TOLERANCE
     assert relative(same, want) > 100 * TOLERANCE
+    j = results["J"][0]
+    for name in splits(world):
+        grad, sizes = results[f"planned {name}"]
+        print(f"DP {world}, planned prompt_mean (skip) + KL session_mean, {name} {sizes}: off the float64 J's gradient by {relative(grad, j):.3g}")
+        assert relative(grad, j) < TOLERANCE, f"planned {name}: off J's gradient by {relative(grad, j):.3g}"
+    assert relative(j, want) > 100 * TOLERANCE  # prompt groups weigh otherwise than sample_mean

@@ -1,6 +1,9 @@
 """verl 0.9.1's trainer losses with lossagg installed (lossagg.integrations.verl: ppo_loss, value_loss,
 distillation_ppo_loss, install): every term on its own mode, the step split over DP 2 (gloo processes)
-x 2 micro-batches per rank, its gradient against the unsplit float64 reference of docs/terms.md's J."""
+x 2 micro-batches per rank, its gradient against the unsplit float64 reference of docs/terms.md's J; and
+every mode, both empty_samples conventions, sessions and weights with the step planned on verl's driver
+(``plan_batch``, what ``lossagg_trainer`` runs before verl's ``_update_actor``) and carried to the
+micro-batches."""
 
 from __future__ import annotations
 
@@ -16,12 +19,15 @@ from worlds import join, report, run_world  # noqa: E402
 
 import lossagg  # noqa: E402
 from lossagg.integrations import verl as adapter  # noqa: E402
+from lossagg.integrations import verl_trainer  # noqa: E402
 from lossagg.testing import reference_loss  # noqa: E402
 
 N, R, P = 8, 6, 2  # samples of the step, padded response width, prompt length
 # DP 2 x 2 micro-batches of unequal sizes (verl's engine gives every rank as many micro-batches)
 SPLIT = {0: [[0, 1, 2], [3]], 1: [[4], [5, 6, 7]]}
 WHOLE = {0: [list(range(N))]}
+GROUPS = torch.arange(N) // 4  # verl's uid: two prompts of rollout.n = 4
+SESSIONS = torch.tensor([0, 1, 1, 1, 2, 2, 3, 4])  # trajectories of 1 to 3 samples inside the prompts (the batch's "traj")
 
 
 def make_step(seed: int) -> dict[str, torch.Tensor]:
@@ -64,8 +70,9 @@ def _flat(step, name, rows, leaf=None):
     return torch.cat(pieces)
 
 
-def micro_batch(step, rows, leaves, *, dp_size):
-    """verl's micro-batch TensorDict and model output for ``rows`` of the step."""
+def micro_batch(step, rows, leaves, *, dp_size, carried=None):
+    """verl's micro-batch TensorDict and model output for ``rows`` of the step (with the rows of what the
+    driver's plan added to the batch, ``carried``)."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
 
@@ -92,6 +99,8 @@ def micro_batch(step, rows, leaves, *, dp_size):
     )
     # the step's totals, as verl's engine hands every micro-batch: its loss tokens over every rank, its samples
     tu.assign_non_tensor(data, dp_size=dp_size, batch_num_tokens=int(step["response_mask"].sum()), global_batch_size=N)
+    for key, value in (carried or {}).items():
+        data[key] = value[idx]
     output = {name: _flat(step, name, rows, leaves[name]) for name in ("log_prob", "entropy", "vpreds")}
     return {"log_probs": output["log_prob"], "entropy": output["entropy"], "values": output["vpreds"]}, data
 
@@ -112,11 +121,11 @@ def value_per_token(step, vpreds, clip=0.5):
     return torch.maximum((vpreds - step["returns"]) ** 2, (clipped - step["returns"]) ** 2)
 
 
-def term_j(mode: str, values: torch.Tensor, step, divisor=None) -> torch.Tensor:
+def term_j(mode: str, values: torch.Tensor, step, divisor=None, empty_samples="count") -> torch.Tensor:
     """J_k of one term on its own mode over the whole step (float64, lossagg.testing's reference)."""
     cu = torch.arange(N + 1) * R
-    config = lossagg.LossAggregationConfig(mode=mode, **({} if divisor is None else {"divisor": divisor}))
-    return reference_loss(config, values.reshape(-1), step["response_mask"].reshape(-1), cu)
+    config = lossagg.LossAggregationConfig(mode=mode, empty_samples=empty_samples, **({} if divisor is None else {"divisor": divisor}))
+    return reference_loss(config, values.reshape(-1), step["response_mask"].reshape(-1), cu, GROUPS, session_index=SESSIONS)
 
 
 # ------------------------------------------------------------------ cases
@@ -208,12 +217,12 @@ def leaves_of(step):
     return {name: step[name].clone().requires_grad_(True) for name in ("log_prob", "entropy", "vpreds")}
 
 
-def run_split(fn, step, split, dp_size, rank):
+def run_split(fn, step, split, dp_size, rank, carried=None):
     """This rank's micro-batches through the loss ``fn``: its summed loss and the summed gradient of its leaves."""
     leaves = leaves_of(step)
     total = 0.0
     for rows in split[rank]:
-        output, data = micro_batch(step, rows, leaves, dp_size=dp_size)
+        output, data = micro_batch(step, rows, leaves, dp_size=dp_size, carried=carried)
         loss, _ = fn(model_output=output, data=data)
         loss.backward()
         total += float(loss)
@@ -252,6 +261,9 @@ def _world(rank, world, seeds, init_file, results_dir):
                 ran += _check(f"{name} seed {seed}", step, fn, rank, reference, failures, dist, mutate="constant" not in name)
             for name, (mode, reference) in CRITIC_CASES.items():
                 ran += _check(f"{name} seed {seed}", step, critic_fn(mode), rank, reference, failures, dist, mutate=True)
+            for name, (fn, weights, reference) in planned_cases().items():
+                carried = driver_plan(step, fn.keywords["aggregation"], weights)
+                ran += _check(f"planned {name} seed {seed}", step, fn, rank, reference, failures, dist, mutate=True, carried=carried)
     except Exception as e:  # reported, not lost in the spawn
         import traceback
 
@@ -261,10 +273,10 @@ def _world(rank, world, seeds, init_file, results_dir):
         dist.destroy_process_group()
 
 
-def _check(what, step, fn, rank, reference, failures, dist, *, mutate) -> int:
+def _check(what, step, fn, rank, reference, failures, dist, *, mutate, carried=None) -> int:
     """DDP's average of the ranks' summed gradients (and the losses' average, verl's logged loss) against the
     reference; a reference of None: the unsplit step through the same loss on one process."""
-    loss, grads = run_split(fn, step, SPLIT, dist.get_world_size(), rank)
+    loss, grads = run_split(fn, step, SPLIT, dist.get_world_size(), rank, carried)
     flat = torch.cat([grads[k].reshape(-1) for k in ("log_prob", "entropy", "vpreds")])
     both = torch.cat([flat, torch.tensor([loss], dtype=torch.float64)])
     dist.all_reduce(both)
@@ -288,9 +300,72 @@ def _check(what, step, fn, rank, reference, failures, dist, *, mutate) -> int:
     return 1
 
 
-def term_j_swapped(mode, values, step, divisor=None):
-    swap = {"sample_mean": "token_mean", "token_mean": "sample_mean"}
-    return term_j(swap.get(mode, mode), values, step, divisor)
+def term_j_swapped(mode, values, step, divisor=None, empty_samples="count"):
+    swap = {"sample_mean": "token_mean", "token_mean": "sample_mean", "prompt_mean": "sample_mean", "constant": "sample_mean"}
+    swap.update({"max_length": "constant", "session_mean": "sample_mean", "session_token_mean": "token_mean"})
+    swap.update({"prompt_session_mean": "session_mean", "prompt_session_token_mean": "session_token_mean"})
+    return term_j(swap[mode], values, step, 4.0 if swap[mode] == "constant" else None, empty_samples)
+
+
+# ------------------------------------------------------------------ every mode, planned on verl's driver
+
+
+def driver_plan(step, aggregation, weights=None) -> dict[str, torch.Tensor]:
+    """verl's batch of the whole step on the driver (its ``uid`` and a trajectory key, ``traj``) through
+    ``plan_batch`` as ``lossagg_trainer`` runs it (one mini-batch of N rows over DP 2): what it adds."""
+    import numpy as np
+    from verl import DataProto
+
+    tensors = {"response_mask": step["response_mask"].to(torch.int64), **({} if weights is None else {"w": weights})}
+    non_tensors = {"uid": np.array([f"prompt-{int(g)}" for g in GROUPS], dtype=object), "traj": SESSIONS.numpy()}
+    batch = DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
+    keys = {"weights_key": None if weights is None else "w", "session_key": "traj"}
+    verl_trainer.plan_batch(batch, aggregation, mini_batch_size=N, dp_size=2, **keys)
+    return {key: batch.batch[key] for key in (verl_trainer.DENOMS_KEY, verl_trainer.WEIGHTS_KEY) if key in batch.batch.keys()}
+
+
+WEIGHTS = torch.tensor([1.0, 0.5, 2.0, 1.5, 0.25, 1.0, 3.0, 0.75], dtype=torch.float64)
+
+
+def planned_cases() -> dict:
+    """name: (the actor's loss built for a planned step, the samples' weights or None, reference(step, leaves, j)):
+    every mode under both empty_samples conventions (pg alone), terms on grouped and session modes, weights."""
+    cases = {}
+    for mode in lossagg.MODES:
+        for empty in ("count", "skip"):
+            divisor = 4.0 if mode == "constant" else None
+            aggregation = {"mode": mode, "empty_samples": empty, **({} if divisor is None else {"divisor": divisor})}
+            cases[f"{mode} {empty}"] = (
+                adapter.actor_loss(actor(entropy_coeff=0.0), aggregation, planned=True),
+                None,
+                lambda s, x, j=term_j, mode=mode, empty=empty, divisor=divisor: j(mode, vanilla_pg(s, x["log_prob"]), s, divisor, empty),
+            )
+    terms = {"kl": {"mode": "session_mean", "coefficient": 0.05}, "entropy": {"mode": "prompt_mean", "coefficient": -0.01}}
+    cases["prompt_session_token_mean+kl session_mean+entropy prompt_mean"] = (
+        adapter.actor_loss(
+            actor(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.05, kl_loss_type="k1"),
+            {"mode": "prompt_session_token_mean", "terms": terms},
+            planned=True,
+        ),
+        None,
+        lambda s, x, j=term_j: (
+            j("prompt_session_token_mean", vanilla_pg(s, x["log_prob"]), s)
+            - 0.01 * j("prompt_mean", x["entropy"], s)
+            + 0.05 * j("session_mean", x["log_prob"] - s["ref_log_prob"], s)
+        ),
+    )
+    w = WEIGHTS[:, None]
+    cases["prompt_mean weighting multiply"] = (
+        adapter.actor_loss(actor(entropy_coeff=0.0), {"mode": "prompt_mean", "weighting": "multiply"}, planned=True),
+        WEIGHTS,
+        lambda s, x, j=term_j: j("prompt_mean", w * vanilla_pg(s, x["log_prob"]), s),
+    )
+    cases["sample_mean weighting mean"] = (  # N replaced by W = sum of the weights (docs/terms.md)
+        adapter.actor_loss(actor(entropy_coeff=0.0), {"mode": "sample_mean", "weighting": "mean"}, planned=True),
+        WEIGHTS,
+        lambda s, x, j=term_j: j("sample_mean", w * vanilla_pg(s, x["log_prob"]), s) * N / float(WEIGHTS.sum()),
+    )
+    return cases
 
 
 @pytest.mark.xdist_group("engines")
@@ -300,7 +375,7 @@ def test_every_term_of_verls_losses_over_dp2_x_two_micro_batches(tmp_path):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     failures, runs = run_world(_world, 2, ((0, 1),), tmp_path)
     assert not failures, "\n".join(failures)
-    assert runs == 2 * 2 * (len(CASES) + len(CRITIC_CASES))
+    assert runs == 2 * 2 * (len(CASES) + len(CRITIC_CASES) + len(planned_cases()))
 
 
 # ------------------------------------------------------------------ side by side with verl's own ppo_loss
@@ -484,3 +559,138 @@ def test_install_hands_nothing_when_refused_and_needs_workers():
     trainer.actor_rollout_wg = None
     with pytest.raises(ValueError, match="after trainer.init_workers"):
         adapter.install(trainer, {"mode": "sample_mean"})
+
+
+# ------------------------------------------------------------------ lossagg_trainer: verl's driver plans the step
+
+
+class _Dispatching(_Workers):
+    """A worker group as verl's driver sees it: the train mesh's DP rank of each of its 4 workers (TP 2 x DP 2),
+    and update_actor / update_critic recording what verl's trainer hands them."""
+
+    def __init__(self):
+        super().__init__()
+        self._dispatch_info, self.updates = {}, []
+
+    def _query_dispatch_info(self, mesh):
+        assert mesh == "train"
+        return [0, 0, 1, 1]
+
+    def update_actor(self, data):
+        from verl.utils import tensordict_utils as tu
+
+        self.updates.append(data)
+        return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": {"mfu": 0.0}})
+
+    def train_mini_batch(self, data):  # the critic's, non-blocking (verl's _update_critic waits on it)
+        from types import SimpleNamespace
+
+        output = self.update_actor(data)
+        return SimpleNamespace(get=lambda: output)
+
+
+def ray_trainer():
+    """verl's trainer module (it imports more than verl's losses: scripts/install_peers.sh installs it)."""
+    return pytest.importorskip("verl.trainer.ppo.ray_trainer", reason="verl's trainer module is not importable (scripts/install_peers.sh)")
+
+
+def planned_trainer(aggregation, *, rollout_n=2, mini_batch_prompts=2, **keys):
+    """lossagg_trainer over verl's own RayPPOTrainer (its _update_actor and _update_critic as they are), with
+    only its __init__ replaced by the settings those read (verl's own __init__ starts Ray's resource pools)."""
+    from omegaconf import OmegaConf
+
+    RayPPOTrainer = ray_trainer().RayPPOTrainer
+
+    class Settings(RayPPOTrainer):
+        def __init__(self, **actor_settings):
+            _Trainer.__init__(self, **actor_settings)
+            loop = {"ppo_mini_batch_size": mini_batch_prompts, "ppo_epochs": 1, "data_loader_seed": 42, "shuffle": False}
+            rollout = {"n": rollout_n, "temperature": 1.0, "multi_turn": {"enable": False}}
+            actor = {**loop, "calculate_entropy": False}
+            self.config = OmegaConf.merge(self.config, {"actor_rollout_ref": {"rollout": rollout, "actor": actor}, "critic": loop})
+            self.actor_rollout_wg, self.critic_wg = _Dispatching(), _Dispatching()
+
+        def init_workers(self):  # verl's own starts the worker groups
+            self.workers_started = True
+
+    return verl_trainer.lossagg_trainer(Settings)(loss_aggregation=aggregation, entropy_coeff=0.0, **keys)
+
+
+def padded_batch(seed=0):
+    """verl's batch on the driver as _update_actor takes it: N rows, left-padded prompts, right-padded responses
+    with holes, prompt ids in ``uid`` (pairs of rows)."""
+    import numpy as np
+    from verl import DataProto
+
+    step = make_step(seed)
+    attention = torch.cat([torch.ones(N, P, dtype=torch.int64), step["width"].to(torch.int64)], 1)
+    tensors = {
+        "input_ids": torch.randint(3, 30, (N, P + R)),
+        "attention_mask": attention,
+        "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
+        "response_mask": step["response_mask"].to(torch.int64),
+        "responses": torch.randint(3, 30, (N, R)),
+    }
+    uid = np.array([f"prompt-{i // 2}" for i in range(N)], dtype=object)
+    return DataProto.from_dict(tensors=tensors, non_tensors={"uid": uid}), step
+
+
+def test_lossagg_trainer_plans_each_mini_batch_before_verls_update_actor():
+    """Two mini-batches (2 prompts x rollout.n 2) over DP 2 (the mesh's, not the worker count): each sample's d[i] is
+    its mini-batch's plan's (rows 0, 1, 4, 5 make step 0, as verl's dispatch and iterator cut it), and it reaches
+    the TensorDict verl hands update_actor; the losses go out through set_loss_fn after init_workers."""
+    trainer = planned_trainer({"mode": "prompt_mean"})
+    assert type(trainer).__name__ == "LossaggSettings"
+    batch, step = padded_batch()
+    trainer._update_actor(batch)
+    (handed,) = trainer.actor_rollout_wg.updates
+    carried = handed[verl_trainer.DENOMS_KEY]
+    assert carried.shape == (N, 2)  # pg and entropy (the actor's terms)
+    counts = step["response_mask"].to(torch.float64).sum(-1)
+    groups = torch.arange(N) // 2
+    for rows in ([0, 1, 4, 5], [2, 3, 6, 7]):
+        plan = lossagg.StepPlan(trainer._lossagg_losses["actor"].keywords["aggregation"], counts[rows], group_index=groups[rows])
+        torch.testing.assert_close(carried[rows, 0], plan.term_denoms["pg"], rtol=0, atol=0)
+    whole = lossagg.StepPlan(lossagg.LossAggregationConfig(mode="prompt_mean"), counts, group_index=groups)
+    assert not torch.equal(carried[:, 0], whole.sample_denoms)  # planned per mini-batch, not per batch
+    assert verl_trainer.step_of_rows(N, 4, 2).tolist() == [0, 0, 1, 1, 0, 0, 1, 1]
+    trainer._update_critic(padded_batch()[0])
+    assert trainer.critic_wg.updates[0][verl_trainer.DENOMS_KEY].shape == (N, 2)  # pg (unused by the critic) and value
+    trainer.init_workers()
+    assert trainer.workers_started and trainer.actor_rollout_wg.handed == [trainer._lossagg_losses["actor"]]
+    assert trainer.critic_wg.handed == [trainer._lossagg_losses["critic"]]
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "settings", "keys", "named"),
+    [
+        ({"mode": "prompt_mean"}, {"shuffle": True}, {}, "actor.shuffle=True"),
+        ({"mode": "sample_mean", "weighting": "mean"}, {}, {}, "needs sample_weights_key"),
+        ({"mode": "sample_mean"}, {}, {"sample_weights_key": "w"}, "sample_weights_key='w' is given"),
+        ({"mode": "prompt_mean", "n_samples_per_prompt": 4}, {}, {}, "n_samples_per_prompt=4 but verl's rollout.n is 2"),
+    ],
+)
+def test_lossagg_trainer_refuses_by_name_when_built(aggregation, settings, keys, named):
+    from omegaconf import OmegaConf
+
+    RayPPOTrainer = ray_trainer().RayPPOTrainer
+
+    class Settings(RayPPOTrainer):
+        def __init__(self, **actor_settings):
+            _Trainer.__init__(self, **actor_settings)
+            self.config = OmegaConf.merge(self.config, {"actor_rollout_ref": {"rollout": {"n": 2}}})
+
+    with pytest.raises(verl_trainer.VerlConfigError, match=named.replace("(", r"\(")):
+        verl_trainer.lossagg_trainer(Settings)(loss_aggregation=aggregation, entropy_coeff=0.0, **settings, **keys)
+
+
+def test_a_planned_loss_without_the_drivers_plan_and_a_batch_that_cannot_split_are_named():
+    fn = adapter.actor_loss(actor(entropy_coeff=0.0), {"mode": "prompt_mean"}, planned=True)
+    leaves = leaves_of(make_step(0))
+    output, data = micro_batch(make_step(0), [0, 1], leaves, dp_size=2)
+    with pytest.raises(ValueError, match="lossagg_trainer"):
+        fn(model_output=output, data=data)
+    with pytest.raises(ValueError, match="must split into 2 equal DP chunks"):
+        verl_trainer.step_of_rows(N, 3, 2)
+    with pytest.raises(ValueError, match="needs the step total"):
+        adapter.actor_loss(actor(entropy_coeff=0.0), {"mode": "prompt_mean"})  # install's way: verl's totals only

@@ -290,8 +290,21 @@ from lossagg.integrations.verl_trainer import (  # noqa: E402
     critic_loss,
     distillation_ppo_loss,
     install,
+    lossagg_trainer,
+    plan_batch,
     ppo_loss,
     value_loss,
 )
 
-__all__ = ["VERL_MODES", "agg_loss", "actor_loss", "critic_loss", "distillation_ppo_loss", "install", "ppo_loss", "value_loss"]
+__all__ = [
+    "VERL_MODES",
+    "agg_loss",
+    "actor_loss",
+    "critic_loss",
+    "distillation_ppo_loss",
+    "install",
+    "lossagg_trainer",
+    "plan_batch",
+    "ppo_loss",
+    "value_loss",
+]

@@ -24,10 +24,21 @@ metrics; what changes is each term's reducer:
   with verl's own 0/1 mask.
 
 A term the config does not name gets the default reducer (docs/terms.md); a term it names must carry
-verl's coefficient. The step totals are the ones verl's engine hands every micro-batch: ``dp_size``,
-``batch_num_tokens`` (``T``) and ``global_batch_size`` (``N``). A mode that needs another total (prompt
-groups, ``L_max``), ``empty_samples: skip`` with a mode that reads ``N``, weights, and the policy losses
-whose per-token loss is not one a reducer can weigh are refused by name when the loss is built.
+verl's coefficient. Two ways in:
+
+* :func:`install` (after ``init_workers``): the step totals are the ones verl's engine hands every
+  micro-batch: ``dp_size``, ``batch_num_tokens`` (``T``) and ``global_batch_size`` (``N``). A mode that
+  needs another total (prompt groups, ``L_max``, sessions), ``empty_samples: skip`` with a mode that reads
+  ``N``, and weights are refused by name when the loss is built.
+* :func:`lossagg_trainer` (``lossagg_trainer(RayPPOTrainer)(..., loss_aggregation=config)``): every mode.
+  The step is whole on verl's driver before it is dispatched: for each optimizer step (a PPO mini-batch,
+  as verl's dispatch and its workers' mini-batch iterator cut it) a :class:`lossagg.StepPlan` is made
+  there from every sample's response mask, its prompt (verl's ``uid``, the id verl's GRPO advantage
+  groups by), its session and its weight, and each sample's ``d_k[i]`` travel with the batch
+  (``lossagg_denoms``) to the micro-batches, where ``StepPlan.from_denoms`` reduces them through the
+  micro-batch handle.
+
+Either way, the policy losses whose per-token loss is not one a reducer can weigh are refused by name.
 """
 
 from __future__ import annotations
@@ -63,6 +74,8 @@ CRITIC_TERMS = ("value",)
 VALUE_COEFFICIENT = 0.5  # verl's compute_value_loss: 0.5 * agg_loss(...)
 # the step totals verl's engine hands the loss of every micro-batch, and their names there
 CARRIED = {"num_samples": "global_batch_size", "total_tokens": "batch_num_tokens"}
+# what lossagg_trainer's driver adds to each sample of the batch: d_k[i] of every term (config.loss_terms' order), w_i
+DENOMS_KEY, WEIGHTS_KEY = "lossagg_denoms", "lossagg_weights"
 
 
 class VerlConfigError(ValueError):
@@ -88,9 +101,10 @@ def _policy_loss_issue(setting: str, loss_mode: str) -> str | None:
     )
 
 
-def _term_modes_issues(config: LossAggregationConfig) -> list[str]:
+def _term_modes_issues(config: LossAggregationConfig, planned: bool = False) -> list[str]:
+    """What verl's engine cannot hand the loss; nothing when the step is planned on the driver (``planned``)."""
     issues = []
-    for term in config.loss_terms:
+    for term in config.loss_terms if not planned else ():
         name, mode, weighting = term.name, term.mode, term.weighting
         where = "mode" if name == PG_TERM else f"terms.{name}.mode"
         if weighting != "none":
@@ -103,7 +117,7 @@ def _term_modes_issues(config: LossAggregationConfig) -> list[str]:
             issues.append(
                 f"{where}={mode}{skipped} needs the step total(s) {', '.join(uncarried)}, which verl's engine does not hand its loss "
                 f"(it passes dp_size, batch_num_tokens and global_batch_size, the last counting every sample): choose a mode that reads "
-                f"only {' and '.join(CARRIED)}, or call lossagg.integrations.verl.agg_loss with a lossagg.StepPlan in a loss of your own"
+                f"only {' and '.join(CARRIED)}, or plan the step on verl's driver: lossagg_trainer(RayPPOTrainer)"
             )
     return issues
 
@@ -128,11 +142,12 @@ def _check(issues: list[str], what: str) -> None:
         raise VerlConfigError(f"lossagg cannot serve {what}:\n" + "\n".join(f"- {issue}" for issue in issues))
 
 
-def actor_config_for(config, aggregation, distillation_config=None) -> LossAggregationConfig:
+def actor_config_for(config, aggregation, distillation_config=None, *, planned: bool = False) -> LossAggregationConfig:
     """The lossagg config of verl's actor (``config``: verl's ``ActorConfig``): ``aggregation`` with every term
-    the actor reduces, checked against verl's settings; every problem named in one error."""
+    the actor reduces, checked against verl's settings (``planned``: the step is planned on the driver,
+    :func:`lossagg_trainer`); every problem named in one error."""
     aggregation = _as_config(aggregation)
-    issues = _term_modes_issues(aggregation)
+    issues = _term_modes_issues(aggregation, planned)
     policy = config.policy_loss.get("loss_mode", "vanilla") if config.policy_loss is not None else "vanilla"
     found = _policy_loss_issue("actor.policy_loss.loss_mode", policy)
     issues += [found] if found else []
@@ -173,10 +188,10 @@ def actor_config_for(config, aggregation, distillation_config=None) -> LossAggre
     return _whole(aggregation, terms)
 
 
-def critic_config_for(config, aggregation) -> LossAggregationConfig:
+def critic_config_for(config, aggregation, *, planned: bool = False) -> LossAggregationConfig:
     """The lossagg config of verl's critic (``config``: verl's ``CriticConfig``): its one term, ``value``."""
     aggregation = _as_config(aggregation)
-    issues = _term_modes_issues(aggregation)
+    issues = _term_modes_issues(aggregation, planned)
     for name in aggregation.terms:
         if name not in CRITIC_TERMS + ACTOR_TERMS:
             issues.append(f"terms.{name}: verl's critic reduces the term value only; name it")
@@ -243,9 +258,17 @@ def check_carried(config: LossAggregationConfig, dp_size: int, global_batch_size
 
 
 def _step_plan(aggregation: LossAggregationConfig, response_mask: torch.Tensor, data) -> tuple[StepPlan, int, object]:
-    """The plan of this micro-batch's samples from the step totals verl's engine hands it, ``dp_size`` and the
-    micro-batch's handle (all its samples)."""
+    """The plan of this micro-batch's samples: the ``d_k[i]`` the driver planned (:func:`lossagg_trainer`), else
+    from the step totals verl's engine hands it; ``dp_size`` and the micro-batch's handle (all its samples)."""
     dp_size = int(data["dp_size"])
+    if DENOMS_KEY in data.keys():
+        plan, mb = _carried_plan(aggregation, response_mask, data)
+        return plan, dp_size, mb
+    if _term_modes_issues(aggregation):
+        raise ValueError(
+            f"verl's data carries no {DENOMS_KEY!r}: this loss's config needs the step planned on verl's driver, "
+            "by lossagg_trainer(RayPPOTrainer) (lossagg.integrations.verl_trainer)"
+        )
     n, t = data["global_batch_size"], data["batch_num_tokens"]
     if dp_size > 1 and (n is None or t is None):
         missing = " and ".join(name for name, value in (("global_batch_size", n), ("batch_num_tokens", t)) if value is None)
@@ -253,6 +276,19 @@ def _step_plan(aggregation: LossAggregationConfig, response_mask: torch.Tensor, 
     counts = response_mask.sum(-1).to(torch.float64)
     plan = plan_of_batch(aggregation, counts, dp_size=dp_size, global_batch_size=n, batch_num_tokens=t)
     return plan, dp_size, plan.micro_batch(slice(None), response_mask)
+
+
+def _carried_plan(aggregation: LossAggregationConfig, response_mask: torch.Tensor, data):
+    """The micro-batch's plan and handle from the ``d_k[i]`` (and ``w_i``) the driver's plan gave its samples."""
+    denoms, names = data[DENOMS_KEY], [t.name for t in aggregation.loss_terms]
+    if denoms.dim() != 2 or denoms.shape != (response_mask.shape[0], len(names)):
+        raise ValueError(
+            f"verl's data[{DENOMS_KEY!r}] must hold d_k[i] of this loss's terms ({', '.join(names)}) for each of its "
+            f"{response_mask.shape[0]} samples, got shape {tuple(denoms.shape)}: the driver planned another config"
+        )
+    weights = data[WEIGHTS_KEY] if WEIGHTS_KEY in data.keys() else None
+    plan = StepPlan.from_denoms({name: denoms[:, k] for k, name in enumerate(names)}, config=aggregation, sample_weights=weights)
+    return plan, plan.micro_batch(slice(None), response_mask)
 
 
 def _term(plan: StepPlan, mb, name: str, values: torch.Tensor, dp_size: int) -> torch.Tensor:
@@ -324,10 +360,9 @@ def ppo_loss(config, model_output, data, dp_group=None, *, aggregation: LossAggr
         entropy = no_padding_2_padding(entropy, data)
     aggregate = _metric_aggregation()
     fields = ["response_mask", "old_log_probs", "advantages"] + [f for f in ("rollout_is_weights", "ref_log_prob") if f in data]
-    step = {key: data[key] for key in ("dp_size", "batch_num_tokens", "global_batch_size")}
     padded = data.select(*fields).to_padded_tensor()
     response_mask = padded["response_mask"].to(bool)
-    plan, dp_size, mb = _step_plan(aggregation, response_mask, step)
+    plan, dp_size, mb = _step_plan(aggregation, response_mask, data)
     policy = config.policy_loss.get("loss_mode", "vanilla")
     pg_loss, pg_metrics = _weighted_policy_loss(
         policy,
@@ -370,8 +405,7 @@ def _distillation_loss(config, distillation_config, model_output, data, *, aggre
     if response_mask.is_nested:
         response_mask = response_mask.to_padded_tensor(False)
     response_mask = response_mask.to(bool)
-    step = {key: data[key] for key in ("dp_size", "batch_num_tokens", "global_batch_size")}
-    plan, dp_size, mb = _step_plan(aggregation, response_mask, step)
+    plan, dp_size, mb = _step_plan(aggregation, response_mask, data)
     if not loss_config.use_policy_gradient:
         return _term(plan, mb, "distillation", losses, dp_size), metrics
     from verl.workers.utils.padding import no_padding_2_padding  # deferred: verl is optional
@@ -427,10 +461,9 @@ def value_loss(config, model_output, data, dp_group=None, *, aggregation: LossAg
     from verl.workers.utils.padding import no_padding_2_padding  # deferred: verl is optional
 
     vpreds = no_padding_2_padding(model_output["values"], data)
-    step = {key: data[key] for key in ("dp_size", "batch_num_tokens", "global_batch_size")}
     padded = data.select("values", "returns", "response_mask").to_padded_tensor()
     response_mask = padded["response_mask"].to(bool)
-    plan, dp_size, _ = _step_plan(aggregation, response_mask, step)
+    plan, dp_size, _ = _step_plan(aggregation, response_mask, data)
     weights = _sample_weights(plan, "value", dp_size, response_mask, vpreds) * response_mask
     common = {"vpreds": vpreds, "values": padded["values"], "returns": padded["returns"], "cliprange_value": config.cliprange_value}
     # compute_value_loss returns 0.5 * Σ m·w·l under token-sum: the term with its coefficient, as verl's
@@ -448,38 +481,167 @@ def value_loss(config, model_output, data, dp_group=None, *, aggregation: LossAg
 # ------------------------------------------------------------------ installing
 
 
-def actor_loss(config, aggregation, distillation_config=None):
+def actor_loss(config, aggregation, distillation_config=None, *, planned: bool = False):
     """The actor's loss function as verl's engine calls it (``loss_fn(model_output=, data=, dp_group=)``),
     checked when built: :func:`ppo_loss`, or :func:`distillation_ppo_loss` when ``distillation_config`` is on."""
-    whole = actor_config_for(config, aggregation, distillation_config)
+    whole = actor_config_for(config, aggregation, distillation_config, planned=planned)
     if distillation_config is not None and getattr(distillation_config, "enabled", False):
         return functools.partial(distillation_ppo_loss, config=config, distillation_config=distillation_config, aggregation=whole)
     return functools.partial(ppo_loss, config=config, aggregation=whole)
 
 
-def critic_loss(config, aggregation):
+def critic_loss(config, aggregation, *, planned: bool = False):
     """The critic's loss function as verl's engine calls it, checked when built (:func:`value_loss`)."""
-    return functools.partial(value_loss, config=config, aggregation=critic_config_for(config, aggregation))
+    return functools.partial(value_loss, config=config, aggregation=critic_config_for(config, aggregation, planned=planned))
+
+
+def _losses(trainer, aggregation, planned: bool) -> dict[str, Any]:
+    """The actor's (and the critic's, when the trainer has one) loss functions for verl's trainer ``trainer``."""
+    from verl.utils.config import omega_conf_to_dataclass  # deferred: verl is optional
+
+    root = trainer.config
+    distillation = getattr(root, "distillation", None)
+    distillation_config = omega_conf_to_dataclass(distillation) if distillation is not None and distillation.get("enabled", False) else None
+    losses = {"actor": actor_loss(omega_conf_to_dataclass(root.actor_rollout_ref.actor), aggregation, distillation_config, planned=planned)}
+    if getattr(trainer, "use_critic", False):
+        losses["critic"] = critic_loss(omega_conf_to_dataclass(root.critic), aggregation, planned=planned)
+    return losses
+
+
+def _hand_over(trainer, losses: dict[str, Any]) -> None:
+    trainer.actor_rollout_wg.set_loss_fn(losses["actor"])
+    if "critic" in losses:
+        trainer.critic_wg.set_loss_fn(losses["critic"])
 
 
 def install(trainer, aggregation) -> dict[str, Any]:
     """Hand verl's actor (and critic, when the trainer has one) lossagg's losses through the workers'
-    ``set_loss_fn``. ``trainer`` is verl's ``RayPPOTrainer`` after ``init_workers()``; ``aggregation`` a
-    :class:`lossagg.LossAggregationConfig` or its settings. Every check runs before anything is handed
-    over (no half-installed trainer). Returns the loss functions handed over, by role."""
-    from verl.utils.config import omega_conf_to_dataclass  # deferred: verl is optional
-
-    workers = getattr(trainer, "actor_rollout_wg", None)
-    if workers is None:
+    ``set_loss_fn``, with the step totals verl's engine carries. ``trainer`` is verl's ``RayPPOTrainer``
+    after ``init_workers()``; ``aggregation`` a :class:`lossagg.LossAggregationConfig` or its settings.
+    Every check runs before anything is handed over (no half-installed trainer). Returns the loss
+    functions handed over, by role. Every mode: :func:`lossagg_trainer`."""
+    if getattr(trainer, "actor_rollout_wg", None) is None:
         raise ValueError("install(trainer, ...) needs trainer.actor_rollout_wg: call it after trainer.init_workers()")
-    root = trainer.config
-    actor_config = omega_conf_to_dataclass(root.actor_rollout_ref.actor)
-    distillation = getattr(root, "distillation", None)
-    distillation_config = omega_conf_to_dataclass(distillation) if distillation is not None and distillation.get("enabled", False) else None
-    losses = {"actor": actor_loss(actor_config, aggregation, distillation_config)}
-    if getattr(trainer, "use_critic", False):
-        losses["critic"] = critic_loss(omega_conf_to_dataclass(root.critic), aggregation)
-    workers.set_loss_fn(losses["actor"])
-    if "critic" in losses:
-        trainer.critic_wg.set_loss_fn(losses["critic"])
+    losses = _losses(trainer, aggregation, planned=False)
+    _hand_over(trainer, losses)
     return losses
+
+
+# ------------------------------------------------------------------ the step planned on the driver
+
+
+def step_of_rows(num_rows: int, mini_batch_size: int, dp_size: int) -> torch.Tensor:
+    """The optimizer step (PPO mini-batch) of each row of verl's batch: the dispatch hands DP rank ``r`` the
+    ``r``-th of ``dp_size`` equal consecutive chunks, and each rank's iterator cuts its chunk, unshuffled,
+    into consecutive mini-batches of ``mini_batch_size / dp_size`` rows (``train_mini_batch``); the ``j``-th
+    of every rank make step ``j``."""
+    n, m, dp = (
+        as_int("the batch's rows", num_rows, minimum=1),
+        as_int("mini_batch_size", mini_batch_size, minimum=1),
+        as_int("dp_size", dp_size, minimum=1),
+    )
+    if n % dp or m % dp or (n // dp) % (m // dp):
+        raise ValueError(
+            f"verl's batch of {n} rows must split into {dp} equal DP chunks, each a whole number of mini-batches of "
+            f"mini_batch_size / dp_size = {m} / {dp} rows, as verl's dispatch and mini-batch iterator require"
+        )
+    return (torch.arange(n) % (n // dp)) // (m // dp)
+
+
+def _labels(values) -> torch.Tensor:
+    """Integer labels of a per-row key of verl's batch (strings, as ``uid``, or numbers)."""
+    import numpy as np  # deferred: verl's non-tensor batch is numpy
+
+    return torch.from_numpy(np.unique(np.asarray(values), return_inverse=True)[1].reshape(-1).astype(np.int64))
+
+
+def plan_batch(batch, aggregation: LossAggregationConfig, *, mini_batch_size: int, dp_size: int, weights_key=None, session_key=None) -> None:
+    """Plan every optimizer step of verl's ``batch`` (a ``DataProto``, whole on the driver) and add each sample's
+    ``d_k[i]`` (``lossagg_denoms``, ``[rows, K]`` float64, ``config.loss_terms``' order) and ``w_i``
+    (``lossagg_weights``, when a term weighs its samples) to it. A prompt group is the rows of one ``uid``;
+    a session the rows of one ``batch.non_tensor_batch[session_key]`` (with no key, each row: one trajectory
+    is one sample in verl's agent loop); weights are ``batch.batch[weights_key]``."""
+    td, extra = batch.batch, batch.non_tensor_batch
+    counts = td["response_mask"].to(torch.float64).sum(-1)
+    steps = step_of_rows(counts.shape[0], mini_batch_size, dp_size)
+    terms = aggregation.loss_terms
+    groups = _labels(extra["uid"]) if any(t.spec.needs_groups for t in terms) else None
+    sessions = None
+    if any(t.spec.needs_sessions for t in terms):
+        sessions = _labels(extra[session_key]) if session_key is not None else torch.arange(counts.shape[0])
+    weights = td[weights_key].to(torch.float64).reshape(-1) if weights_key is not None else None
+    denoms = torch.empty(counts.shape[0], len(terms), dtype=torch.float64)
+    for step in range(int(steps.max()) + 1):
+        rows = (steps == step).nonzero().reshape(-1)
+        plan = StepPlan(
+            aggregation,
+            counts[rows],
+            group_index=None if groups is None else groups[rows],
+            session_index=None if sessions is None else sessions[rows],
+            sample_weights=None if weights is None else weights[rows],
+        )
+        denoms[rows] = torch.stack([plan.term_denoms[t.name] for t in terms], 1)
+    td[DENOMS_KEY] = denoms
+    if weights is not None:
+        td[WEIGHTS_KEY] = weights
+
+
+def _dp_size(worker_group) -> int:
+    """The DP size verl's dispatch splits a batch for (``dispatch_lazy_compute_data_proto``: the largest DP
+    rank of the worker group's ``train`` mesh, plus one)."""
+    if "train" not in worker_group._dispatch_info:
+        worker_group._dispatch_info["train"] = worker_group._query_dispatch_info("train")
+    return max(worker_group._dispatch_info["train"]) + 1
+
+
+def lossagg_trainer(base: type) -> type:
+    """verl's trainer class ``base`` (``RayPPOTrainer`` or a subclass) with every term of the loss on its lossagg
+    mode, every mode served: the step planned on the driver (:func:`plan_batch`) before ``_update_actor`` and
+    ``_update_critic`` dispatch it, the workers' losses handed over after ``init_workers``. Built as
+    ``lossagg_trainer(RayPPOTrainer)(..., loss_aggregation=config, sample_weights_key=None, session_key=None)``;
+    every refusal is raised when it is built, before anything starts."""
+
+    class LossaggTrainer(base):
+        def __init__(self, *args, loss_aggregation, sample_weights_key: str | None = None, session_key: str | None = None, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.loss_aggregation = _as_config(loss_aggregation)
+            self._lossagg_keys = {"weights_key": sample_weights_key, "session_key": session_key}
+            self._lossagg_losses = _losses(self, self.loss_aggregation, planned=True)
+            roles = {"actor": self.config.actor_rollout_ref.actor, "critic": getattr(self.config, "critic", None)}
+            issues = [
+                f"{role}.shuffle=True: each rank draws its mini-batches after the dispatch, where the driver cannot plan them; "
+                "set it false, or install(trainer, config) for a mode that reads only N and T"
+                for role in self._lossagg_losses
+                if roles[role].get("shuffle", False)
+            ]
+            weighted = any(t.weighting != "none" for t in self.loss_aggregation.loss_terms)
+            if weighted != (sample_weights_key is not None):
+                issues.append(
+                    "a term's weighting needs sample_weights_key (the batch's per-sample weights)"
+                    if weighted
+                    else f"sample_weights_key={sample_weights_key!r} is given but no term of the config weighs its samples"
+                )
+            n = self.loss_aggregation.n_samples_per_prompt
+            if n is not None and n != self.config.actor_rollout_ref.rollout.n:
+                issues.append(f"n_samples_per_prompt={n} but verl's rollout.n is {self.config.actor_rollout_ref.rollout.n}: make them agree")
+            _check(issues, "verl's trainer")
+
+        def init_workers(self):
+            super().init_workers()
+            _hand_over(self, self._lossagg_losses)
+
+        def _plan(self, batch, role: str, worker_group, mini_batch_size: int) -> None:
+            aggregation = self._lossagg_losses[role].keywords["aggregation"]
+            size = mini_batch_size * self.config.actor_rollout_ref.rollout.n
+            plan_batch(batch, aggregation, mini_batch_size=size, dp_size=_dp_size(worker_group), **self._lossagg_keys)
+
+        def _update_actor(self, batch):
+            self._plan(batch, "actor", self.actor_rollout_wg, self.config.actor_rollout_ref.actor.ppo_mini_batch_size)
+            return super()._update_actor(batch)
+
+        def _update_critic(self, batch):
+            self._plan(batch, "critic", self.critic_wg, self.config.critic.ppo_mini_batch_size)
+            return super()._update_critic(batch)
+
+    LossaggTrainer.__name__ = LossaggTrainer.__qualname__ = f"Lossagg{base.__name__}"
+    return LossaggTrainer
