@@ -199,8 +199,9 @@ def worker(rank, world, init_file, results_dir):
 
 @pytest.mark.xdist_group("engines")
 def test_openrlhfs_step_has_the_gradient_of_j(tmp_path):
-    if importlib.util.find_spec("openrlhf") is None:
-        pytest.skip("OpenRLHF is not importable (scripts/install_peers.sh installs it)")
+    missing = [name for name in ("openrlhf", "ray", "transformers", "peft", "torchdata") if importlib.util.find_spec(name) is None]
+    if missing:  # what OpenRLHF's actor module imports for real (tests/openrlhf_peer.py stands in for the rest)
+        pytest.skip(f"OpenRLHF's actor trainer is not importable, {', '.join(missing)} missing (scripts/install_peers.sh installs it)")
     failures, runs = run_world(worker, DP, (), tmp_path)
     assert not failures, "\n".join(failures)[:6000]
     assert runs == DP * (len(CASES) + len(OWN))
