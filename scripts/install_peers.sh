@@ -12,6 +12,8 @@
 #   >= 3.12 too), plus only what `skyrl.backends.skyrl_train.utils.ppo_utils` imports: skyrl-gym
 #   0.4.0 (--no-deps) and jaxtyping, loguru, ray, omegaconf, PyYAML, pandas, requests
 #   (tests/skyrl_peer.py says how that module is imported on Python < 3.12).
+# * OpenRLHF 0.11.2 with --no-deps, plus torchdata 0.11.0 (--no-deps); the imports its training step never
+#   uses (deepspeed, flash-attn, vLLM, pylatexenc) are stood in by tests/openrlhf_peer.py, which says why.
 # * miles-rl 0.0.2 with --no-deps --target build/peers/miles: it vendors its own `megatron` (and
 #   parts of `sglang`), which would overwrite megatron-core's files in site-packages, so it lives in
 #   a directory of its own that only the processes testing miles put first on sys.path
@@ -72,6 +74,9 @@ peer megatron-core 0.19.2 \
   install_mcore
 # its trainer (tests/test_skyrl_trainer.py) needs torchdata as well
 peer skyrl 0.4.0 "import sys; sys.path.insert(0, 'tests'); import skyrl_peer; skyrl_peer.ppo_utils(); skyrl_peer.trainer()" install_skyrl
+# after TRL and SkyRL, which bring transformers, peft's accelerate, ray and torchdata
+install_openrlhf() { pip_install --no-deps "openrlhf==0.11.2" "torchdata==0.11.0"; }
+peer openrlhf 0.11.2 "import sys; sys.path.insert(0, 'tests'); import openrlhf_peer; openrlhf_peer.ppo_actor()" install_openrlhf
 
 # miles: its own directories, not site-packages (see above); "installed" is the stamp file. Last: its
 # imports also need what the peers above bring (transformers, attrs)

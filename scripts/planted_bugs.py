@@ -179,6 +179,23 @@ BUGS = (
         'convention="mean", dp_size=2, dtype=advantages.dtype)',
         ("tests/test_skyrl_trainer.py",),
     ),
+    # OpenRLHF (its actor trainer's own training_step)
+    Bug(
+        "openrlhf",
+        "the policy loss's weights scaled as if DeepSpeed did not average over the DP ranks",
+        "lossagg/integrations/openrlhf.py",
+        'convention="megatron", dp_size=dp, num_micro_batches=gas)',
+        'convention="megatron", dp_size=1, num_micro_batches=gas)',
+        ("tests/test_openrlhf_trainer.py",),
+    ),
+    Bug(
+        "openrlhf",
+        "KL and entropy totals without DeepSpeed's division by the micro-batches",
+        "lossagg/integrations/openrlhf.py",
+        'totals = {"dp_size": dp * gas, "batch_num_tokens": d, **per_sample}',
+        'totals = {"dp_size": dp, "batch_num_tokens": d, **per_sample}',
+        ("tests/test_openrlhf_trainer.py",),
+    ),
     # the modes: one factor of each built-in mode's d[i] replaced
     *(
         Bug(
@@ -268,7 +285,7 @@ def run(bug: Bug, where: str) -> tuple[str, float]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("groups", nargs="*", help="adapters (verl, trl, megatron, miles, slime, seed, skyrl) or 'modes'; default: all")
+    parser.add_argument("groups", nargs="*", help="adapters (verl, trl, megatron, miles, slime, seed, skyrl, openrlhf) or 'modes'; default: all")
     parser.add_argument("--list", action="store_true", help="list the bugs and exit")
     args = parser.parse_args(argv)
     bugs = [b for b in BUGS if not args.groups or b.group in args.groups]

@@ -2,7 +2,7 @@
 nothing of their trainer (they reproduce its call signature and compute through lossagg);
 ``trl`` subclasses TRL's ``GRPOTrainer`` and so imports TRL; ``miles`` and ``slime`` plug into their
 trainer's own hooks and import it only inside them (at run time, in its processes); ``skyrl`` subclasses
-the SkyRL trainer class it is given."""
+the SkyRL trainer class it is given; ``openrlhf`` turns the actor trainer OpenRLHF built into a subclass of its class."""
 
 
 def session_modes(config) -> list[str]:
