@@ -11,6 +11,10 @@
 #   >= 3.12 too), plus only what `skyrl.backends.skyrl_train.utils.ppo_utils` imports: skyrl-gym
 #   0.4.0 (--no-deps) and jaxtyping, loguru, ray, omegaconf, PyYAML, pandas, requests
 #   (tests/skyrl_peer.py says how that module is imported on Python < 3.12).
+# * AReaL 1.0.4 (PyPI: areal) with --no-deps and --ignore-requires-python, plus only what its FSDP engine and
+#   PPO actor import (areal/__init__ imports its launchers, stats loggers and OpenAI proxy): aiohttp, colorlog,
+#   tenacity, flask, lark, uvloop, numba, einops, aiofiles, openai, swanlab, trackio, wandb, tensorboardX,
+#   tabulate, pybase64, pinned (tests/test_areal_trainer.py).
 # * miles-rl 0.0.2 with --no-deps --target build/peers/miles: it vendors its own `megatron` (and
 #   parts of `sglang`), which would overwrite megatron-core's files in site-packages, so it lives in
 #   a directory of its own that only the processes testing miles put first on sys.path
@@ -56,6 +60,12 @@ install_mcore() { pip_install --no-deps --ignore-requires-python "megatron-core=
 install_skyrl() {
   pip_install --no-deps --ignore-requires-python "skyrl==0.4.0" "skyrl-gym==0.4.0" "torchdata==0.11.0" \
     && pip_install -c "$cons" jaxtyping loguru ray omegaconf pyyaml pandas requests
+}
+install_areal() {
+  pip_install --no-deps --ignore-requires-python "areal==1.0.4" \
+    && pip_install -c "$cons" "aiohttp==3.14.5" "colorlog==6.12.0" "tenacity==9.2.1" "flask==3.1.3" "lark==1.3.1" "uvloop==0.23.0" \
+      "numba==0.68.1" "einops==0.8.2" "aiofiles==25.1.0" "openai==3.63.0" "swanlab==0.10.3" "trackio==0.43.0" "wandb==0.31.0" \
+      "tensorboardX==2.6.5" "tabulate==0.10.0" "pybase64==1.5.1"
 }
 
 peer verl 0.9.1 "import verl.trainer.ppo.core_algos" install_verl
