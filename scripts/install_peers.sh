@@ -14,6 +14,10 @@
 #   (tests/skyrl_peer.py says how that module is imported on Python < 3.12).
 # * OpenRLHF 0.11.2 with --no-deps, plus torchdata 0.11.0 (--no-deps); the imports its training step never
 #   uses (deepspeed, flash-attn, vLLM, pylatexenc) are stood in by tests/openrlhf_peer.py, which says why.
+# * AReaL 1.0.4 (PyPI: areal) with --no-deps and --ignore-requires-python, plus only what its FSDP engine and
+#   PPO actor import (areal/__init__ imports its launchers, stats loggers and OpenAI proxy): aiohttp, colorlog,
+#   tenacity, flask, lark, uvloop, numba, einops, aiofiles, openai, swanlab, trackio, wandb, tensorboardX,
+#   tabulate, pybase64, pinned (tests/test_areal_trainer.py).
 # * miles-rl 0.0.2 with --no-deps --target build/peers/miles: it vendors its own `megatron` (and
 #   parts of `sglang`), which would overwrite megatron-core's files in site-packages, so it lives in
 #   a directory of its own that only the processes testing miles put first on sys.path
@@ -62,6 +66,12 @@ install_skyrl() {
   pip_install --no-deps --ignore-requires-python "skyrl==0.4.0" "skyrl-gym==0.4.0" "torchdata==0.11.0" \
     && pip_install -c "$cons" jaxtyping loguru ray omegaconf pyyaml pandas requests
 }
+install_areal() {
+  pip_install --no-deps --ignore-requires-python "areal==1.0.4" \
+    && pip_install -c "$cons" "aiohttp==3.14.5" "colorlog==6.12.0" "tenacity==9.2.1" "flask==3.1.3" "lark==1.3.1" "uvloop==0.23.0" \
+      "numba==0.68.1" "einops==0.8.2" "aiofiles==25.1.0" "openai==3.63.0" "swanlab==0.10.3" "trackio==0.43.0" "wandb==0.31.0" \
+      "tensorboardX==2.6.5" "tabulate==0.10.0" "pybase64==1.5.1"
+}
 
 peer verl 0.9.1 "import verl.trainer.ppo.core_algos" install_verl
 peer hydra-core 1.3.2 "import hydra" install_hydra
@@ -77,6 +87,8 @@ peer skyrl 0.4.0 "import sys; sys.path.insert(0, 'tests'); import skyrl_peer; sk
 # after TRL and SkyRL, which bring transformers, peft's accelerate, ray and torchdata
 install_openrlhf() { pip_install --no-deps "openrlhf==0.11.2" "torchdata==0.11.0"; }
 peer openrlhf 0.11.2 "import sys; sys.path.insert(0, 'tests'); import openrlhf_peer; openrlhf_peer.ppo_actor()" install_openrlhf
+# its FSDP engine and PPO actor (tests/test_areal_trainer.py), after TRL (transformers) and SkyRL (torchdata)
+peer areal 1.0.4 "from areal.engine.fsdp_engine import FSDPPPOActor; from areal.trainer.ppo.actor import PPOActor" install_areal
 
 # miles: its own directories, not site-packages (see above); "installed" is the stamp file. Last: its
 # imports also need what the peers above bring (transformers, attrs)

@@ -196,6 +196,15 @@ BUGS = (
         'totals = {"dp_size": dp, "batch_num_tokens": d, **per_sample}',
         ("tests/test_openrlhf_trainer.py",),
     ),
+    # AReaL (its engine's all-reduced loss weight)
+    Bug(
+        "areal",
+        "the engine's loss weight taken on this DP rank alone (W without its all-reduce)",
+        "lossagg/integrations/areal.py",
+        "        dist.all_reduce(total, group=group)\n",
+        "",
+        ("tests/test_areal_trainer.py",),
+    ),
     # the modes: one factor of each built-in mode's d[i] replaced
     *(
         Bug(
@@ -285,7 +294,9 @@ def run(bug: Bug, where: str) -> tuple[str, float]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("groups", nargs="*", help="adapters (verl, trl, megatron, miles, slime, seed, skyrl, openrlhf) or 'modes'; default: all")
+    parser.add_argument(
+        "groups", nargs="*", help="adapters (verl, trl, megatron, miles, slime, seed, skyrl, openrlhf, areal) or 'modes' (default: all)"
+    )
     parser.add_argument("--list", action="store_true", help="list the bugs and exit")
     args = parser.parse_args(argv)
     bugs = [b for b in BUGS if not args.groups or b.group in args.groups]
