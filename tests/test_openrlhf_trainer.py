@@ -217,7 +217,7 @@ REFUSALS = [
     ({"kl": 0.05}, {"terms": {"kl": {"coefficient": 0.1}}}, "terms.kl.coefficient=0.1: OpenRLHF applies its own, algo.kl.init_coef = 0.05"),
     ({"entropy": 0.01}, {"terms": terms(entropy="prompt_mean"), "n_samples_per_prompt": 3}, "terms.entropy.mode=prompt_mean: OpenRLHF reduces"),
     ({"kl": 0.05, "entropy": 0.01}, {"terms": terms("token_mean", "sample_mean")}, "terms: OpenRLHF hands its KL and entropy the same totals"),
-    ({}, {"mode": "sample_mean", "weighting": "multiply"}, "weighting=multiply needs per-sample weights, which OpenRLHF's experiences"),
+    ({}, {"mode": "sample_mean", "weighting": "multiply"}, "weighting=multiply: OpenRLHF's experiences carry no per-sample weights"),
     ({}, {"mode": "session_mean"}, "mode=session_mean weighs each session (multi-turn trajectory) once"),
 ]
 

@@ -1,14 +1,12 @@
 """OpenRLHF's actor trainer with its losses reduced by lossagg (read against and tested with OpenRLHF 0.11.2).
 
 OpenRLHF's ``ActorPPOTrainer.ppo_train`` (``openrlhf/trainer/ray/ppo_actor.py``) hands every micro-batch of one
-optimizer step the step's totals over the DP ranks, divided by its ``accumulated_gradient`` micro-batches
-(``iter_grad_accum_global_norm``, ``openrlhf/utils/loss_utils.py``); ``training_step`` reduces the policy loss by
-``aggregate_loss`` (``openrlhf/models/loss.py``: ``token-mean``, or ``seq-mean-token-mean`` over the non-empty
-rows), KL and entropy by the token mean. :func:`install` makes the trainer OpenRLHF built an instance of a subclass
-whose ``training_step`` is OpenRLHF's own with other reductions: one ``StepPlan`` per optimizer step over the DP
-group; OpenRLHF's policy loss given ``mask · plan.token_weights(...)`` as its mask and unit totals (its masked sum
-is then the micro-batch's share of J); KL and entropy given their term's step totals. Nothing of OpenRLHF is
-patched; the switch is one line where OpenRLHF builds its trainer::
+optimizer step the step's DP totals over its ``accumulated_gradient`` micro-batches (``openrlhf/utils/loss_utils.py``);
+``training_step`` reduces the policy loss by ``aggregate_loss`` (``openrlhf/models/loss.py``), KL and entropy by the
+token mean. :func:`install` makes the trainer OpenRLHF built an instance of a subclass whose ``training_step`` is
+OpenRLHF's own with other reductions: one ``StepPlan`` per optimizer step over the DP group; the policy loss given
+``mask · plan.token_weights(...)`` as its mask and unit totals; KL and entropy given their term's step totals. Nothing
+of OpenRLHF is patched; the switch is one line where OpenRLHF builds its trainer::
 
     @ray.remote(num_gpus=1)
     class LossaggPolicyActor(PolicyModelActor.__ray_actor_class__):  # RayActorGroup(..., LossaggPolicyActor, ...)
@@ -16,8 +14,7 @@ patched; the switch is one line where OpenRLHF builds its trainer::
             super().init_model_from_pretrained(*args, **kwargs)
             install(self.trainer, {"mode": "prompt_mean"})  # left out: OpenRLHF's own actor.loss_agg_mode
 
-A row's prompt is its rollout index over ``rollout.n_samples_per_prompt``, kept in the per-sample ``info`` that
-survives the replay buffer's split. What OpenRLHF cannot serve is refused by name (:func:`config_for`).
+A row's prompt: its rollout index over ``n_samples_per_prompt``, kept in ``info``. Refusals: :func:`config_for`.
 """
 
 from __future__ import annotations
@@ -28,15 +25,23 @@ import torch
 
 from lossagg.config import LossAggregationConfig
 from lossagg.integrations import session_refusal
+from lossagg.modes import MODES
 from lossagg.step import StepPlan
 
 OPENRLHF_VERSION = "0.11.2"
 #: The per-sample ``info`` key under which the replay buffer keeps each row's prompt.
 GROUP_KEY = "lossagg_prompt"
-#: The modes ``aggregate_loss`` reaches for KL and entropy with one total: d[i] the same for all (True), or N · M[i] (False).
-TERM_MODES = {"token_mean": True, "constant": True, "max_length": True, "sample_mean": False}
+#: The step-wide factors of d[i] (docs/modes.md): a mode whose d[i] is their product gives every row the same d.
+STEP_WIDE = frozenset({"N", "P", "S", "c(T)", "c(L_max)", "L"})
 # OpenRLHF's actor.loss_agg_mode as lossagg settings (its seq-mean-token-mean counts the non-empty rows only)
 OWN_MODES = {"token-mean": {"mode": "token-mean"}, "seq-mean-token-mean": {"mode": "seq-mean-token-mean", "empty_samples": "skip"}}
+
+
+def term_reach(mode: str) -> bool | None:
+    """How ``aggregate_loss`` reaches a KL or entropy term on ``mode`` with one total: True for a d[i] the same for every
+    row (a product of step-wide factors), False for N · c(M[i]) (a per-row token mean), None when it cannot."""
+    factors = set(getattr(MODES[mode].denoms, "factors", ())) if mode in MODES else set()
+    return True if factors and factors <= STEP_WIDE else (False if factors == {"N", "c(M[i])"} else None)
 
 
 class OpenRLHFConfigError(ValueError):
@@ -84,16 +89,14 @@ def config_for(args, loss_aggregation=None) -> LossAggregationConfig:
             if name in computed and abs(term.coefficient - computed[name]) > 1e-12 * max(1.0, abs(computed[name])):
                 setting = "algo.kl.init_coef" if name == "kl" else "-actor.entropy_coef"
                 issues.append(f"terms.{name}.coefficient={term.coefficient}: OpenRLHF applies its own, {setting} = {computed[name]}")
-            if term.mode not in TERM_MODES:
-                issues.append(
-                    f"terms.{name}.mode={term.mode}: OpenRLHF reduces its {name} by aggregate_loss over one step total: {', '.join(TERM_MODES)}"
-                )
+            if term_reach(term.mode) is None:
+                issues.append(f"terms.{name}.mode={term.mode}: OpenRLHF reduces its {name} by aggregate_loss over one step total: a mode "
+                              f"whose d[i] is a product of {', '.join(sorted(STEP_WIDE))}, or N · c(M[i])")  # fmt: skip
         if len({(t.mode, t.divisor) for t in config.terms.values()}) > 1:
             issues.append("terms: OpenRLHF hands its KL and entropy the same totals: give them one mode (and divisor)")
         if "kl" in config.terms and args.algo.kl.target:
             issues.append(f"terms.kl with algo.kl.target={args.algo.kl.target}: the adaptive controller changes the KL coefficient every step")
-        if config.weighting != "none":
-            issues.append(f"weighting={config.weighting} needs per-sample weights, which OpenRLHF's experiences do not carry: drop it")
+        issues.append(f"weighting={config.weighting}: OpenRLHF's experiences carry no per-sample weights" if config.weighting != "none" else "")
         issues.append(session_refusal(config, "OpenRLHF's actor trainer", "each row is one whole response, agent turns included"))
     if any(issues):
         raise OpenRLHFConfigError("lossagg cannot serve this OpenRLHF trainer:\n" + "\n".join(f"- {issue}" for issue in issues if issue))
@@ -174,11 +177,8 @@ def lossagg_trainer(base):
             totals = loss_batch_info  # no terms named: OpenRLHF's own token mean for its KL and entropy
             for name, term in self.lossagg_config.terms.items():  # one mode for all of them (config_for)
                 d = float(plan.term_denoms[name][offsets[k]])  # aggregate_loss: Σ m·x / d, or Σ_i (Σ m·x / M[i]) / (d / M[i])
-                per_sample = (
-                    {}
-                    if TERM_MODES[term.mode]
-                    else {"token_level_loss": False, "global_batch_size": d / max(float(plan.token_counts[offsets[k]]), 1.0)}
-                )
+                per_row = {"token_level_loss": False, "global_batch_size": d / max(float(plan.token_counts[offsets[k]]), 1.0)}
+                per_sample = {} if term_reach(term.mode) else per_row
                 totals = {"dp_size": dp * gas, "batch_num_tokens": d, **per_sample}
             return super().training_step(experience, kl_ctl, step, totals)
 
