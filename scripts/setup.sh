@@ -34,6 +34,9 @@ if [ -n "$missing" ]; then
   run_step "setup: installed $missing" setup-packages pip_install $missing
 fi
 
+# `setup.sh --deps`: only the packages above (scripts/test.sh starts the peers' install after them, beside the build)
+[ "${1:-}" = "--deps" ] && exit 0
+
 # Rebuild when a source is newer than the library or the build settings changed.
 stamp_file=build/.lossagg-build-settings
 plan=$("$PY" scripts/build_plan.py)

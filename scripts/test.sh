@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# The test command: set-up (build), the C++ tests (ctest, against the library setup.py
-# built), the configuration tests under the oldest supported Python, the peer packages
-# (installed once, only when absent; in the background while the C++ and configuration tests
-# run), and the pytest suite. Fails if pytest collects no tests.
+# The test command: set-up (torch and the packages, then the build), the C++ tests (ctest, against
+# the library setup.py built), the configuration tests under the oldest supported Python, the peer
+# packages (installed once, only when absent; in the background from when torch is there, while the
+# library and the C++ tests build and the C++ and configuration tests run), and the pytest suite.
+# Fails if pytest collects no tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
-bash scripts/setup.sh || exit 1
+bash scripts/setup.sh --deps || exit 1
 
-# the peers install (mostly downloads and unpacking) while the C++ tests build and run; its lines
-# are printed once it is done
+# the peers install (mostly downloads and unpacking) while the library and the C++ tests build and
+# run; its lines are printed once it is done
 mkdir -p build/logs
 bash scripts/install_peers.sh > build/logs/peers-summary.txt 2>&1 &
 peers=$!
+
+bash scripts/setup.sh || { wait "$peers"; exit 1; }
 
 bash scripts/ctest.sh || { wait "$peers"; exit 1; }
 
