@@ -55,8 +55,8 @@ install_verl() {
     && pip_install -c "$cons" ray "tensordict>=0.8,<=0.10,!=0.9.0" omegaconf "transformers>=5.5.3,<5.11,!=5.6.0" codetiming
 }
 # verl's trainer module (the base of lossagg.integrations.verl.lossagg_trainer, tests/test_verl_trainer.py) imports these
-# too, and torchdata (SkyRL's)
-install_verl_trainer() { pip_install -c "$cons" "cachetools==8.0.3" "fastapi==0.165.0"; }
+# too (uvicorn, fastapi and cachetools for its rollout server), and torchdata (SkyRL's), datasets (TRL's), peft and pillow
+install_verl_trainer() { pip_install -c "$cons" "cachetools==8.0.3" "fastapi==0.165.0" "uvicorn==0.55.0"; }
 # verl's config objects (omega_conf_to_dataclass, used by lossagg.integrations.verl.install) import hydra
 install_hydra() { pip_install -c "$cons" "hydra-core==1.3.2"; }
 # verl's FSDP engine (tests/test_verl_engine.py) imports peft; its own needs are verl's and TRL's (installed first)
@@ -84,7 +84,7 @@ peer megatron-core 0.19.2 \
   install_mcore
 # its trainer (tests/test_skyrl_trainer.py) needs torchdata as well
 peer skyrl 0.4.0 "import sys; sys.path.insert(0, 'tests'); import skyrl_peer; skyrl_peer.ppo_utils(); skyrl_peer.trainer()" install_skyrl
-# verl's trainer module: after SkyRL, which brings torchdata (its StatefulDataLoader)
+# verl's trainer module: after TRL (datasets), peft and SkyRL (torchdata)
 peer cachetools 8.0.3 "import verl.trainer.ppo.ray_trainer" install_verl_trainer
 # after TRL and SkyRL, which bring transformers, peft's accelerate, ray and torchdata
 install_openrlhf() { pip_install --no-deps "openrlhf==0.11.2" "torchdata==0.11.0"; }
