@@ -5,7 +5,7 @@
 #   lossagg_cpp_test            the ops through the dispatcher, as a libtorch user calls them
 #   lossagg_cuda_host_test_*    the CUDA kernels' source run on the CPU, in shards
 # LOSSAGG_TEST_TIER=full runs the emulated CUDA test's full tier (1200 generated cases and 200
-# invalid tables; the default tier is 200 and 60, 50 to 85 s on 2 cores under the sanitizers).
+# invalid tables; the default tier is 200 and 60, about half a minute on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/steps.sh

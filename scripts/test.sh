@@ -18,16 +18,9 @@ peers=$!
 
 bash scripts/setup.sh || { wait "$peers"; exit 1; }
 
-# the configuration tests under the oldest Python (a venv to make, mostly downloads) beside the C++ tests
-bash scripts/test_min_python.sh > build/logs/min-python-summary.txt 2>&1 &
-min_python=$!
+bash scripts/ctest.sh || { wait "$peers"; exit 1; }
 
-bash scripts/ctest.sh || { wait "$peers" "$min_python"; exit 1; }
-
-wait "$min_python"
-rc=$?
-cat build/logs/min-python-summary.txt
-[ "$rc" -eq 0 ] || { wait "$peers"; exit 1; }
+bash scripts/test_min_python.sh || { wait "$peers"; exit 1; }
 
 wait "$peers"
 cat build/logs/peers-summary.txt
