@@ -2,7 +2,25 @@
 nothing of their trainer (they reproduce its call signature and compute through lossagg);
 ``trl`` subclasses TRL's ``GRPOTrainer`` and so imports TRL; ``miles`` and ``slime`` plug into their
 trainer's own hooks and import it only inside them (at run time, in its processes); ``skyrl`` subclasses
-the SkyRL trainer class it is given; ``openrlhf`` turns the actor trainer OpenRLHF built into a subclass of its class."""
+the SkyRL trainer class it is given; ``openrlhf`` turns the actor trainer OpenRLHF built into a subclass of its class;
+``areal`` subclasses the AReaL actor engine class it is given."""
+
+import os
+from collections.abc import Mapping
+
+from lossagg.config import LossAggregationConfig
+
+
+def as_config(loss_aggregation) -> LossAggregationConfig:
+    """A trainer adapter's ``loss_aggregation`` argument as a config: a :class:`lossagg.LossAggregationConfig`, a
+    mapping of its settings, or the path of a config file."""
+    if isinstance(loss_aggregation, (str, os.PathLike)):
+        return LossAggregationConfig.from_file(loss_aggregation)
+    if isinstance(loss_aggregation, (LossAggregationConfig, Mapping)):
+        return LossAggregationConfig.coerce(loss_aggregation, "loss_aggregation")
+    raise TypeError(
+        f"loss_aggregation must be a lossagg.LossAggregationConfig, a mapping of its settings or a config file, got {type(loss_aggregation).__name__}"
+    )
 
 
 def session_modes(config) -> list[str]:

@@ -30,14 +30,11 @@ serve is refused by name when the engine is built (:func:`config_for`; docs/trai
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
-
 import torch
 import torch.distributed as dist
 
 from lossagg.config import LossAggregationConfig
-from lossagg.integrations import session_refusal
+from lossagg.integrations import as_config, session_refusal
 from lossagg.step import StepPlan
 
 AREAL_VERSION = "1.0.4"
@@ -54,15 +51,7 @@ class AReaLConfigError(ValueError):
 
 
 def _as_config(loss_aggregation) -> LossAggregationConfig:
-    if loss_aggregation is None:
-        return LossAggregationConfig(mode="token_mean")  # AReaL's own aggregation
-    if isinstance(loss_aggregation, (str, os.PathLike)):
-        return LossAggregationConfig.from_file(loss_aggregation)
-    if isinstance(loss_aggregation, (LossAggregationConfig, Mapping)):
-        return LossAggregationConfig.coerce(loss_aggregation, "loss_aggregation")
-    raise TypeError(
-        f"loss_aggregation must be a lossagg.LossAggregationConfig, a mapping of its settings or a config file, got {type(loss_aggregation).__name__}"
-    )
+    return LossAggregationConfig(mode="token_mean") if loss_aggregation is None else as_config(loss_aggregation)  # AReaL's own: token_mean
 
 
 def config_for(actor_config, loss_aggregation=None, *, sessions: bool = False) -> LossAggregationConfig:

@@ -30,14 +30,12 @@ what scaling the advantages cannot reach, is refused by name when the trainer is
 
 from __future__ import annotations
 
-import os
 import warnings
-from collections.abc import Mapping
 
 import torch
 
 from lossagg.config import LossAggregationConfig
-from lossagg.integrations import session_refusal
+from lossagg.integrations import as_config, session_refusal
 from lossagg.modes import canonical_mode, mode_spec
 from lossagg.step import StepPlan
 
@@ -62,16 +60,6 @@ TRAJECTORY_KEY = "lossagg_trajectory_ids"
 
 class SkyRLConfigError(ValueError):
     """A lossagg config that SkyRL's trainer cannot serve, or a SkyRL setting that lossagg cannot reach: names both."""
-
-
-def _as_config(loss_aggregation) -> LossAggregationConfig:
-    if isinstance(loss_aggregation, (str, os.PathLike)):
-        return LossAggregationConfig.from_file(loss_aggregation)
-    if isinstance(loss_aggregation, (LossAggregationConfig, Mapping)):
-        return LossAggregationConfig.coerce(loss_aggregation, "loss_aggregation")
-    raise TypeError(
-        f"loss_aggregation must be a lossagg.LossAggregationConfig, a mapping of its settings or a config file, got {type(loss_aggregation).__name__}"
-    )
 
 
 def _from_loss_reduction(cfg, step_wise: bool, issues: list[str]) -> LossAggregationConfig | None:
@@ -107,7 +95,7 @@ def config_for(cfg, loss_aggregation=None, *, extra_policy_losses=()) -> LossAgg
             f"trainer.algorithm.policy_loss_type={loss!r} {why}: lossagg reweighs the loss by scaling the advantages, exact only when "
             f"l(w·A) = w·l(A) for w > 0; use one of {', '.join(SERVED_POLICY_LOSSES)} (a loss of your own that scales so: extra_policy_losses)"
         )
-    config = _from_loss_reduction(cfg, step_wise, issues) if loss_aggregation is None else _as_config(loss_aggregation)
+    config = _from_loss_reduction(cfg, step_wise, issues) if loss_aggregation is None else as_config(loss_aggregation)
     if config is not None:
         if config.terms:
             issues.append(
