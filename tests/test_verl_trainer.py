@@ -694,3 +694,18 @@ def test_a_planned_loss_without_the_drivers_plan_and_a_batch_that_cannot_split_a
         verl_trainer.step_of_rows(N, 3, 2)
     with pytest.raises(ValueError, match="needs the step total"):
         adapter.actor_loss(actor(entropy_coeff=0.0), {"mode": "prompt_mean"})  # install's way: verl's totals only
+
+
+def test_plan_batch_names_a_key_the_batch_lacks():
+    import numpy as np
+    from verl import DataProto
+
+    step = make_step(0)
+    batch = DataProto.from_dict(tensors={"response_mask": step["response_mask"].to(torch.int64)}, non_tensors={"x": np.arange(N)})
+    whole = lossagg.LossAggregationConfig(mode="prompt_mean")
+    with pytest.raises(ValueError, match="verl's batch has no 'uid'"):
+        verl_trainer.plan_batch(batch, whole, mini_batch_size=N, dp_size=2)
+    with pytest.raises(ValueError, match="no 'traj' or 'w'"):
+        verl_trainer.plan_batch(
+            batch, lossagg.LossAggregationConfig(mode="sample_mean"), mini_batch_size=N, dp_size=2, session_key="traj", weights_key="w"
+        )

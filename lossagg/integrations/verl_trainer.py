@@ -562,9 +562,14 @@ def plan_batch(batch, aggregation: LossAggregationConfig, *, mini_batch_size: in
     a session the rows of one ``batch.non_tensor_batch[session_key]`` (with no key, each row: one trajectory
     is one sample in verl's agent loop); weights are ``batch.batch[weights_key]``."""
     td, extra = batch.batch, batch.non_tensor_batch
+    terms = aggregation.loss_terms
+    wanted = [("uid", extra, any(t.spec.needs_groups for t in terms)), (session_key, extra, session_key is not None)]
+    wanted += [("response_mask", td, True), (weights_key, td, weights_key is not None)]
+    missing = [f"{key!r}" for key, where, needed in wanted if needed and key not in where.keys()]
+    if missing:
+        raise ValueError(f"verl's batch has no {' or '.join(missing)}, which the plan of mode={aggregation.mode} with these keys reads")
     counts = td["response_mask"].to(torch.float64).sum(-1)
     steps = step_of_rows(counts.shape[0], mini_batch_size, dp_size)
-    terms = aggregation.loss_terms
     groups = _labels(extra["uid"]) if any(t.spec.needs_groups for t in terms) else None
     sessions = None
     if any(t.spec.needs_sessions for t in terms):
