@@ -29,16 +29,29 @@ def launch_args(mode=None, n=4, gbs=16, **more) -> argparse.Namespace:
 
 
 _PARSE = r"""
-import importlib, pickle, sys
+import contextlib, importlib, os, pickle, sys
 adapter_parse_args = importlib.import_module(sys.argv[2]).parse_args
 own_parse_args = importlib.import_module(sys.argv[3]).parse_args
+# Megatron's parse_args (both trainers call it) rebuilds its dataclass flags from their source on every call
+# (inspect.getsource and ast.parse of each config class): read once per class here, as the files do not change
+# while the launches are parsed; the same docstrings, in a fresh dict each time
+from megatron.training.argument_utils import ArgumentGroupFactory
+_docstrings, _read = {}, ArgumentGroupFactory._get_field_docstrings
+def _cached(self, cls):
+    if cls not in _docstrings:
+        _docstrings[cls] = _read(self, cls)
+    return dict(_docstrings[cls])
+ArgumentGroupFactory._get_field_docstrings = _cached
 out = {}
+# parse_args prints every argument to stdout (tens of thousands of lines over the launches): to /dev/null
+devnull = open(os.devnull, "w")
 for name, (through_lossagg, argv) in pickle.loads(bytes.fromhex(sys.argv[1])).items():
     sys.argv = argv
     sys.stderr.write(f"@@launch {name}\n")
     sys.stderr.flush()
     try:
-        args = adapter_parse_args() if through_lossagg else own_parse_args()
+        with contextlib.redirect_stdout(devnull):
+            args = adapter_parse_args() if through_lossagg else own_parse_args()
     except SystemExit as exc:
         out[name] = ("exit", exc.code)
     else:

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch_engines
+import worlds
 from batches import engine_modes, per_prompt, sessions_in
 from tiers import full_tier
 from worlds import crashed, dp_cp_groups, join, leave, run_world
@@ -332,9 +333,7 @@ def test_one_rank_faults_make_every_rank_raise_by_name_within_seconds(world, tmp
     (the group's timeout is 60 s); a trial without a fault gives every rank the same step."""
     import tempfile
 
-    import torch.multiprocessing as mp
-
-    mp.spawn(fault_worker, args=(world, tempfile.mktemp(dir=tmp_path), str(tmp_path)), nprocs=world, join=True)
+    worlds.start(fault_worker, (world, tempfile.mktemp(dir=tmp_path), str(tmp_path)), world)
     lines = [(tmp_path / f"faults{r}.txt").read_text().splitlines() for r in range(world)]
     for r in range(world):
         assert not any(line.startswith("CRASH") for line in lines[r]), "\n".join(lines[r])[:4000]

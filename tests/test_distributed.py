@@ -13,7 +13,7 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+import worlds
 from batches import per_prompt, sessions_in
 from worlds import dp_cp_groups
 
@@ -118,7 +118,7 @@ def worker(rank, world, init_file, convention, results_dir, setup=None, modes=No
 def test_dp2_cp2_gradients_equal_single_process(convention, tmp_path):
     world = DP * CP
     init_file = tempfile.mktemp(dir=tmp_path)
-    mp.spawn(worker, args=(world, init_file, convention, str(tmp_path)), nprocs=world, join=True)
+    worlds.start(worker, (world, init_file, convention, str(tmp_path)), world)
     failures = []
     for rank in range(world):
         text = (tmp_path / f"rank{rank}.txt").read_text()

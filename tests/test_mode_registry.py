@@ -20,7 +20,7 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+import worlds
 from batches import random_float64_step
 
 import lossagg
@@ -144,7 +144,7 @@ def test_dp2_cp2_over_gloo_equals_its_reference(throwaway, tmp_path):
     world = test_distributed.DP * test_distributed.CP
     init_file = tempfile.mktemp(dir=tmp_path)
     args = (world, init_file, "mean", str(tmp_path), register_throwaway, [throwaway])
-    mp.spawn(test_distributed.worker, args=args, nprocs=world, join=True)
+    worlds.start(test_distributed.worker, args, world)
     failures = [(tmp_path / f"rank{r}.txt").read_text() for r in range(world)]
     assert not any(failures), "\n".join(failures)
 

@@ -505,7 +505,7 @@ def worker(rank, world, layouts, launches_path, init_file, results_dir):
     [pytest.param(1, (1,), id="dp1cp1"), pytest.param(2, (1, 2), id="dp2cp1+dp1cp2", marks=full_tier), pytest.param(4, (2,), id="dp2cp2")],
 )
 def test_slime_train_step_gives_the_gradient_of_j(world, layouts, launches, tmp_path):
-    failures, runs = run_world(worker, world, (layouts, launches), tmp_path)
+    failures, runs = run_world(worker, world, (layouts, launches), tmp_path, fresh=True)  # slime's packages first on sys.path
     assert not failures, "\n".join(failures)[:8000]
     assert runs == world * len(layouts) * len(CASES) * STEPS
 

@@ -13,7 +13,7 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+import worlds
 from batches import per_prompt, sessions_in
 from worlds import dp_cp_groups
 
@@ -320,7 +320,7 @@ def test_dp2_cp2_whole_loss_gradient_equals_the_unsplit_step(tmp_path):
     micro-batches × DP 2 × CP 2: the summed gradients are the unsplit step's (float64), and the
     plan makes one sum all-reduce."""
     world = DP * CP
-    mp.spawn(_worker, args=(world, tempfile.mktemp(dir=tmp_path), str(tmp_path)), nprocs=world, join=True)
+    worlds.start(_worker, (world, tempfile.mktemp(dir=tmp_path), str(tmp_path)), world)
     failures = [t for r in range(world) if (t := (tmp_path / f"rank{r}.txt").read_text())]
     assert not failures, "\n".join(failures)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+import worlds
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -226,7 +226,7 @@ def worker(rank, port, out_dir):
 def world_results(tmp_path_factory):
     """One 2-process world for every case (the spawn and TRL's import once); the folder of their results."""
     out = str(tmp_path_factory.mktemp("trl-world"))
-    mp.spawn(worker, args=(free_port(), out), nprocs=WORLD, join=True)
+    worlds.start(worker, (free_port(), out), WORLD)
     return out
 
 

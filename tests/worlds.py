@@ -1,4 +1,10 @@
-"""Multi-process test worlds (gloo on CPU): spawn the ranks, collect what each reported."""
+"""Multi-process test worlds (gloo on CPU): start the ranks, collect what each reported.
+
+The ranks are forked from the pytest process (:func:`start`): each inherits its imports (torch, lossagg, the
+test module and what it imported), which spawning would pay again in every rank, a few seconds of CPU each; a
+world that needs an interpreter of its own (a trainer with its own packages first on ``sys.path``, such as
+miles' vendored megatron) asks for ``fresh=True``, which spawns. A world that outlives ``timeout`` is killed and
+its test fails, naming the time, rather than holding the run."""
 
 from __future__ import annotations
 
@@ -50,9 +56,32 @@ def report(results_dir: str, rank: int, ran: int, failures: list[str]) -> None:
         f.write(f"ran {ran}\n" + "\n".join(failures))
 
 
-def run_world(worker, world: int, args: tuple, tmp_path) -> tuple[list[str], int]:
-    """``worker(rank, world, *args, init_file, results_dir)`` on ``world`` processes; (failures, checks run)."""
-    mp.spawn(worker, args=(world, *args, tempfile.mktemp(dir=tmp_path), str(tmp_path)), nprocs=world, join=True)
+#: How long a world may run before it is killed (seconds): LOSSAGG_WORLD_TIMEOUT, default 600.
+TIMEOUT = float(os.environ.get("LOSSAGG_WORLD_TIMEOUT", "600"))
+
+
+def start(worker, args: tuple, nprocs: int, *, fresh: bool = False, timeout: float | None = None) -> None:
+    """``worker(rank, *args)`` on ``nprocs`` processes, forked (spawned when ``fresh`` or where fork is missing),
+    waited for; a rank's exception is raised here (torch.multiprocessing's ProcessRaisedException), and a world
+    still running after ``timeout`` seconds (default :data:`TIMEOUT`) is killed and fails the test."""
+    import time
+
+    method = "spawn" if fresh or not hasattr(os, "fork") else "fork"
+    context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method=method)
+    deadline = time.monotonic() + (TIMEOUT if timeout is None else timeout)
+    while not context.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                process.join(5)
+            raise TimeoutError(f"a world of {nprocs} {method}ed processes ran {TIMEOUT if timeout is None else timeout:.0f} s and was killed")
+
+
+def run_world(worker, world: int, args: tuple, tmp_path, *, fresh: bool = False) -> tuple[list[str], int]:
+    """``worker(rank, world, *args, init_file, results_dir)`` on ``world`` processes (:func:`start`); (failures,
+    checks run)."""
+    start(worker, (world, *args, tempfile.mktemp(dir=tmp_path), str(tmp_path)), world, fresh=fresh)
     failures, runs = [], 0
     for rank in range(world):
         head, _, rest = (tmp_path / f"rank{rank}.txt").read_text().partition("\n")
