@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Line and branch coverage of lossagg/ by the tests of a tier (LOSSAGG_TEST_TIER: default or full),
-# the subprocesses and spawned worlds included (coverage.py's patch = subprocess), on two xdist
+# the subprocesses and the worlds included (coverage.py's patches: subprocess for the spawned ones, fork and
+# _exit for the forked ranks, which end in os._exit), on two xdist
 # workers as `make test` runs them. Run `make test` once first (the build and the peers).
 #
 #   bash scripts/coverage.sh                 # the default tier -> build/coverage/coverage.json
@@ -23,7 +24,10 @@ cat > "$out/rc" <<RC
 branch = True
 parallel = True
 source = lossagg
-patch = subprocess
+patch =
+    subprocess
+    fork
+    _exit
 data_file = $out/.coverage
 RC
 export COVERAGE_RCFILE=$out/rc
