@@ -23,7 +23,5 @@ run_step() {
   return "$rc"
 }
 
-# pip as the set-up uses it: quiet about its own version, everything else into the step's log. --no-compile:
-# pip would byte-compile every module of every package (about 50 s of CPU for torch and the peers on 2 cores),
-# where Python compiles the modules that are imported, once, on their first import.
-pip_install() { "${PY:-python3}" -m pip install --disable-pip-version-check --no-compile "$@"; }
+# pip as the set-up uses it: quiet about its own version, everything else into the step's log.
+pip_install() { "${PY:-python3}" -m pip install --disable-pip-version-check "$@"; }
