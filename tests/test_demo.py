@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -18,29 +20,82 @@ from lossagg.modes import MODES
 def demo_args(tmp_path, *extra):
     p = argparse.ArgumentParser()
     add_demo_args(p)
-    return p.parse_args(["--steps", "4", "--prompts-per-step", "4", "--n-samples-per-prompt", "4", "--out", str(tmp_path), *extra])
+    small = ["--steps", "5", "--prompts-per-step", "4", "--n-samples-per-prompt", "4", "--seeds", "2", "--workers", "1"]
+    return p.parse_args([*small, "--out", str(tmp_path), *extra])
 
 
-def test_demo_runs_all_modes(tmp_path, capsys):
-    assert run_demo(demo_args(tmp_path)) == 0
-    captured = capsys.readouterr()
-    out = captured.out
-    for mode in list(MODES):
-        assert f"| {mode} |" in out
-    assert "gives the unsplit gradient (checked for every mode)" in out
-    assert "each rollout is a session of one sample" in out
+@pytest.fixture(scope="module")
+def short_demo(tmp_path_factory):
+    """One short demo over every mode and both tasks: (its folder, what it printed)."""
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp("demo")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert run_demo(demo_args(out)) == 0
+    return out, printed.getvalue()
+
+
+def test_demo_runs_every_mode_on_both_tasks(short_demo):
+    out, printed = short_demo
+    runs = json.loads((out / "runs.json").read_text())["runs"]
+    single = {r["mode"] for r in runs if r["task"] == "single-turn"}
+    multi = {r["mode"] for r in runs if r["task"] == "multi-turn"}
+    assert multi == set(MODES) and single == {m for m in MODES if not MODES[m].needs_sessions}
+    assert {r["seed"] for r in runs} == {0, 1}
+    # one progress line per mode and task, with its time
+    assert len(re.findall(r"^\[\d+/14\] (single|multi)-turn +\w+ +2 seeds, final reward [\d.]+, [\d.]+ s$", printed, re.M)) == 14
+    assert "same gradient" in printed and "MISMATCH" not in printed
     if importlib.util.find_spec("matplotlib") is not None:
-        assert os.path.getsize(tmp_path / "demo.png") > 1000
-    else:  # matplotlib is optional (the demo extra): the demo says why there is no figure
-        assert "matplotlib is not installed: no figure" in captured.err
-        assert not (tmp_path / "demo.png").exists()
-    assert "| mode |" in (tmp_path / "summary.md").read_text()
+        assert os.path.getsize(out / "demo.png") > 1000
+
+
+def test_the_summary_holds_the_runs_numbers(short_demo):
+    """Each row of summary.md is recomputed here from runs.json (the runs' own histories), and runs.json is what
+    the training gives: one run repeated here."""
+    from lossagg.demo import report
+    from lossagg.demo.train import train_run
+
+    out, _ = short_demo
+    saved = json.loads((out / "runs.json").read_text())
+    summary = (out / "summary.md").read_text()
+    pairs = report.by_pair(saved["runs"])
+    for (task, mode), runs in pairs.items():
+        reward = report.fmt(report.spread([report.final(r, "reward") for r in runs]))
+        wrong = report.fmt(report.spread([report.final(r, "wrong_length") for r in runs]), 1)
+        section = summary.split(f"## {task}")[1].split("## ")[0]
+        row = next(line for line in section.splitlines() if line.startswith(f"| {mode} |"))
+        assert f"| {reward} |" in row and f"→ {wrong} |" in row, (row, reward, wrong)
+    args = demo_args(out)
+    args.config_obj = None
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        again = train_run("multi-turn", "session_mean", 1, args)
+    finally:
+        torch.set_num_threads(threads)
+    kept = next(r for r in saved["runs"] if (r["task"], r["mode"], r["seed"]) == ("multi-turn", "session_mean", 1))
+    assert json.loads(json.dumps(again["history"])) == kept["history"]
+
+
+def test_the_session_modes_differ_from_sample_mean_on_the_multi_turn_task(short_demo):
+    out, _ = short_demo
+    runs = json.loads((out / "runs.json").read_text())["runs"]
+    history = {(r["task"], r["mode"], r["seed"]): r["history"] for r in runs}
+    for mode in (m for m in MODES if MODES[m].needs_sessions):
+        assert all(history["multi-turn", mode, s] != history["multi-turn", "sample_mean", s] for s in (0, 1)), mode
+    # on the single-turn task a session is one answer: the session modes are not run there (their twins are)
+    assert not any(t == "single-turn" and MODES[m].needs_sessions for t, m, _ in history)
+    assert "seeds whose run differs from sample_mean's: session_mean 2/2" in (out / "summary.md").read_text()
 
 
 def test_demo_accepts_a_config_file(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("loss_aggregation: {mode: prompt_mean, n_samples_per_prompt: 4}\n")
-    assert run_demo(demo_args(tmp_path, "--modes", "sample_mean", "--config", str(cfg))) == 0
+    assert run_demo(demo_args(tmp_path, "--modes", "sample_mean", "--config", str(cfg), "--tasks", "single-turn", "--seeds", "1")) == 0
     out = capsys.readouterr().out
     assert "| prompt_mean |" in out and "| sample_mean |" in out
 
