@@ -4,7 +4,8 @@ The ranks are forked from the pytest process (:func:`start`): each inherits its 
 test module and what it imported), which spawning would pay again in every rank, a few seconds of CPU each; a
 world that needs an interpreter of its own (a trainer with its own packages first on ``sys.path``, such as
 miles' vendored megatron) asks for ``fresh=True``, which spawns. A world that outlives ``timeout`` is killed and
-its test fails, naming the time, rather than holding the run."""
+its test fails, naming the time, rather than holding the run. ``LOSSAGG_WORLDS=spawn`` spawns every world (to
+show that nothing a rank inherits by fork decides a test: the same results and coverage either way)."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def start(worker, args: tuple, nprocs: int, *, fresh: bool = False, timeout: flo
     still running after ``timeout`` seconds (default :data:`TIMEOUT`) is killed and fails the test."""
     import time
 
-    method = "spawn" if fresh or not hasattr(os, "fork") else "fork"
+    method = "spawn" if fresh or not hasattr(os, "fork") or os.environ.get("LOSSAGG_WORLDS") == "spawn" else "fork"
     context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method=method)
     deadline = time.monotonic() + (TIMEOUT if timeout is None else timeout)
     while not context.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
