@@ -20,13 +20,14 @@ from lossagg.modes import MODES
 def demo_args(tmp_path, *extra):
     p = argparse.ArgumentParser()
     add_demo_args(p)
-    small = ["--steps", "5", "--prompts-per-step", "4", "--n-samples-per-prompt", "4", "--seeds", "2", "--workers", "1"]
+    small = ["--steps", "5", "--prompts-per-step", "4", "--n-samples-per-prompt", "4", "--seeds", "2"]
     return p.parse_args([*small, "--out", str(tmp_path), *extra])
 
 
 @pytest.fixture(scope="module")
 def short_demo(tmp_path_factory):
-    """One short demo over every mode and both tasks: (its folder, what it printed)."""
+    """One short demo over every mode and both tasks, on the default processes (every CPU: a pool where there
+    are two or more): (its folder, what it printed)."""
     import contextlib
     import io
 
@@ -79,6 +80,38 @@ def test_the_summary_holds_the_runs_numbers(short_demo):
         torch.set_num_threads(threads)
     kept = next(r for r in saved["runs"] if (r["task"], r["mode"], r["seed"]) == ("multi-turn", "session_mean", 1))
     assert json.loads(json.dumps(again["history"])) == kept["history"]
+
+
+def test_the_report_says_only_what_the_seeds_carry():
+    """The summary's wording follows the numbers: a difference beyond twice its standard error is stated, one
+    within it is called no difference, one seed is said to have no spread; what cannot be computed is n/a."""
+    import math
+    from types import SimpleNamespace
+
+    from lossagg.demo import report
+
+    def run(mode, seed, wrong):
+        return {"task": "multi-turn", "mode": mode, "seed": seed, "history": {"wrong_length": [wrong] * 5}}
+
+    def pairs(diffs):
+        runs = [run("sample_mean", s, 4 + d) for s, d in enumerate(diffs)] + [run("token_mean", s, 4.0) for s in range(len(diffs))]
+        return report.by_pair(runs)
+
+    clear = report.length_bias(pairs([3.0, 3.2, 2.8]), "multi-turn", [0, 1, 2])
+    assert "wrong answers end 3.00 tokens longer than token_mean's" in clear[0] and "beyond twice" in clear[0], clear
+    noisy = report.length_bias(pairs([3.0, -2.0, 0.5]), "multi-turn", [0, 1, 2])
+    assert "no difference beyond the seeds' spread" in noisy[0] and "does not show the bias" in noisy[0], noisy
+    assert "one seed: no spread" in report.length_bias(pairs([1.0]), "multi-turn", [0])[0]
+    assert report.fmt(report.spread([math.nan])) == "n/a" and report.fmt(report.spread([1.0])) == "1.00"
+    assert report.family("no_such_mode") == "other" and report.family("max_length") == "constant divisor"
+    assert report.family("session_mean") == "sample-normalised" and report.family("prompt_mean") == "token-normalised"
+    assert report._split_text([{"split": None}]) == ("not checked", False)
+    assert report._session_note({}, [0]).startswith("Sessions: run sample_mean and a session mode")
+    text, ok = report.summarise(
+        [{**run("sample_mean", 0, 4.0), "split": None, "history": {k: [1.0] * 5 for k in ("reward", "wrong_length", "right_length", "turns")}}],
+        SimpleNamespace(steps=5, prompts_per_step=2, n_samples_per_prompt=2, micro_batches=1),
+    )
+    assert not ok and "not checked" in text
 
 
 def test_the_session_modes_differ_from_sample_mean_on_the_multi_turn_task(short_demo):
