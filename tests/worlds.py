@@ -10,6 +10,7 @@ show that nothing a rank inherits by fork decides a test: the same results and c
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
 import torch.multiprocessing as mp
@@ -62,12 +63,17 @@ TIMEOUT = float(os.environ.get("LOSSAGG_WORLD_TIMEOUT", "600"))
 
 
 def start(worker, args: tuple, nprocs: int, *, fresh: bool = False, timeout: float | None = None) -> None:
-    """``worker(rank, *args)`` on ``nprocs`` processes, forked (spawned when ``fresh`` or where fork is missing),
+    """``worker(rank, *args)`` on ``nprocs`` processes, forked on Linux (spawned when ``fresh``, elsewhere, or once
+    this process has initialised CUDA),
     waited for; a rank's exception is raised here (torch.multiprocessing's ProcessRaisedException), and a world
     still running after ``timeout`` seconds (default :data:`TIMEOUT`) is killed and fails the test."""
     import time
 
-    method = "spawn" if fresh or not hasattr(os, "fork") or os.environ.get("LOSSAGG_WORLDS") == "spawn" else "fork"
+    import torch
+
+    # a process that has initialised CUDA cannot hand it to a forked child: spawn there (a GPU machine's suite)
+    forkable = hasattr(os, "fork") and sys.platform.startswith("linux") and not torch.cuda.is_initialized()
+    method = "fork" if forkable and not fresh and os.environ.get("LOSSAGG_WORLDS") != "spawn" else "spawn"
     context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method=method)
     deadline = time.monotonic() + (TIMEOUT if timeout is None else timeout)
     while not context.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):

@@ -179,7 +179,8 @@ def run_all(runs, args) -> list[dict]:
         for job in jobs:
             finished(_run(job))
     else:
-        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+        # forked on Linux (the runs inherit the imports); spawned elsewhere, where fork under torch is unsafe
+        method = "fork" if sys.platform.startswith("linux") else "spawn"
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method)) as pool:
             for result in pool.map(_run, jobs):
                 finished(result)
