@@ -156,6 +156,8 @@ def test_demo_rejects_zero_steps(tmp_path, steps):
         (["--micro-batches", "-1"], "--micro-batches must be >= 1"),
         (["--lr", "nan"], "--lr must be a finite number > 0"),
         (["--out", "/proc/lossagg-cannot-write-here"], "is not a writable folder"),
+        (["--seeds", "0"], "--seeds must be >= 1"),
+        (["--modes", "session_mean", "--tasks", "single-turn"], "nothing to run: --modes session_mean are session modes"),
     ],
 )
 def test_demo_refuses_bad_options_cleanly(tmp_path, capsys, flags, message):

@@ -99,6 +99,13 @@ def run_demo(args) -> int:
         return 2
     started = time.perf_counter()
     runs = planned_runs(args)
+    if not runs:
+        print(
+            f"lossagg demo: nothing to run: --modes {' '.join(args.modes)} are session modes, which run on the multi-turn task only "
+            f"(--tasks {' '.join(args.tasks)}; on the single-turn task each is its sample mode)",
+            file=sys.stderr,
+        )
+        return 2
     results = run_all(runs, args)
     summary, ok = summarise(results, args)
     print(summary)
