@@ -399,6 +399,11 @@ class DeferredPlan(Plan):
         estimate = ",".join(f"{k}={v!r}" for k, v in sorted(self._estimate_read.items()))
         return f"terms={','.join(t.name for t in self._terms)}|metrics={','.join(self.ledger.declared)}|estimate={estimate}"
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run (its result is then what a second call returns)."""
+        return self._closed is not None
+
     def close(self) -> DeferredStep:
         """After the last micro-batch: the step totals of the final masks (one sum all-reduce over the
         process group, plus one max all-reduce for a mode with a maximum; the logged values ride in

@@ -138,6 +138,14 @@ BUGS = (
         ("tests/test_miles_train.py",),
     ),
     Bug(
+        "miles",
+        "miles' kept-token steps never rescaled after the last micro-batch",
+        "lossagg/integrations/miles.py",
+        "        done.apply_(chunk)",
+        "        pass",
+        ("tests/test_miles_train.py",),
+    ),
+    Bug(
         "slime",
         "slime's outer divisor off by the DP size",
         "lossagg/integrations/slime.py",

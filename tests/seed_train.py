@@ -99,10 +99,17 @@ def caller(depth: int = 2) -> str:
     return sys._getframe(depth).f_code.co_filename.replace(os.sep, "/")
 
 
+#: Responses of these lengths the test's rejection sampling drops whole (a sample left with no kept token).
+REJECTED_WHOLE = (5, 9)
+
+
 def rejected(response_length: int) -> torch.Tensor:
-    """The tokens the test's rejection sampling drops: every third of the response."""
+    """The tokens the test's rejection sampling drops: every third of the response, and the whole response
+    when its length is one of :data:`REJECTED_WHOLE`."""
     out = torch.zeros(response_length, dtype=torch.bool)
     out[::3] = True
+    if response_length in REJECTED_WHOLE:
+        out[:] = True
     return out
 
 
@@ -197,7 +204,7 @@ class Scheduler:
         return param_group["lr"]
 
 
-def check_launches(got: dict, refused: dict[str, list[str]], plain_name: str, trainer: str) -> None:
+def check_launches(got: dict, refused: dict[str, list[str]], plain_name: str, trainer: str, adapter_flags: tuple[str, ...] = ()) -> None:
     """What a trainer's own parse_args made of the launches (``got``: name -> ("args", pickled Namespace, stderr)
     or ("exit", status, stderr)): each of ``refused`` ends with exit status 2 and one ``error:`` line naming
     every needle, never a traceback; with no lossagg flag the launch is the trainer's own (``plain_name``),
@@ -212,6 +219,7 @@ def check_launches(got: dict, refused: dict[str, list[str]], plain_name: str, tr
         assert "Traceback" not in stderr, f"{name}: a traceback on the launch: {stderr[-2000:]}"
     plain, through = (pickle.loads(got[k][1]) for k in (plain_name, "no_flag_through_lossagg"))
     own = {"loss_aggregation", "loss_aggregation_divisor", "loss_aggregation_empty_samples", "loss_aggregation_config", "loss_aggregation_term"}
+    own |= set(adapter_flags)  # the adapter's own flags (miles: loss_aggregation_tis_denominators)
     assert set(vars(through)) - set(vars(plain)) == own
     differ = {k for k in vars(plain) if vars(plain)[k] != vars(through)[k]}
     assert not differ, f"with no lossagg flag the launch must be {trainer}'s own, attribute for attribute; differ: {sorted(differ)}"

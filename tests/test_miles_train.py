@@ -66,6 +66,7 @@ ENTROPY_COEF, KL_COEF = 0.1, 0.05
 #: entropy and KL on (miles checks that --ref-load exists when KL is on; the reference log-probs come with the rollout)
 TERMS = ["--entropy-coef", str(ENTROPY_COEF), "--use-kl-loss", "--kl-loss-coef", str(KL_COEF), "--kl-loss-type", "k2"]
 TERMS += ["--ref-load", os.path.dirname(os.path.abspath(__file__))]
+KEPT = ["--loss-aggregation-tis-denominators", "kept"]
 TIS_RS = ["--use-tis", "--tis-clip", "1.3", "--tis-clip-low", "0.8", "--custom-tis-function-path", "seed_train.rejecting_tis_function"]
 
 BASE_ARGV = [
@@ -106,6 +107,13 @@ CASES = {
     "token_mean_entropy": (["--loss-aggregation", "token_mean", "--entropy-coef", str(ENTROPY_COEF)], {"mode": "token_mean"}),
     "prompt_mean_tis_rs": (["--loss-aggregation", "prompt_mean", *TIS_RS], {"mode": "prompt_mean"}),
     "prompt_mean_tis_rs_terms": (["--loss-aggregation", "prompt_mean", *TERMS, *TIS_RS], {"mode": "prompt_mean"}),
+    # --loss-aggregation-tis-denominators kept: every term's d[i] of the kept tokens (a DeferredPlan, rescaled after the step)
+    "token_mean_tis_kept_terms": (["--loss-aggregation", "token_mean", *TERMS, *TIS_RS, *KEPT], {"mode": "token_mean", "kept": True}),
+    "sample_mean_skip_tis_kept_terms": (
+        ["--loss-aggregation", "sample_mean", "--loss-aggregation-empty-samples", "skip", *TERMS, *TIS_RS, *KEPT],
+        {"mode": "sample_mean", "empty_samples": "skip", "kept": True},
+    ),
+    "max_length_tis_kept": (["--loss-aggregation", "max_length", *TIS_RS, *KEPT], {"mode": "max_length", "kept": True}),
     "prompt_mean_terms": (
         ["--loss-aggregation", "prompt_mean", *TERMS]
         + ["--loss-aggregation-term", f"entropy:{-ENTROPY_COEF}:token_mean", "--loss-aggregation-term", f"kl:{KL_COEF}:max_length"],
@@ -263,14 +271,17 @@ def reference_grads(case_config, samples, step, args):
 
     groups = torch.unique(torch.tensor([s["index"] // N_PER_PROMPT for s in chosen]), return_inverse=True)[1]
     term_modes = {}
+    kept = bool(case_config and case_config.get("kept"))
     if case_config is None:
         j = miles_default(values)
     else:
-        settings = {k: v for k, v in case_config.items() if k != "terms"}
+        settings = {k: v for k, v in case_config.items() if k not in ("terms", "kept")}
         config = lossagg.LossAggregationConfig(n_samples_per_prompt=N_PER_PROMPT, **settings)
         term_modes = {k: case_config.get("terms", {}).get(k, default_term_mode(config.mode)) for k in terms}
         if tis is None:
             j = reference_loss(config, values, mask, cu, groups)
+        elif kept:  # the kept tokens in the numerator and in every count of d[i]
+            j = reference_loss(config, values, torch.cat(kept_mod), cu, groups)
         else:  # the modified mask in the numerator, d[i] from the rollout mask (docs/trainers/miles.md, TIS/RS)
             j = reference_loss(config, values, torch.cat(kept_mod), cu, groups, rollout_mask=mask)
     coefficients = {"entropy": -float(args.entropy_coef), "kl": float(args.kl_loss_coef) if args.use_kl_loss else 0.0}
@@ -279,6 +290,10 @@ def reference_grads(case_config, samples, step, args):
             continue
         if case_config is None:
             j = j + coef * miles_default(terms[k])
+        elif kept:  # miles' rebuilt reducer, rescaled with the step: the kept tokens' token_mean (per-token path) or sample_mean
+            rebuilt = "token_mean" if per_token else "sample_mean"
+            term_config = lossagg.LossAggregationConfig(n_samples_per_prompt=N_PER_PROMPT, mode=rebuilt, empty_samples=config.empty_samples)
+            j = j + coef * reference_loss(term_config, terms[k], torch.cat(kept_mod), cu, groups)
         elif tis is not None:  # miles' rebuilt reducer: each sample's mean over its kept tokens, sample_mean with M[i] the kept tokens
             j = j + coef * miles_default(terms[k], torch.cat(kept_mod))
         else:
@@ -401,6 +416,12 @@ CHECK_LAUNCHES = {
     "term_coefficient": (True, LAUNCH + ["--loss-aggregation", "prompt_mean", *TERMS, "--loss-aggregation-term", "kl:0.5:token_mean"]),
     "terms_under_tis": (True, LAUNCH + ["--loss-aggregation", "prompt_mean", *TERMS, *TIS_RS, "--loss-aggregation-term", "kl:0.05"]),
     "token_mean_tis_entropy": (True, LAUNCH + ["--loss-aggregation", "token_mean", "--entropy-coef", "0.1", *TIS_RS]),
+    "kept_alone": (True, LAUNCH + KEPT),
+    "kept_without_tis": (True, LAUNCH + ["--loss-aggregation", "token_mean", *KEPT]),
+    "kept_prompt_mean": (True, LAUNCH + ["--loss-aggregation", "prompt_mean", *TIS_RS, *KEPT]),
+    "kept_max_length_entropy": (True, LAUNCH + ["--loss-aggregation", "max_length", "--entropy-coef", "0.1", *TIS_RS, *KEPT]),
+    "kept_recompute": (True, LAUNCH + ["--loss-aggregation", "token_mean", *TIS_RS, *KEPT, "--recompute-loss-function"]),
+    "kept_token_mean_terms": (True, LAUNCH + ["--loss-aggregation", "token_mean", *TERMS, *TIS_RS, *KEPT]),
 }
 
 
@@ -414,8 +435,15 @@ def test_launch_checks_through_miles_parse_args(parsed_launches):
         "constant_without_divisor": ["--loss-aggregation-divisor", "mode=constant"],
         "term_coefficient": ["--loss-aggregation-term", "'kl'", "0.5", "--kl-loss-coef"],
         "terms_under_tis": ["--use-tis", "kl"],
+        "kept_alone": ["--loss-aggregation-tis-denominators kept", "without --loss-aggregation"],
+        "kept_without_tis": ["--loss-aggregation-tis-denominators kept", "without --use-tis"],
+        "kept_prompt_mean": ["--loss-aggregation-tis-denominators kept", "mode=prompt_mean", "prompt group", "DP ranks"],
+        "kept_max_length_entropy": ["--loss-aggregation-tis-denominators kept", "--use-tis", "'entropy'", "same step-level factors"],
+        "kept_recompute": ["--loss-aggregation-tis-denominators kept", "--recompute-loss-function"],
     }
-    check_launches(got, refused, "no_flag_miles", "miles")
+    check_launches(got, refused, "no_flag_miles", "miles", ("loss_aggregation_tis_denominators",))
+    kept = pickle.loads(got["kept_token_mean_terms"][1])  # served: entropy and KL on the per-token path under TIS
+    assert kept.loss_aggregation_tis_denominators == "kept" and kept.loss_type == "custom_loss"
     token = pickle.loads(got["token_mean"][1])
     assert token.calculate_per_token_loss is True and token.loss_type == "custom_loss"
     assert token.custom_pg_loss_reducer_function_path == "lossagg.integrations.miles.pg_loss_reducer"

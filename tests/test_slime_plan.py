@@ -118,13 +118,14 @@ def test_configure_checks_the_terms_against_slimes_policy_loss():
         "'nll'": slime_args(loss_aggregation_term=["nll:1"]),
         "rebuild its reducer": slime_args(loss_aggregation_term=["entropy:-0.01"], entropy_coef=0.01, use_tis=True),
         "--advantage-estimator ppo": slime_args(advantage_estimator="ppo"),
-        "--allgather-cp": slime_args(allgather_cp=True),
         "--loss-type sft_loss": slime_args(loss_type="sft_loss"),
     }
     for needle, bad in refusals.items():
         with pytest.raises(ConfigError, match=needle):
             adapter.configure(bad)
         assert getattr(bad, "lossagg_config", None) is None  # nothing wired
+    # --allgather-cp: slime hands the loss the zigzag layout either way (tests/test_slime_train.py trains under it)
+    assert adapter.configure(slime_args("prompt_mean", allgather_cp=True)).mode == "prompt_mean"
     # a custom loss reduces its own terms through reducer.term(name): no names checked
     custom = slime_args(loss_type="custom_loss", custom_loss_function_path="my.loss", loss_aggregation_term=["aux:0.5"])
     assert adapter.configure(custom).terms["aux"].coefficient == 0.5 and custom.lossagg_inner_loss == "my.loss"

@@ -143,6 +143,14 @@ CASES = {
         {"mode": "prompt_session_mean", "empty_samples": "skip"},
         {"kl": "prompt_session_token_mean"},
     ),
+    # --allgather-cp (contiguous CP chunks for the model; slime redistributes log-probs and entropy to zigzag shards)
+    "prompt_mean_terms_allgather": (
+        ["--loss-aggregation", "prompt_mean", *TERMS]
+        + ["--loss-aggregation-term", f"entropy:{-ENTROPY_COEF}:token_mean", "--loss-aggregation-term", f"kl:{KL_COEF}:max_length"],
+        {"mode": "prompt_mean"},
+        {"entropy": "token_mean", "kl": "max_length"},
+    ),
+    "token_mean_default_terms_allgather": (["--loss-aggregation", "token_mean", *TERMS], {"mode": "token_mean"}, {}),
     "prompt_mean_dynamic": (
         ["--loss-aggregation", "prompt_mean", *TERMS, "--loss-aggregation-term", f"kl:{KL_COEF}:token_mean"]
         + ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "14"],
@@ -446,12 +454,21 @@ def worker(rank, world, layouts, launches_path, init_file, results_dir):
 
         register_throwaway()  # the registry is per process: the launch's mode, in every rank
         used = install_stand_ins()
+        import slime.backends.megatron_utils.loss as slime_loss
         from megatron.core import parallel_state as mpu
         from megatron.training.global_vars import set_args
         from slime.backends.megatron_utils import model as slime_model
         from slime.backends.megatron_utils.data import get_data_iterator
         from slime.utils.misc import load_function
 
+        redistribute = slime_loss._allgather_cp_redistribute
+
+        def counted_redistribute(*args, **kwargs):  # the allgather-CP layout's own step, counted
+            used["allgather"] += 1
+            return redistribute(*args, **kwargs)
+
+        used["allgather"] = 0
+        slime_loss._allgather_cp_redistribute = counted_redistribute
         launches = pickle.loads(open(launches_path, "rb").read())
         samples = make_rollout()
         for cp in layouts:
@@ -463,6 +480,8 @@ def worker(rank, world, layouts, launches_path, init_file, results_dir):
                 args.world_size, args.rank = world, rank
                 args.context_parallel_size, args.data_parallel_size = cp, dp
                 args.bf16 = False
+                # slime's parse_args refuses --allgather-cp with CP > 1 for its non-DSA models; its train step runs it for any
+                args.allgather_cp = name.endswith("_allgather")
                 set_args(args)
                 module, model = toy_ddp_model(args, cp, torch.float32)  # slime asserts float32 logits
                 optimizer = RecordingOptimizer(module)
@@ -492,7 +511,7 @@ def worker(rank, world, layouts, launches_path, init_file, results_dir):
                         if not err > 100 * TOLERANCE:
                             failures.append(f"dp={dp} cp={cp} step={step}: slime's default reference matches {name}'s gradient ({err:.3g})")
             mpu.destroy_model_parallel()
-        if not used["current_device"] or not used["zeros"] or not used["accelerator"]:
+        if not used["current_device"] or not used["zeros"] or not used["accelerator"] or (max(layouts) > 1 and not used["allgather"]):
             failures.append(f"rank {rank}: a stand-in was never used ({used}); the test no longer exercises what it says")
     except Exception as exc:  # reported by the parent with the rank
         failures.append(crashed(f"rank {rank}", exc))

@@ -15,7 +15,9 @@ from importlib import import_module
 import torch
 
 from lossagg.config import ConfigError, LossAggregationConfig
+from lossagg.deferred import DeferredPlan, DeferredStep
 from lossagg.integrations import seed, session_refusal
+from lossagg.modes import MODES
 from lossagg.step import StepPlan
 
 MILES_VERSION = "0.0.2"  # the miles-rl release this adapter was read against and is tested with
@@ -35,7 +37,10 @@ REBUILT = "each sample by its kept tokens, the modified mask's sum"
 
 # ----------------------------------------------------------------------- launch
 # parse_args (in place of miles's own), add_arguments (lossagg's flags) and config_of (a parsed launch's config)
-parse_args, add_arguments, config_of = seed.Launch("miles", "miles.utils.arguments").functions(lambda args: configure(args))
+parse_args, add_arguments, config_of = seed.Launch("miles", "miles.utils.arguments", extra=(seed.DENOMS_FLAG,)).functions(
+    lambda args: configure(args)
+)
+TIS_FLAGS = (("--use-tis", "use_tis"), ("--get-mismatch-metrics", "get_mismatch_metrics"))
 
 
 def configure(args) -> LossAggregationConfig | None:
@@ -43,9 +48,17 @@ def configure(args) -> LossAggregationConfig | None:
     config, or None (nothing wired) without a lossagg flag. What is refused, by flag and value, and why:
     docs/trainers/miles.md ("Refused"), the same table the tests derive from these checks."""
     config = config_of(args)
+    denoms = getattr(args, seed.dest(seed.DENOMS_FLAG), None)
     if config is None:
+        if denoms is not None:
+            raise ConfigError(
+                [(seed.DENOMS_FLAG, f"{seed.DENOMS_FLAG} {denoms} without --loss-aggregation: name the mode it is for")], "command line"
+            )
         return None
-    inner, issues = seed.loss_issues(args, config, HOOKS, f"miles-rl {MILES_VERSION}", REBUILT)
+    kept = denoms == "kept"
+    inner, issues = seed.loss_issues(args, config, HOOKS, f"miles-rl {MILES_VERSION}", REBUILT, kept=kept)
+    if kept:
+        issues += kept_issues(args, config)
     refused = session_refusal(
         config,
         f"miles-rl {MILES_VERSION}'s step hook",
@@ -58,6 +71,67 @@ def configure(args) -> LossAggregationConfig | None:
         raise ConfigError(issues, "command line")
     seed.wire(args, config, HOOKS, inner, "custom_megatron_before_train_step_hook_path", "lossagg_user_before_train_step_hook_path")
     return config
+
+
+def tis_flag(args) -> str | None:
+    """The flag that makes miles run its TIS function inside the policy loss (``--use-tis``, ``--get-mismatch-metrics``), or None."""
+    return next((flag for flag, name in TIS_FLAGS if getattr(args, name, False)), None)
+
+
+def rebuilt_terms(args, config: LossAggregationConfig) -> dict[str, dict]:
+    """Under TIS, the terms miles' rebuilt reducer reduces (entropy when its coefficient is not 0, KL under
+    ``--use-kl-loss``) as lossagg terms: each sample's mean over its kept tokens (sample_mean), or on the
+    per-token path their sum, which Megatron divides by the step's reported tokens (token_mean once the step is
+    rescaled to the kept tokens' count)."""
+    mode = "token_mean" if config.calculate_per_token_loss else "sample_mean"
+    terms = {}
+    if getattr(args, "entropy_coef", 0.0):
+        terms["entropy"] = {"mode": mode, "coefficient": -float(args.entropy_coef)}
+    if getattr(args, "use_kl_loss", False):
+        terms["kl"] = {"mode": mode, "coefficient": float(getattr(args, "kl_loss_coef", 0.0))}
+    return terms
+
+
+def kept_issues(args, config: LossAggregationConfig) -> list[tuple[str, str]]:
+    """``--loss-aggregation-tis-denominators kept``: every term's d[i] of the kept tokens (TIS/RS's modified masks),
+    served by a :class:`lossagg.DeferredPlan` of pg_loss whose rescale after the step also makes miles' rebuilt reducer
+    (entropy, KL) the kept tokens' sample_mean or token_mean: the refusals, each with its reason."""
+    flag = seed.DENOMS_FLAG
+    tis = tis_flag(args)
+    if tis is None:
+        return [
+            (
+                flag,
+                f"{flag} kept: without --use-tis or --get-mismatch-metrics no filter runs inside miles' loss, so the kept tokens are the rollout's",
+            )
+        ]
+    if getattr(args, "recompute_loss_function", False):
+        return [
+            (
+                flag,
+                f"{flag} kept with --recompute-loss-function: miles then runs the loss twice per micro-batch (its forward again in the "
+                "backward), while the step's DeferredPlan records each micro-batch's kept tokens once: drop --recompute-loss-function",
+            )
+        ]
+    spec = MODES[config.mode]
+    if spec.needs_groups or spec.needs_sessions:
+        what = "prompt group" if spec.needs_groups else "session"
+        return [
+            (
+                flag,
+                f"{flag} kept with mode={config.mode}: a DeferredPlan reads each {what}'s kept tokens when its micro-batch runs, while miles "
+                f"deals a step's samples to the DP ranks one by one (a {what} spans ranks): use {flag} rollout",
+            )
+        ]
+    terms = rebuilt_terms(args, config)
+    if not terms:
+        return []
+    settings = {**config.model_dump(exclude_unset=True, mode="json"), "terms": terms}
+    try:
+        DeferredPlan(LossAggregationConfig.from_dict(settings), 1)
+    except ValueError as exc:  # the terms' step-level factors differ from pg_loss's: one rescale cannot serve both
+        return [(flag, f"{flag} kept with {tis} and entropy or KL on, which miles reduces on its rebuilt reducer ({REBUILT}): {exc}")]
+    return []
 
 
 def _trainer_frame():
@@ -144,8 +218,80 @@ def plan_step(args, data_iterator, num_microbatches: int, *, parallel_state=None
     per_token = bool(args.calculate_per_token_loss)
     # miles' outer divisor (module docstring): the step's reported tokens Σ max(M[i], 1) on the per-token path, else its samples
     scale = int(counts.clamp(min=1).sum()) if per_token else gbs
-    _STEP = seed.PlannedSamples(masks, [0] * n_local, list(range(rows.start, rows.stop)), [plan], [scale], per_token, HOOK, trainer)
+    deferred = None
+    if getattr(args, seed.dest(seed.DENOMS_FLAG), None) == "kept" and tis_flag(args):
+        deferred = _deferred_plan(config, plan, n_local, scale, per_token, parallel_state)
+    _STEP = seed.PlannedSamples(
+        masks, [0] * n_local, list(range(rows.start, rows.stop)), [plan], [scale], per_token, HOOK, trainer, deferred=[deferred]
+    )
     return _STEP
+
+
+def _deferred_plan(config: LossAggregationConfig, rollout: StepPlan, n_local: int, scale: int, per_token: bool, parallel_state) -> DeferredPlan:
+    """The step's :class:`lossagg.DeferredPlan` of pg_loss over the kept tokens. Until the final counts are known its
+    step-level totals are the rollout's, except the one miles itself divides by (``scale``): the reported tokens
+    Σ max(M[i], 1) on the per-token path, else the step's samples. With those, the rescale after the step
+    (:func:`finish_step`) turns miles' rebuilt reducer (entropy, KL) into the kept tokens' token_mean or sample_mean."""
+    estimate = dict(rollout.totals)
+    if per_token:
+        estimate["total_tokens"] = scale
+    else:
+        for name in ("num_samples", "num_nonempty_samples"):
+            estimate[name] = scale
+    dp, cp = parallel_state.intra_dp, parallel_state.cp
+    return DeferredPlan(
+        config,
+        n_local,
+        process_group=dp.group if dp.size > 1 else None,
+        cp_group=cp.group if cp.size > 1 else None,
+        estimate=estimate,
+    )
+
+
+_FINISHED: DeferredStep | None = None
+
+
+def finished_step() -> DeferredStep | None:
+    """What the last step whose d[i] came from the kept tokens found when it closed (its rescale, totals and J), or None."""
+    return _FINISHED
+
+
+def finish_step(model) -> DeferredStep | None:
+    """Close the current step's DeferredPlan (one all-reduce of its kept tokens' totals over the DP group, after one over
+    the CP group) and rescale the model chunks' gradients (Megatron's ``scale_gradients``) by ``G_used / G``; None
+    when the step has none or it is closed already. lossagg's step hook makes the model config's
+    ``finalize_model_grads_func`` call it after miles' own: after the DP reduction and the per-token division,
+    before clipping and the optimizer's step."""
+    global _FINISHED
+    plan = None if _STEP is None else _STEP.deferred[0]
+    if plan is None or plan.closed:
+        return None
+    done = plan.close()
+    for chunk in model if isinstance(model, (list, tuple)) else [model]:
+        done.apply_(chunk)
+    _FINISHED = done
+    return done
+
+
+def _rescaling(finalize):
+    """``finalize`` (the model config's ``finalize_model_grads_func``, miles' own), then :func:`finish_step`."""
+
+    def finalize_then_rescale(model, *args, **kwargs):
+        out = None if finalize is None else finalize(model, *args, **kwargs)
+        finish_step(model)
+        return out
+
+    finalize_then_rescale.lossagg_wraps = finalize
+    return finalize_then_rescale
+
+
+def _wire_rescale(model) -> None:
+    """Make the model config's ``finalize_model_grads_func`` close the step's DeferredPlan (miles' train() sets the
+    function each rollout; it is wrapped once per setting)."""
+    chunk = model[0] if isinstance(model, (list, tuple)) else model
+    config = import_module("megatron.core.utils").get_model_config(chunk)
+    if not hasattr(config.finalize_model_grads_func, "lossagg_wraps"):
+        config.finalize_model_grads_func = _rescaling(config.finalize_model_grads_func)
 
 
 def before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_scheduler):
@@ -155,7 +301,9 @@ def before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_sch
         local = _trainer_frame().f_locals
         if local.get("step_id") != step_id:
             raise RuntimeError(f"lossagg: train_one_step runs step {local.get('step_id')!r}, the hook was called for step {step_id!r}")
-        plan_step(args, local["data_iterator"], int(local["num_microbatches"]))
+        step = plan_step(args, local["data_iterator"], int(local["num_microbatches"]))
+        if step.deferred[0] is not None:
+            _wire_rescale(model)
     user = getattr(args, "lossagg_user_before_train_step_hook_path", None)
     if user:
         seed.load(user)(args, rollout_id, step_id, model, optimizer, opt_param_scheduler)

@@ -29,11 +29,16 @@ import torch
 
 from lossagg.config import ConfigError, LossAggregationConfig, config_from_args
 from lossagg.config.flags import FLAGS
+from lossagg.deferred import DeferredPlan
 from lossagg.modes import MODES, default_term_mode
 from lossagg.step import StepPlan
 
 #: lossagg's own flag beside ``lossagg.config.FLAGS``.
 CONFIG_FLAG = "--loss-aggregation-config"
+#: Under TIS/RS (miles): whether ``d[i]`` comes from the rollout masks (numerator only) or from the kept tokens.
+DENOMS_FLAG = "--loss-aggregation-tis-denominators"
+#: Its values: the rollout masks' (the seed's convention, the default) or the kept tokens' (a DeferredPlan).
+DENOMS = ("rollout", "kept")
 #: The term flag (``NAME:COEFFICIENT[:MODE[:DIVISOR]]``, docs/terms.md).
 TERM_FLAG = "--loss-aggregation-term"
 #: The flags that switch lossagg on (any one of them given), without the term flag.
@@ -84,6 +89,15 @@ def add_arguments(parser: argparse.ArgumentParser, trainer: str, flags: Sequence
             metavar="FILE",
             help="a lossagg config file (JSON, YAML or TOML; docs/config.md) in place of the --loss-aggregation* flags",
         )
+    if DENOMS_FLAG in flags and DENOMS_FLAG not in existing:
+        group.add_argument(
+            DENOMS_FLAG,
+            dest=dest(DENOMS_FLAG),
+            default=None,
+            choices=DENOMS,
+            help="under --use-tis / --get-mismatch-metrics: d[i] of the rollout masks (numerator only; the default) or of the kept "
+            "tokens (numerator and denominators, as the trainer's own rebuilt reducer; the gradient rescaled after the step)",
+        )
     return parser
 
 
@@ -116,12 +130,13 @@ class Launch:
     """A seed trainer's launch (its ``parse_args(add_custom_arguments=...)`` in module ``parser_module``):
     lossagg's flags on its parser, its ``parse_args`` with them, and the config of a parsed launch."""
 
-    def __init__(self, trainer: str, parser_module: str):
+    def __init__(self, trainer: str, parser_module: str, extra: Sequence[str] = ()):
         self.trainer, self.parser_module = trainer, parser_module
+        self.extra = tuple(extra)  # the adapter's own flags (:data:`DENOMS_FLAG`), read by its configure, not switches
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """lossagg's flags, for the trainer's ``parse_args(add_custom_arguments=...)`` (:func:`add_arguments`)."""
-        return add_arguments(parser, self.trainer, LAUNCH_FLAGS)
+        return add_arguments(parser, self.trainer, (*LAUNCH_FLAGS, *self.extra))
 
     def config_of(self, args) -> LossAggregationConfig | None:
         """The lossagg config of a parsed launch (None without a lossagg flag): the checks that read only the
@@ -230,11 +245,13 @@ def config_of(args, trainer: str, flags: Sequence[str]) -> LossAggregationConfig
         raise ConfigError([(p, m + derived_note(args, trainer) if p == "--global-batch-size" else m) for p, m in exc.issues], exc.source) from None
 
 
-def term_issues(args, config: LossAggregationConfig, inner: str, trainer: str, rebuilt: str) -> list[tuple[str, str]]:
+def term_issues(args, config: LossAggregationConfig, inner: str, trainer: str, rebuilt: str, *, kept: bool | None = None) -> list[tuple[str, str]]:
     """The config's terms against the loss the trainer runs (``inner``: ``"policy_loss"`` or a custom loss's
     path): names of the terms of its policy loss, with its coefficients; under TIS (where the trainer
     rebuilds its reducer inside, ``rebuilt`` saying with which denominators) no term of the config, and
-    entropy or KL only where that rebuilt reducer is lossagg's default one."""
+    entropy or KL only where that rebuilt reducer is lossagg's default one. ``kept``: None where the
+    trainer's adapter has no :data:`DENOMS_FLAG`; True where the launch asked for the kept tokens'
+    denominators (the adapter then checks entropy and KL against its deferred plan itself)."""
     issues: list[tuple[str, str]] = []
     if inner != "policy_loss":
         return issues  # a custom loss reduces its terms through reducer.term(name): they are its own
@@ -243,19 +260,20 @@ def term_issues(args, config: LossAggregationConfig, inner: str, trainer: str, r
     if tis and config.terms:
         why = f"{tis} makes {trainer} rebuild its reducer inside policy_loss_function (from the modified masks)"
         issues.append((tis, f"{why}, so entropy and KL no longer reach lossagg's: the config's terms ({', '.join(config.terms)}) cannot be served"))
-    elif tis and (getattr(args, "entropy_coef", 0.0) or getattr(args, "use_kl_loss", False)):
+    elif tis and not kept and (getattr(args, "entropy_coef", 0.0) or getattr(args, "use_kl_loss", False)):
         # the rebuilt reducer is lossagg's default one (sample_mean) only on the per-sample path, with every sample counted
         why = f"{tis} with entropy or KL on: {trainer} rebuilds their reducer inside policy_loss_function ({rebuilt})"
+        offer = "" if kept is None else f", or {DENOMS_FLAG} kept (every term's d[i] of the kept tokens, as that rebuilt reducer's)"
         if config.calculate_per_token_loss or default_term_mode(config.mode) != "sample_mean":
             issues.append(
                 (
                     tis,
                     f"{why}; on the per-token path it divides by Σ max(M[i], 1), not the step's loss tokens token_mean divides by: "
-                    f"drop the terms or {tis}",
+                    f"drop the terms or {tis}{offer}",
                 )
             )
         elif config.empty_samples == "skip":
-            issues.append(("--loss-aggregation-empty-samples", f"{why}, which counts every sample in N (empty_samples=count), not skip"))
+            issues.append(("--loss-aggregation-empty-samples", f"{why}, which counts every sample in N (empty_samples=count), not skip{offer}"))
     where = CONFIG_FLAG if flag_given(args, CONFIG_FLAG) else TERM_FLAG  # where the launch's terms came from
     for name, term in config.terms.items():
         if name not in TERMS:
@@ -284,7 +302,9 @@ def term_issues(args, config: LossAggregationConfig, inner: str, trainer: str, r
     return issues
 
 
-def loss_issues(args, config: LossAggregationConfig, hooks: dict[str, str], trainer: str, rebuilt: str) -> tuple[str | None, list[tuple[str, str]]]:
+def loss_issues(
+    args, config: LossAggregationConfig, hooks: dict[str, str], trainer: str, rebuilt: str, *, kept: bool | None = None
+) -> tuple[str | None, list[tuple[str, str]]]:
     """The checks both trainers' ``configure`` make of the loss: the loss lossagg wraps (``"policy_loss"``,
     or a custom loss's path; None on a refused ``--loss-type``), a pg_loss reducer already set, a
     ``weighting``, and the config's terms (:func:`term_issues`). Returns (the wrapped loss, the issues)."""
@@ -313,7 +333,7 @@ def loss_issues(args, config: LossAggregationConfig, hooks: dict[str, str], trai
                 )
             )
     if inner is not None:
-        issues += term_issues(args, config, inner, trainer, rebuilt)
+        issues += term_issues(args, config, inner, trainer, rebuilt, kept=kept)
     return inner, issues
 
 
@@ -432,9 +452,25 @@ class PlannedSamples:
     reductions are multiplied by (the trainer's outer divisor)."""
 
     def __init__(
-        self, masks, steps: Sequence[int], positions: Sequence[int], plans: Sequence[StepPlan], scales, per_token: bool, hook: str, trainer: str = ""
+        self,
+        masks,
+        steps: Sequence[int],
+        positions: Sequence[int],
+        plans: Sequence[StepPlan],
+        scales,
+        per_token: bool,
+        hook: str,
+        trainer: str = "",
+        deferred: Sequence[DeferredPlan | None] = (),
     ):
         self._by_mask = {id(m): (m, j) for j, m in enumerate(masks)}
+        #: each step's :class:`lossagg.DeferredPlan` of pg_loss when its d[i] come from the kept tokens (else None),
+        #: whose samples are this rank's, numbered from 0 in each step
+        self.deferred = list(deferred) or [None] * len(plans)
+        first: dict[int, int] = {}
+        for j, t in enumerate(steps):
+            first.setdefault(t, j)
+        self.local = [j - first[t] for j, t in enumerate(steps)]  # a sample's place among this rank's samples of its step
         self.trainer = trainer  # the package the trainer runs as (its modules are imported from it)
         self.steps, self.positions = list(steps), list(positions)
         self.plans, self.scales = list(plans), list(scales)
@@ -468,7 +504,9 @@ class PlannedSamples:
         """The reducer of the micro-batch whose samples hold ``loss_masks``: :class:`TermReducer` over its step's plan."""
         step, rows = self.find(loss_masks)
         positions = torch.tensor([self.positions[j] for j in rows], dtype=torch.int64)
-        return TermReducer(self.plans[step], self.metric_plans[step], positions, self.scales[step], layout, schedule, trainer)
+        deferred = self.deferred[step]
+        local = None if deferred is None else torch.tensor([self.local[j] for j in rows], dtype=torch.int64)
+        return TermReducer(self.plans[step], self.metric_plans[step], positions, self.scales[step], layout, schedule, trainer, deferred, local)
 
 
 class TermReducer:
@@ -486,8 +524,21 @@ class TermReducer:
     cu_seqlens of the micro-batch for some masks (the micro-batch's own when None).
     """
 
-    def __init__(self, plan: StepPlan, metric_plan: StepPlan, samples: torch.Tensor, scale, layout: Callable, schedule=(), trainer: str = ""):
+    def __init__(
+        self,
+        plan: StepPlan,
+        metric_plan: StepPlan,
+        samples: torch.Tensor,
+        scale,
+        layout: Callable,
+        schedule=(),
+        trainer: str = "",
+        deferred: DeferredPlan | None = None,
+        local_samples: torch.Tensor | None = None,
+    ):
         self.plan, self.metric_plan = plan, metric_plan
+        # pg_loss on the kept tokens' d[i]: its micro-batch recorded in the step's DeferredPlan (this rank's samples from 0)
+        self.deferred, self.local_samples = deferred, local_samples
         self.samples = samples
         self.scale = scale
         self._layout = layout
@@ -507,9 +558,27 @@ class TermReducer:
             self._own[id(plan)] = mb
         return mb
 
+    def _deferred_pg(self, loss_masks) -> Callable[[torch.Tensor], torch.Tensor]:
+        """pg_loss over the final (kept) masks on the step's DeferredPlan: this micro-batch's share of J before
+        the step's rescale (:meth:`lossagg.DeferredPlan.close`), times the trainer's outer divisor."""
+        plan = self.deferred
+        mask, cu_seqlens = self._layout(loss_masks)
+        mb = plan.micro_batch(self.local_samples, mask, cu_seqlens)
+        tokens = int(mb.cu_seqlens[-1])
+
+        def reduce_pg(x: torch.Tensor) -> torch.Tensor:
+            if x.dim() != 1 or x.shape[0] != tokens:
+                raise ValueError(f"lossagg: pg holds {tuple(x.shape)} values, this CP rank's response tokens of the micro-batch are {tokens}")
+            self.reduced.add("pg")
+            return plan.loss(x, mb) * self.scale
+
+        return reduce_pg
+
     def term(self, name: str, loss_masks=None) -> Callable[[torch.Tensor], torch.Tensor]:
         if name not in self.names and name != METRIC:
             raise KeyError(f"lossagg: no term {name!r} in the config; its terms: {', '.join(self.names)}")
+        if name == "pg" and self.deferred is not None:
+            return self._deferred_pg(loss_masks)
         plan = self.metric_plan if name == METRIC else self.plan
         mb = self._handle(plan, loss_masks)
         tokens = int(mb.cu_seqlens[-1])
@@ -628,6 +697,8 @@ __all__ = [
     "term_issues",
     "wire",
     "CONFIG_FLAG",
+    "DENOMS",
+    "DENOMS_FLAG",
     "SWITCHES",
     "TERM_FLAG",
     "TRAINER_FLAGS",

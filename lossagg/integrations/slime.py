@@ -32,14 +32,13 @@ LOSSAGG_FLAGS = seed.LAUNCH_FLAGS
 REFUSED = {
     "--advantage-estimator": (
         lambda args: getattr(args, "advantage_estimator", None) == "ppo",
-        "--advantage-estimator ppo trains a critic, whose value loss slime reduces in train_critic without calling "
-        f"{HOOK}, through which lossagg plans each step: use a critic-free estimator",
-    ),
-    "--allgather-cp": (
-        lambda args: getattr(args, "allgather_cp", False),
-        "--allgather-cp lays a micro-batch out over CP ranks other than the zigzag shards lossagg's reducer reads: drop it",
+        "--advantage-estimator ppo trains a critic in its own Ray actor group, which never calls "
+        f"{HOOK} (slime's train_critic) and whose loss slime forces to value_loss on its own reducer, so lossagg can "
+        "neither plan nor reduce the value loss: use a critic-free estimator",
     ),
 }
+# --allgather-cp is served as it is: slime hands the loss every per-token tensor in the zigzag layout either way
+# (get_log_probs_and_entropy redistributes the contiguous CP chunks to zigzag shards before the loss runs)
 #: What slime's rebuilt reducer (under TIS) divides by, for the refusals.
 REBUILT = "each training sample by its rollout's mask total, rollout_mask_sums"
 
