@@ -16,8 +16,8 @@ before it, and never in a circle (tests/test_import_graph.py checks both against
 4. native ops: _native, ops
 5. planning: layout, context_parallel, samples, denominators, micro_batch, ledger, step, deferred, one_pass, sequence, testing
 6. adapters: integrations, integrations.seed, integrations.verl_trainer, integrations.verl, integrations.megatron,
-   integrations.trl, integrations.miles, integrations.slime, integrations.skyrl,
-   integrations.openrlhf, integrations.areal
+   integrations.trl_checks, integrations.trl, integrations.miles, integrations.slime, integrations.skyrl,
+   integrations.openrlhf, integrations.areal, integrations.served
 7. front ends: demo.report, demo.train, demo, cli, __main__, lossagg
 """
 

@@ -3,7 +3,8 @@ nothing of their trainer (they reproduce its call signature and compute through 
 ``trl`` subclasses TRL's ``GRPOTrainer`` and so imports TRL; ``miles`` and ``slime`` plug into their
 trainer's own hooks and import it only inside them (at run time, in its processes); ``skyrl`` subclasses
 the SkyRL trainer class it is given; ``openrlhf`` turns the actor trainer OpenRLHF built into a subclass of its class;
-``areal`` subclasses the AReaL actor engine class it is given."""
+``areal`` subclasses the AReaL actor engine class it is given. ``trl_checks`` holds the TRL adapter's refusals
+(without TRL); ``served`` asks every adapter's checks what it serves (the table of docs/trainers/README.md)."""
 
 import os
 from collections.abc import Mapping

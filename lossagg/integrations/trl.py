@@ -83,7 +83,8 @@ except ImportError as exc:  # pragma: no cover - a TRL without GRPOTrainer, or o
     raise ImportError(f"lossagg.integrations.trl needs TRL with its GRPOTrainer (written against TRL 1.16): {exc}") from exc
 
 from lossagg.config import ConfigError, LossAggregationConfig
-from lossagg.integrations import session_refusal
+from lossagg.integrations.trl_checks import ENTROPY_MODE as ENTROPY_MODE  # this module's name for it, as before the checks moved
+from lossagg.integrations.trl_checks import REFUSAL, refusals
 from lossagg.modes import ALIASES, MODES, canonical_mode, divisor_for
 from lossagg.step import StepPlan, gradient_scale, scalar_share
 from lossagg.validate import as_int, weight_violation
@@ -120,9 +121,6 @@ _MODEL_INPUT_KEYS = (
 PLAN_KEY = "lossagg_plan"  # the optimizer step's StepPlan (every process's completions of the step), in each of its micro-batches
 SAMPLES_KEY = "lossagg_samples"  # the micro-batch's completions among the plan's samples (a slice)
 GROUP_KEY = "lossagg_group"  # each completion's prompt group, tagged before TRL shuffles the generation batch
-#: The entropy bonus's reducer when the config names none: TRL's documented objective subtracts the mean
-#: per-token entropy, which over the optimizer step (not each micro-batch, as TRL divides) is token_mean.
-ENTROPY_MODE = "token_mean"
 
 
 def config_for_loss_type(
@@ -218,60 +216,16 @@ class GRPOTrainer(_TRLGRPOTrainer):
             config = config_for_loss_type(
                 targs.loss_type, num_generations=self.num_generations, max_completion_length=targs.max_completion_length, empty_samples=empty_samples
             )
-        refused = []
-        entropy_term, kl_term = config.terms.get("entropy"), config.terms.get("kl")
-        other_terms = [name for name in config.terms if name not in ("entropy", "kl")]
-        if other_terms or config.weighting != "none":
-            what = [f"terms ({', '.join(other_terms)})"] if other_terms else []
-            what += [f"weighting={config.weighting}"] if config.weighting != "none" else []
-            refused.append(
-                f"loss_aggregation with {' and '.join(what)} (this trainer reduces TRL's per-token loss as one unweighted term, its "
-                "entropy bonus as the term 'entropy' and its KL penalty as the term 'kl')"
-            )
-        if kl_term is not None:
-            if self.beta == 0.0:
-                refused.append("loss_aggregation term 'kl' with GRPOConfig.beta=0 (TRL adds no KL term)")
-            elif float(kl_term.coefficient) != float(self.beta):
-                refused.append(
-                    f"loss_aggregation term 'kl' with coefficient {kl_term.coefficient}, where GRPOConfig.beta={self.beta} "
-                    "applies beta: make them agree"
-                )
-        if self._entropy_bonus_enabled:
-            # the entropy bonus is the term 'entropy', -entropy_coef times its J on its own mode (TRL's: each micro-batch's token mean)
-            if self.top_entropy_quantile < 1.0:
-                refused.append(
-                    f"entropy_coef with top_entropy_quantile={self.top_entropy_quantile} (the bonus's tokens are chosen inside the loss, so its "
-                    "step totals are known only after the forward; not served yet)"
-                )
-            if entropy_term is not None and float(entropy_term.coefficient) != -float(self.entropy_coef):
-                refused.append(
-                    f"loss_aggregation term 'entropy' with coefficient {entropy_term.coefficient}, where GRPOConfig.entropy_coef={self.entropy_coef} "
-                    "applies -entropy_coef: make them agree"
-                )
-            if entropy_term is None and not refused:
-                term = {"mode": ENTROPY_MODE, "coefficient": -float(self.entropy_coef)}
-                settings = config.model_dump(exclude_unset=True, mode="json")
-                config = LossAggregationConfig.from_dict(
-                    {**settings, "terms": {**settings.get("terms", {}), "entropy": term}}, source="GRPOConfig.entropy_coef"
-                )
-        elif entropy_term is not None:
-            refused.append("loss_aggregation term 'entropy' without GRPOConfig.entropy_coef (TRL adds no entropy bonus)")
-        spg, accumulation = targs.steps_per_generation, targs.gradient_accumulation_steps
-        if spg % accumulation != 0:
-            refused.append(
-                f"steps_per_generation={spg} with gradient_accumulation_steps={accumulation} (an optimizer step would span two generation "
-                "batches; a multiple of the accumulation steps is served, one plan per optimizer step)"
-            )
-        elif spg != accumulation and any(MODES[mode].needs_groups for mode in (config.mode, *(t.mode for t in config.terms.values() if t.mode))):
-            refused.append(
-                f"a mode with prompt groups with steps_per_generation={spg} > gradient_accumulation_steps={accumulation} (TRL shuffles the "
-                "generation batch before cutting it into optimizer steps, so a prompt's completions straddle steps)"
-            )
-        sessions = session_refusal(config, "TRL's GRPOTrainer", "each completion is a sample of its own, with no trajectory id in its batch")
-        if sessions:
-            refused.append(sessions)
+        config, refused = refusals(
+            config,
+            targs,
+            beta=self.beta,
+            entropy_coef=self.entropy_coef,
+            top_entropy_quantile=self.top_entropy_quantile,
+            entropy_enabled=self._entropy_bonus_enabled,
+        )
         if refused:
-            raise ValueError("lossagg.integrations.trl.GRPOTrainer does not support: " + "; ".join(refused))
+            raise ValueError(REFUSAL + "; ".join(refused))
         self.loss_aggregation = config
         self._lossagg_step_empty = False
         self._lossagg_planned = None  # the generation batch (TRL's buffer) whose steps are planned
