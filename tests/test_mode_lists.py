@@ -36,13 +36,17 @@ def test_only_the_registry_names_every_original_mode_among_library_files():
 def test_no_doc_or_example_keeps_a_list_of_modes_by_hand():
     """A line naming three or more modes outside docs/modes.md (the one table) is a list that
     would go stale when a mode is added."""
+    from lossagg.integrations.served import BEGIN, END
+
     modes = tuple(lossagg.MODES)
     offenders = []
     for path in _tracked(("docs/", "examples/", "README.md"), (".md", ".py", ".yaml", ".yml", ".toml", ".json")):
         if path == "docs/modes.md":
             continue
+        generated = False  # the table between the served markers is made from the registry and the adapters (tests/test_served_table.py)
         with open(os.path.join(ROOT, path), encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
-                if len(_names(line, modes)) >= 3:
+                generated = (generated or line.strip() == BEGIN) and line.strip() != END
+                if not generated and len(_names(line, modes)) >= 3:
                     offenders.append(f"{path}:{number}: {line.strip()[:100]}")
     assert not offenders, "\n".join(offenders)

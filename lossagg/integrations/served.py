@@ -47,7 +47,7 @@ BEGIN, END = "<!-- served:begin -->", "<!-- served:end -->"
 #: The command that regenerates the page's table.
 COMMAND = "python -m lossagg.integrations.served --write docs/trainers/README.md"
 
-# the numbers the cases use: a prompt group's samples, a constant divisor, the entropy bonus's and the KL term's coefficients
+# the numbers the cases use: a prompt group's samples, a fixed divisor L, the entropy bonus's and the KL term's coefficients
 N_PER_PROMPT, DIVISOR, ENTROPY, KL = 4, 8.0, 0.01, 0.05
 
 
