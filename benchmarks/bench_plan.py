@@ -93,8 +93,8 @@ def main(argv=None) -> None:
             make = deferred_close(config, counts, labels)
             pending = [make() for _ in range(args.rounds + 3)]  # one fresh plan per close, made before the timing
             runners = {
-                "build": lambda: lossagg.StepPlan(config, counts, **labels),
-                "close": lambda: pending.pop().close(),
+                "build": lambda config=config, counts=counts, labels=labels: lossagg.StepPlan(config, counts, **labels),
+                "close": lambda pending=pending: pending.pop().close(),
                 "reduce": lambda: lossagg.reduce(x, m, cu_seqlens=cu16, sample_denoms=d16),
             }
             t = bench_reduce.interleaved_medians(runners, "cpu", args.rounds)
