@@ -22,6 +22,10 @@ python3 -m pytest tests -q -x -p no:cacheprovider --ignore=tests/test_demo.py --
   >"$OUT/tests.log" 2>&1
 echo "pytest exit $?" | tee -a "$OUT/summary.txt"
 tail -5 "$OUT/tests.log" | tee -a "$OUT/summary.txt"
+echo "== sync check (no synchronisation once the plan is built; bandwidth at 16M tokens against a device copy)" | tee -a "$OUT/summary.txt"
+timeout 300 python3 benchmarks/sync_check.py --device cuda >"$OUT/sync_check.md" 2>&1
+echo "sync check exit $?" | tee -a "$OUT/summary.txt"
+tail -4 "$OUT/sync_check.md" | tee -a "$OUT/summary.txt"
 echo "== benchmark" | tee -a "$OUT/summary.txt"
 timeout 300 python3 benchmarks/bench_reduce.py --device cuda --repeats 20 >"$OUT/bench_cuda.md" 2>&1
 echo "bench exit $?" | tee -a "$OUT/summary.txt"

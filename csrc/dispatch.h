@@ -31,7 +31,7 @@ void dispatch_values(ScalarType t, const char* what, F&& f) {
     case ScalarType::BFloat16:
       return f(type_tag<c10::BFloat16>{});
     default:
-      ::lossagg::fail(ErrorKind::type_error, "lossagg: ", what, " must have dtype ", value_dtypes_text(), ", got ", t);
+      ::lossagg::fail(ErrorKind::type_error, {"lossagg: ", what, " must have dtype ", value_dtypes_text(), ", got ", t});
   }
 }
 

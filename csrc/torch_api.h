@@ -21,10 +21,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <ostream>
 #include <sstream>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace lossagg {
@@ -78,8 +80,21 @@ inline DeviceName device_name(const Tensor& t) { return DeviceName{t.device()}; 
 
 enum class ErrorKind { type_error, value_error, runtime_error };
 
-template <typename... Args>
-[[noreturn]] void fail(ErrorKind kind, const Args&... args);
+// One piece of an error message, formatted as it is made, so that fail() is one function whatever it is
+// given (a variadic fail was instantiated once per list of argument types: 27 functions).
+struct Piece {
+  std::string text;
+  Piece(const char* s) : text(s) {}         // NOLINT(google-explicit-constructor): pieces are written inline
+  Piece(const std::string& s) : text(s) {}  // NOLINT(google-explicit-constructor)
+  template <typename T>
+  Piece(const T& value) {  // NOLINT(google-explicit-constructor)
+    std::ostringstream os;
+    os << value;
+    text = os.str();
+  }
+};
+
+[[noreturn]] void fail(ErrorKind kind, std::initializer_list<Piece> pieces);
 
 // The C shim's code of a dtype the ops allocate.
 inline int32_t shim_dtype(ScalarType t) {
@@ -97,7 +112,7 @@ inline int32_t shim_dtype(ScalarType t) {
     case ScalarType::Byte:
       return aoti_torch_dtype_uint8();
     default:
-      fail(ErrorKind::runtime_error, "lossagg: internal error: no output of dtype ", t);
+      fail(ErrorKind::runtime_error, {"lossagg: internal error: no output of dtype ", t});
   }
 }
 
@@ -117,12 +132,12 @@ inline Tensor new_tensor(const Tensor& like, const std::vector<int64_t>& shape, 
   return Tensor(out);
 }
 
-template <typename... Args>
-[[noreturn]] void fail(ErrorKind kind, const Args&... args) {
-  std::ostringstream os;
-  os << (kind == ErrorKind::type_error ? "TypeError: " : kind == ErrorKind::value_error ? "ValueError: " : "");
-  (os << ... << args);
-  throw std::runtime_error(os.str());
+[[noreturn]] inline void fail(ErrorKind kind, std::initializer_list<Piece> pieces) {
+  std::string message = kind == ErrorKind::type_error ? "TypeError: " : kind == ErrorKind::value_error ? "ValueError: " : "";
+  for (const Piece& piece : pieces) {
+    message += piece.text;
+  }
+  throw std::runtime_error(message);
 }
 
 }  // namespace lossagg
@@ -130,11 +145,11 @@ template <typename... Args>
 // Input checks whose messages name the argument, what was expected and what was given;
 // `kind` is the Python exception the message starts with (type_error, value_error) or
 // runtime_error (an internal error).
-#define LOSSAGG_CHECK_AS(kind, cond, ...)                       \
-  do {                                                          \
-    if (!(cond)) {                                              \
-      ::lossagg::fail(::lossagg::ErrorKind::kind, __VA_ARGS__); \
-    }                                                           \
+#define LOSSAGG_CHECK_AS(kind, cond, ...)                         \
+  do {                                                            \
+    if (!(cond)) {                                                \
+      ::lossagg::fail(::lossagg::ErrorKind::kind, {__VA_ARGS__}); \
+    }                                                             \
   } while (0)
 #define LOSSAGG_CHECK_TYPE(cond, ...) LOSSAGG_CHECK_AS(type_error, cond, __VA_ARGS__)
 #define LOSSAGG_CHECK_VALUE(cond, ...) LOSSAGG_CHECK_AS(value_error, cond, __VA_ARGS__)

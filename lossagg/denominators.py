@@ -26,7 +26,12 @@ def check_divisor(spec: ModeSpec, divisor) -> None:
 
 
 def denoms_from_totals(
-    spec: ModeSpec, token_counts: torch.Tensor, read: StepTotals, divisor: float | None = None, empty_samples: str = DEFAULT_EMPTY_SAMPLES
+    spec: ModeSpec,
+    token_counts: torch.Tensor,
+    read: StepTotals,
+    divisor: float | None = None,
+    empty_samples: str = DEFAULT_EMPTY_SAMPLES,
+    bounds: list | None = None,
 ) -> torch.Tensor:
     """``d[i]`` (float64) of local samples with counts ``M[i]``, from the step totals ``spec`` reads
     (:func:`lossagg.totals.read_totals`: under ``empty_samples="skip"`` its ``num_samples`` is
@@ -37,20 +42,23 @@ def denoms_from_totals(
     if spec.needs_divisor:
         inputs["divisor"] = divisor
     d = spec.denoms(DenomInputs(token_counts.to(torch.float64), read, None if divisor is None else float(divisor)))
-    return check_denoms(d, f"mode={spec.name}", tuple(token_counts.shape), inputs, token_counts.device)
+    return check_denoms(d, f"mode={spec.name}", tuple(token_counts.shape), inputs, token_counts.device, bounds)
 
 
 def _shown(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def check_denoms(d, what: str, shape: tuple[int, ...], inputs: Mapping[str, object] = MappingProxyType({}), device=None) -> torch.Tensor:
+def check_denoms(
+    d, what: str, shape: tuple[int, ...], inputs: Mapping[str, object] = MappingProxyType({}), device=None, bounds: list | None = None
+) -> torch.Tensor:
     """``d[i]`` as a mode (``what``) built it, checked before any op sees it; float64.
 
     A real floating tensor of ``shape`` holding data (not meta) on ``device`` (when given),
     every entry finite and > 0. ``inputs`` are the settings and totals it was made of, named in
     the message when an entry overflows float64 or is not > 0, so the error points at the
-    number the user gave rather than at the op's ``sample_denoms``.
+    number the user gave rather than at the op's ``sample_denoms``. ``bounds`` (a list), when given,
+    receives the smallest and the largest entry of a ``d`` that passes (read here anyway).
     """
     if not isinstance(d, torch.Tensor):
         raise TypeError(f"{what}: its denoms must return a tensor of d[i] (one per local sample), got {type(d).__name__}")
@@ -67,9 +75,14 @@ def check_denoms(d, what: str, shape: tuple[int, ...], inputs: Mapping[str, obje
     d = d.to(torch.float64)
     if d.numel():
         lo, hi = torch.aminmax(d)  # one pass; NaN propagates to both
-        if lo.item() > 0 and hi.item() < math.inf:
+        lo, hi = lo.item(), hi.item()
+        if lo > 0 and hi < math.inf:
+            if bounds is not None:  # read here anyway: the plan's kernel tables need them (lossagg.micro_batch.term_tables)
+                bounds[:] = [lo, hi]
             return d
     else:
+        if bounds is not None:
+            bounds[:] = [math.inf, -math.inf]
         return d
     bad = ~torch.isfinite(d) | (d <= 0)
     if bool(bad.any()):

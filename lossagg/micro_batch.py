@@ -151,16 +151,26 @@ def cut_from_step(positions: torch.Tensor, mask: torch.Tensor, cu_seqlens) -> tu
 
 
 # ------------------------------------------------------------------------------------- the handle
-def term_tables(denoms: torch.Tensor, weights: torch.Tensor | None, device) -> dict:
+#: The float64 numbers that round (to nearest, ties to even) to a normal float32 >= its smallest normal 2**-126,
+#: and to a finite float32: [2**-126 - 2**-150, 2**128 - 2**103); both bounds are exact in float64.
+_F32_NORMAL_FROM, _F32_FINITE_BELOW = 2.0**-126 - 2.0**-150, 2.0**128 - 2.0**103
+
+
+def term_tables(denoms: torch.Tensor, weights: torch.Tensor | None, device, bounds: tuple[float, float] | None = None) -> dict:
     """``d`` ``[K, B]`` and ``w`` (or None) as the kernels take them, by accumulation dtype (float32,
     float64), on ``device``: rounded once here as the kernels would round them. A ``d_k[i]`` or a
     weight that float32 cannot carry (out of its range, or subnormal there) stays as given, so that
-    the op refuses it naming the value (docs/ops.md, "Bad input")."""
+    the op refuses it naming the value (docs/ops.md, "Bad input"). ``bounds``: the smallest and the
+    largest ``d_k[i]`` when known (read when they were checked), so that ``d`` is not read again."""
     denoms = denoms.to(device)
     weights = None if weights is None else weights.to(device)
     tiny = torch.finfo(torch.float32).tiny  # the smallest normal float32: the kernels refuse a subnormal divisor or weight
     d32 = denoms.to(torch.float32)
-    if not bool((torch.isfinite(d32) & (d32 >= tiny)).all()):
+    if bounds is not None:  # rounding is monotonic: d32's extremes are the rounded bounds (host numbers, no read of d)
+        fits = not denoms.numel() or (bounds[0] >= _F32_NORMAL_FROM and bounds[1] < _F32_FINITE_BELOW)
+    else:
+        fits = bool((torch.isfinite(d32) & (d32 >= tiny)).all())
+    if not fits:
         d32 = denoms
     w32 = None if weights is None else weights.to(torch.float32)
     if w32 is not None and not bool((torch.isfinite(w32) & ((w32.abs() >= tiny) | (weights == 0))).all()):
@@ -182,7 +192,7 @@ def stack_term_tables(terms, denoms: Mapping[str, torch.Tensor], weights: torch.
     """The loss's terms (``config.loss_terms``) as :func:`lossagg.reduce_terms` takes them: ``d_k[i]``
     ``[K, B]`` from each term's row ``denoms[name]`` and the weights ``[K, B]`` (the samples' weights
     for a term that weighs them, 1 for one that does not; None when no term does)."""
-    d = torch.stack([denoms[t.name] for t in terms])
+    d = denoms[terms[0].name].unsqueeze(0) if len(terms) == 1 else torch.stack([denoms[t.name] for t in terms])
     if all(t.weighting == "none" for t in terms):
         return d, None
     ones = torch.ones_like(weights)

@@ -16,6 +16,7 @@ only, and token counts from the full (unsharded) rollout masks (see
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -149,28 +150,39 @@ class StepPlan(Plan):
             problem=_problem,
             fingerprint=_fingerprint,
         )
-        self.sample_denoms = self._denoms(pg)
+        bounds: list = []
+        self.sample_denoms = self._denoms(pg, bounds)
+        self._make_tables({PG_TERM: self.sample_denoms}, bounds)
 
-    def _denoms(self, term) -> torch.Tensor:
-        """``d_k[i]`` of one of the loss's terms (``config.loss_terms``), from the totals this plan holds."""
+    def _denoms(self, term, bounds: list | None = None) -> torch.Tensor:
+        """``d_k[i]`` of one of the loss's terms (``config.loss_terms``), from the totals this plan holds
+        (``bounds`` receives its smallest and largest entry)."""
         empty = self.config.empty_samples
         what = term.mode if term.name == PG_TERM else f"{term.mode} (the reducer of term {term.name!r})"
         read = read_totals(term.spec.totals, self.totals, empty, what)
-        return denoms_from_totals(term.spec, self.token_counts, read, term.divisor, empty)
+        return denoms_from_totals(term.spec, self.token_counts, read, term.divisor, empty, bounds)
 
-    @functools.cached_property
-    def term_denoms(self) -> dict[str, torch.Tensor]:
-        """``d_k[i]`` of every term of the loss (float64 ``[n_local]``, by name): the PG term's,
-        ``"pg"``, is :attr:`sample_denoms`; each of ``config.terms`` has its own mode's and divisor's,
-        from the totals this plan gathered (docs/terms.md)."""
-        return {t.name: self.sample_denoms if t.name == PG_TERM else self._denoms(t) for t in self._terms}
+    def _make_tables(self, denoms: dict[str, torch.Tensor], bounds: list) -> None:
+        """Every term's ``d_k`` (:attr:`term_denoms`: those not in ``denoms`` made here) and the kernels' tables,
+        made when the plan is built: a micro-batch then reads nothing of them back to the host (on a GPU, no
+        synchronisation after the plan is built). ``bounds``: the smallest and largest entry of ``denoms``'."""
+        lo, hi = bounds
+        for t in self._terms:
+            if t.name not in denoms:
+                more: list = []
+                denoms[t.name] = self._denoms(t, more)
+                lo, hi = min(lo, more[0]), max(hi, more[1])
+        self.term_denoms = {t.name: denoms[t.name] for t in self._terms}
+        stacked, weights = stack_term_tables(self._terms, self.term_denoms, self.sample_weights)
+        self._kernel_tables = term_tables(stacked, weights, self.device, (lo, hi))
 
-    @functools.cached_property
-    def _kernel_tables(self) -> dict:
-        """Every term's ``d_k`` and weights (:func:`lossagg.micro_batch.stack_term_tables`) by accumulation
-        dtype, rounded once per plan as the kernels round them."""
-        denoms, weights = stack_term_tables(self._terms, self.term_denoms, self.sample_weights)
-        return term_tables(denoms, weights, self.device)
+    #: ``d_k[i]`` of every term of the loss (float64 ``[n_local]``, by name): the PG term's, ``"pg"``, is
+    #: :attr:`sample_denoms`; each of ``config.terms`` has its own mode's and divisor's, from the totals this
+    #: plan gathered (docs/terms.md).
+    term_denoms: dict[str, torch.Tensor]
+    #: Every term's ``d_k`` and weights (:func:`lossagg.micro_batch.stack_term_tables`) by accumulation dtype,
+    #: rounded once per plan as the kernels round them.
+    _kernel_tables: dict
 
     @functools.cached_property
     def metric_denoms(self) -> torch.Tensor:
@@ -241,13 +253,16 @@ class StepPlan(Plan):
         else:
             given = {PG_TERM: sample_denoms}
         denoms = {}
+        lo, hi = math.inf, -math.inf
         for name, d in given.items():
             what = "StepPlan.from_denoms: sample_denoms" + (f"[{name!r}]" if isinstance(sample_denoms, Mapping) else "")
             if not isinstance(d, torch.Tensor) or d.dim() != 1:
                 got = f"shape {tuple(d.shape)}" if isinstance(d, torch.Tensor) else type(d).__name__
                 raise ValueError(f"{what} must be a 1-D floating tensor of d[i] (one per sample), got {got}")
             n = next(iter(denoms.values())).shape[0] if denoms else d.shape[0]
-            denoms[name] = check_denoms(d, what, (n,))
+            bounds: list = []
+            denoms[name] = check_denoms(d, what, (n,), bounds=bounds)
+            lo, hi = min(lo, bounds[0]), max(hi, bounds[1])
         n = denoms[PG_TERM].shape[0]
         weighted = [t.name for t in terms if t.weighting != "none"]
         if weighted and sample_weights is None:
@@ -267,7 +282,7 @@ class StepPlan(Plan):
         plan._terms = terms
         plan.totals = StepTotals({}, "given denominators")
         plan.sample_denoms = denoms[PG_TERM]
-        plan.__dict__["term_denoms"] = denoms
+        plan._make_tables(denoms, [lo, hi])
         return plan
 
     # ------------------------------------------------------------------- use
