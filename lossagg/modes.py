@@ -464,6 +464,11 @@ def unregister_mode(name: str) -> None:
         _publish({k: v for k, v in _published.items() if k != name})
 
 
+def mode_registry() -> Mapping[str, ModeSpec]:
+    """The registry as it stands (a new object after every registration or removal: what caches compare)."""
+    return _published
+
+
 def mode_spec(mode: Any) -> ModeSpec:
     """The entry of the mode named ``mode``; ValueError naming the registered modes if unknown."""
     registry = _published

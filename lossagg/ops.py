@@ -839,3 +839,24 @@ def _aggregate_grad(ctx, grad, grad_d):
 
 
 torch.library.register_autograd("lossagg::aggregate", _aggregate_grad, setup_context=_setup_aggregate)
+
+
+# -------------------------------------------------------------------------- plan_totals
+_PLAN_TOTALS = torch.ops.lossagg.plan_totals.default
+
+
+def plan_totals(
+    counts, group_index, session_index, per_prompt: int, check_groups: bool, sessions_in_groups: bool, blocks, with_counts: bool, program, divisors
+) -> torch.Tensor:
+    """The step totals and every term's d[i] of a one-process plan in one native call (csrc/cpu/plan_totals.cpp):
+    float64 ``[9 + (B + with_counts + K) N]``, a status first (0 or 7: served; else the Python route takes the
+    step). CPU tensors only: lossagg.StepPlan calls it with the arguments it checked (lossagg/step.py)."""
+    try:
+        return _PLAN_TOTALS(counts, group_index, session_index, per_prompt, check_groups, sessions_in_groups, blocks, with_counts, program, divisors)
+    except RuntimeError as exc:
+        raise python_error(exc) from None
+
+
+@torch.library.register_fake("lossagg::plan_totals")
+def _plan_totals_fake(counts, group_index, session_index, per_prompt, check_groups, sessions_in_groups, blocks, with_counts, program, divisors):
+    return counts.new_empty((9 + (len(blocks) + int(with_counts) + len(divisors)) * counts.shape[0],), dtype=torch.float64)

@@ -18,12 +18,14 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from lossagg.config import LossAggregationConfig
 from lossagg.config.model import PG_TERM
+from lossagg.denom_program import FACTORS, DenomProduct
 from lossagg.denominators import check_denoms, denoms_from_totals
 from lossagg.layout import token_counts as _token_counts
 from lossagg.micro_batch import (
@@ -41,9 +43,10 @@ from lossagg.micro_batch import (
     table_rows,
     term_tables,
 )
-from lossagg.modes import METRIC_MODE, mode_spec
+from lossagg.modes import METRIC_MODE, mode_registry, mode_spec
+from lossagg.ops import plan_totals as native_plan_totals
 from lossagg.samples import RankSamples
-from lossagg.totals import StepTotals, mode_totals, plan_totals, read_totals
+from lossagg.totals import BASE_TOTALS, TOTALS, StepTotals, mode_totals, plan_totals, read_totals, stand_in
 from lossagg.validate import as_int, check_holds_data, check_process_group
 
 GRADIENT_CONVENTIONS = ("sum", "mean", "micro_batch_mean", "megatron")
@@ -67,6 +70,183 @@ def _samples(config, token_counts, group_index, session_index, sample_weights, n
         return token_counts
     per_sample = (group_index, session_index, sample_weights, num_group_labels, num_session_labels)
     return RankSamples.of(config, token_counts, *per_sample, indices_required=totals is None)
+
+
+@dataclass(frozen=True)
+class _PlanInfo:
+    """What a config's plans read of it, resolved once per config (and registry): its terms, the totals J reads
+    (``needed``; every other term's with the PG mode's), the mode errors name, the default reducer's totals
+    (``also``), every total a plan holds in its order (``names``), and whether the native route serves it."""
+
+    terms: tuple
+    needed: tuple[str, ...]
+    mode: str
+    also: tuple[str, ...]
+    names: tuple[str, ...]
+    native: bool
+    groups: bool
+    sessions: bool
+    check_groups: bool
+    sessions_in_groups: bool
+    program: list  # every term's d[i] for the native route (_factor_codes), flat
+    divisors: list  # every term's divisor L (0.0 where it has none)
+    blocks: list  # the per-sample totals the plan holds, as the native route's blocks, in order
+
+
+#: Where the native route (csrc/cpu/plan_totals.cpp) puts each total: its slot among the scalars (ints but for
+#: :data:`_FLOAT_TOTALS`, as lossagg/totals.py gives them), or ``("per_sample", block)``.
+_NATIVE_TOTALS = {
+    "num_samples": 1,
+    "num_nonempty_samples": 2,
+    "total_tokens": 3,
+    "max_tokens": 4,
+    "num_groups": 5,
+    "num_nonempty_groups": 6,
+    "num_sessions": 7,
+    "num_nonempty_sessions": 8,
+    "group_token_sums": ("per_sample", 0),
+    "session_sizes": ("per_sample", 1),
+    "nonempty_session_sizes": ("per_sample", 2),
+    "session_token_sums": ("per_sample", 3),
+    "group_sessions": ("per_sample", 4),
+    "nonempty_group_sessions": ("per_sample", 5),
+}
+_FLOAT_TOTALS = ("total_tokens", "max_tokens")
+_SCALARS = 9  # the native output's scalars: status, then the slots above
+_SERVED, _NOT_FLOAT32 = 0.0, 7.0  # the statuses the native route serves (7: the float32 table is d itself)
+_INFO: dict[int, tuple[Any, Any, _PlanInfo]] = {}
+_INFO_SIZE = 64
+
+
+def _factor_codes(term, empty: str) -> list[int] | None:
+    """A term's d[i] for the native route: [factors, (source, read as a count, clamped, zero as one) per factor], as
+    ``DenomProduct.__call__`` reads each factor (its total under ``empty``'s stand-in, read as
+    :func:`lossagg.totals.read_as` does); None when a factor has no native source (a weight sum) or d[i] is a function."""
+    product = term.spec.denoms
+    if not isinstance(product, DenomProduct):
+        return None
+    codes = [len(product.factors)]
+    for symbol in product.factors:
+        f = FACTORS[symbol]
+        if f.reads == "divisor":
+            source, as_count = -1, False
+        elif f.reads == "token_counts":
+            source, as_count = -2, False
+        else:
+            gathered = stand_in(f.reads, empty)
+            slot = _NATIVE_TOTALS.get(gathered)
+            if slot is None:
+                return None
+            source = _SCALARS + slot[1] if isinstance(slot, tuple) else slot
+            as_count = gathered != f.reads and TOTALS[gathered].count
+        codes += [source, int(as_count), int(f.clamped), int(f.zero_as_one)]
+    return codes
+
+
+def _plan_info(config: LossAggregationConfig) -> _PlanInfo:
+    """:class:`_PlanInfo` of ``config``, kept for the last configs used (a config is immutable; the entry is made
+    again when the mode registry changed)."""
+    registry = mode_registry()
+    hit = _INFO.get(id(config))
+    if hit is not None and hit[0] is config and hit[1] is registry:
+        return hit[2]
+    terms = config.loss_terms
+    pg = terms[0]
+    needed = tuple(dict.fromkeys(t for term in terms for t in term.spec.totals))
+    grouped = next(
+        (
+            f"{t.mode} (the reducer of term {t.name!r})"
+            for t in terms[1:]
+            if (t.spec.needs_groups and not pg.spec.needs_groups) or (t.spec.needs_sessions and not pg.spec.needs_sessions)
+        ),
+        None,
+    )
+    also = (*mode_spec(METRIC_MODE).totals, *config.metric_spec.totals)
+    empty = config.empty_samples
+    names = tuple(dict.fromkeys((*needed, *mode_totals(needed, empty), *also, *mode_totals(also, empty), *BASE_TOTALS)))
+    in_groups = any(name in ("group_sessions", "nonempty_group_sessions") for name in needed)
+    codes = [_factor_codes(t, empty) for t in terms]
+    native = all(t.weighting == "none" for t in terms) and all(name in _NATIVE_TOTALS for name in names) and None not in codes
+    info = _PlanInfo(
+        terms=terms,
+        needed=needed,
+        mode=grouped or pg.mode,
+        also=also,
+        names=names,
+        native=native,
+        groups=any(t.spec.needs_groups for t in terms),
+        sessions=any(t.spec.needs_sessions for t in terms),
+        check_groups="num_groups" in names and not in_groups,
+        sessions_in_groups=in_groups,
+        program=[c for term_codes in codes for c in term_codes] if native else [],
+        divisors=[0.0 if t.divisor is None else float(t.divisor) for t in terms],
+        blocks=[slot[1] for name in names if isinstance(slot := _NATIVE_TOTALS.get(name), tuple)],
+    )
+    if len(_INFO) >= _INFO_SIZE:
+        _INFO.pop(next(iter(_INFO)))
+    _INFO[id(config)] = (config, registry, info)
+    return info
+
+
+def _plain_tensor(t, n: int | None, dtypes) -> bool:
+    return (
+        type(t) is torch.Tensor
+        and t.layout is _STRIDED
+        and t.device.type == "cpu"
+        and t.dim() == 1
+        and t.dtype in dtypes
+        and (n is None or t.shape[0] == n)
+        and not t.requires_grad
+    )
+
+
+def _native_route(config, info: _PlanInfo, counts, group_index, session_index, sample_weights, num_group_labels, num_session_labels):
+    """(samples, totals, each term's d, the kernels' tables) of a one-process plan from one native pass
+    (csrc/cpu/plan_totals.cpp), or None where the Python route (lossagg/totals.py, lossagg/denominators.py) takes
+    it: arguments other than the plain ones (CPU tensors, int64 or float64 counts, int64 labels exactly where the
+    mode reads them, no weights or label bounds), or a step the native pass declines (a count that is not a whole
+    number >= 0, a group or session of the wrong size, a d[i] that is not finite and > 0: the Python route raises
+    naming it)."""
+    if sample_weights is not None or num_group_labels is not None or num_session_labels is not None:
+        return None
+    if not _plain_tensor(counts, None, (torch.int64, torch.float64)):
+        return None
+    n = counts.shape[0]
+    for given, needed in ((group_index, info.groups), (session_index, info.sessions)):
+        if (given is not None) != needed or (given is not None and not _plain_tensor(given, n, (torch.int64,))):
+            return None
+    per_prompt = config.n_samples_per_prompt
+    as_given = counts.dtype is torch.float64
+    out = native_plan_totals(
+        counts.contiguous(),
+        None if group_index is None else group_index.contiguous(),
+        None if session_index is None else session_index.contiguous(),
+        -1 if per_prompt is None else per_prompt,
+        info.check_groups,
+        info.sessions_in_groups,
+        info.blocks,
+        not as_given,
+        info.program,
+        info.divisors,
+    )
+    scalars = out[:_SCALARS].tolist()
+    if scalars[0] not in (_SERVED, _NOT_FLOAT32):
+        return None
+    values: dict[str, Any] = {}
+    at = _SCALARS
+    for name in info.names:
+        slot = _NATIVE_TOTALS[name]
+        if isinstance(slot, tuple):
+            values[name], at = out[at : at + n], at + n
+        else:
+            values[name] = scalars[slot] if name in _FLOAT_TOTALS else int(scalars[slot])
+    counts64 = counts
+    if not as_given:
+        counts64, at = out[at : at + n], at + n
+    d = out[at:].view(len(info.terms), n)
+    d32 = d if scalars[0] == _NOT_FLOAT32 else d.to(torch.float32)
+    samples = RankSamples(n, counts64, group_index, session_index)
+    return samples, StepTotals(values, info.mode), d, {torch.float32: (d32, None), torch.float64: (d, None)}
 
 
 def _holds_data(t) -> bool:
@@ -115,43 +295,43 @@ class StepPlan(Plan):
     ):
         if not isinstance(config, LossAggregationConfig):
             config = LossAggregationConfig.coerce(config)
-        process_group = check_process_group(process_group, "process_group", "the DP group of this rank")
-        samples = _samples(config, token_counts, group_index, session_index, sample_weights, num_group_labels, num_session_labels, _totals)
+        info = _plan_info(config)
+        native = None
+        if process_group is None and _totals is None and _extra_sums is None and _problem is None and info.native:
+            native = _native_route(config, info, token_counts, group_index, session_index, sample_weights, num_group_labels, num_session_labels)
+        if native is not None:  # one process, counts on the CPU: the step totals and every d_k from one native pass
+            samples, self.totals, d, tables = native
+        else:
+            process_group = check_process_group(process_group, "process_group", "the DP group of this rank")
+            samples = _samples(config, token_counts, group_index, session_index, sample_weights, num_group_labels, num_session_labels, _totals)
+            self.totals = plan_totals(
+                info.needed,
+                samples,
+                mode=info.mode,
+                # the default reducer's (plan.metrics), and sample_mean's whatever the mode (trainers read N, N')
+                also=info.also,
+                empty_samples=config.empty_samples,
+                given=_totals,
+                n_samples_per_prompt=config.n_samples_per_prompt,
+                global_batch_size=config.global_batch_size,
+                process_group=process_group,
+                extra_sums=_extra_sums,
+                problem=_problem,
+                fingerprint=_fingerprint,
+            )
         self.config = config
         self.samples = samples
         self.token_counts = samples.token_counts
         self.sample_weights = samples.sample_weights
         self.device = samples.token_counts.device
-        self._terms = config.loss_terms
-        empty = config.empty_samples
-        pg = self._terms[0]
-        # what J reads: the PG mode's totals and every other term's, gathered in the same all-reduces
-        needed = tuple(dict.fromkeys(t for term in self._terms for t in term.spec.totals))
-        grouped = next(
-            (
-                f"{t.mode} (the reducer of term {t.name!r})"
-                for t in self._terms[1:]
-                if (t.spec.needs_groups and not pg.spec.needs_groups) or (t.spec.needs_sessions and not pg.spec.needs_sessions)
-            ),
-            None,
-        )
-        self.totals = plan_totals(
-            needed,
-            samples,
-            mode=grouped or pg.mode,
-            # the default reducer's (plan.metrics), and sample_mean's whatever the mode (trainers read N, N')
-            also=(*mode_spec(METRIC_MODE).totals, *config.metric_spec.totals),
-            empty_samples=empty,
-            given=_totals,
-            n_samples_per_prompt=config.n_samples_per_prompt,
-            global_batch_size=config.global_batch_size,
-            process_group=process_group,
-            extra_sums=_extra_sums,
-            problem=_problem,
-            fingerprint=_fingerprint,
-        )
+        self._terms = info.terms
+        if native is not None:
+            self.sample_denoms = d[0]
+            self.term_denoms = {t.name: d[k] for k, t in enumerate(self._terms)}
+            self._kernel_tables = tables
+            return
         bounds: list = []
-        self.sample_denoms = self._denoms(pg, bounds)
+        self.sample_denoms = self._denoms(self._terms[0], bounds)
         self._make_tables({PG_TERM: self.sample_denoms}, bounds)
 
     def _denoms(self, term, bounds: list | None = None) -> torch.Tensor:

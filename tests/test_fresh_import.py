@@ -47,6 +47,7 @@ FRESH = textwrap.dedent(
             ([padded, padded.detach() * 2], padded_mask, None, torch.ones(2, 3), torch.tensor([[1.0, -1.0, 0.0]] * 2), [0.5, 2.0]),
         ],
         "reduce_terms_backward": [(torch.tensor(1.5, dtype=torch.float64), m, cu, torch.stack([d, d]), None, [1.0, 3.0], torch.float64)],
+        "plan_totals": [(torch.tensor([3, 0, 5]), None, None, -1, False, False, [], True, [1, -2, 0, 1, 0], [0.0])],
     }
     for name, arg_sets in calls.items():
         for args in arg_sets:

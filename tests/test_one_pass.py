@@ -147,8 +147,9 @@ def test_aggregate_one_pass_equals_the_float64_reference():
 
 def test_aggregate_reads_the_tokens_once():
     """On the CPU a mode whose d[i] is a DenomProduct is one native call (sums, counts, d and J);
-    a mode planned in Python (prompt_mean's groups, a registered callable) is one
-    segment_sum_and_count and a reduce over the B sums. No token_counts or segment_sum pass."""
+    a mode planned by a StepPlan (prompt_mean's groups, a registered callable) is one
+    segment_sum_and_count, the plan's totals (one plan_totals call over the B counts) and a reduce
+    over the B sums. No token_counts or segment_sum pass."""
     b = make_batch("packed32", requires_grad=True)
 
     def ops(mode, **kw):
@@ -159,7 +160,7 @@ def test_aggregate_reads_the_tokens_once():
     for mode in ("sample_mean", "token_mean", "constant", "max_length"):
         assert ops(mode) == ["lossagg::aggregate"], mode
     names = ops("prompt_mean", group_index=torch.tensor([0, 0, 1, 1, 2, 2]))
-    assert sorted(names) == ["lossagg::reduce", "lossagg::segment_sum_and_count"], names
+    assert sorted(names) == ["lossagg::plan_totals", "lossagg::reduce", "lossagg::segment_sum_and_count"], names
 
 
 def test_aggregate_with_another_rollout_mask_counts_that_mask():

@@ -120,6 +120,12 @@ def sample_inputs(device, requires_grad):
                 cases.append(
                     (torch.ops.lossagg.reduce_terms_backward.default, (grad, b.mask, b.cu_seqlens, term_denoms, weights, [1.0, -0.5], dtype))
                 )
+    if device == "cpu":  # a plan's totals and d (lossagg/step.py's native route): a CPU kernel only
+        counts, labels = torch.tensor([3, 0, 5, 2]), torch.tensor([0, 0, 1, 1])
+        # prompt_session_mean's d = P · Sp[g(i)] · K[s(i)] (codes: lossagg/step.py's _factor_codes), and c(M[i])
+        program = [3, 5, 0, 0, 0, 13, 0, 0, 0, 10, 0, 0, 0, 1, -2, 0, 1, 0]
+        cases.append((torch.ops.lossagg.plan_totals.default, (counts, labels, labels * 2, 1, False, True, [4, 1], True, program, [0.0, 0.0])))
+        cases.append((torch.ops.lossagg.plan_totals.default, (counts.double(), None, None, -1, False, False, [], False, [1, -1, 0, 0, 0], [8.0])))
     return cases
 
 

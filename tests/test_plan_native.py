@@ -1,0 +1,176 @@
+"""The native route of a one-process plan (csrc/cpu/plan_totals.cpp, lossagg/step.py's _native_route) gives the
+Python route's plan (lossagg/totals.py) bit for bit: the same totals, in the same order, of the same types, and the
+same d[i], for every mode, both empty_samples conventions, a second term, any labels (dense, sparse, negative,
+spanning more than the direct-address table); where the native pass declines a step the Python route raises
+its error or serves it, exactly as without the native route."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lossagg
+from lossagg import step as step_module
+
+GROUP, SESSION = 4, 2
+
+
+def python_route(monkeypatch):
+    """A context in which StepPlan takes the Python route only."""
+    monkeypatch.setattr(step_module, "_native_route", lambda *args: None)
+
+
+def config_for(mode: str, empty: str, term: bool) -> lossagg.LossAggregationConfig:
+    spec = lossagg.MODES[mode]
+    n = GROUP // SESSION if (spec.needs_groups and spec.needs_sessions) else GROUP
+    settings = {"mode": mode, "n_samples_per_prompt": n, "empty_samples": empty}
+    if spec.needs_divisor:
+        settings["divisor"] = 16.0
+    if term:
+        settings["terms"] = {"kl": {"coefficient": 0.1, "mode": "token_mean"}}
+    return lossagg.LossAggregationConfig(**settings)
+
+
+def step_of(n_groups: int, seed: int, labels: str, dtype):
+    g = torch.Generator().manual_seed(seed)
+    n = n_groups * GROUP
+    counts = torch.randint(0, 50, (n,), generator=g)
+    counts[torch.rand(n, generator=g) < 0.2] = 0
+    group = torch.arange(n) // GROUP
+    session = torch.arange(n) // SESSION
+    if labels == "sparse":  # labels far apart: the hash map
+        group, session = group * 1_000_003 - 7, session * 999_983 + 2**40
+    elif labels == "negative":
+        group, session = -group - 5, -session
+    perm = torch.randperm(n, generator=g)  # samples in any order
+    return counts[perm].to(dtype), group[perm], session[perm]
+
+
+def plan(config, counts, group, session):
+    spec_terms = config.loss_terms
+    kwargs = {}
+    if any(t.spec.needs_groups for t in spec_terms):
+        kwargs["group_index"] = group
+    if any(t.spec.needs_sessions for t in spec_terms):
+        kwargs["session_index"] = session
+    return lossagg.StepPlan(config, counts, **kwargs)
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return type(a) is type(b) and a == b
+
+
+@pytest.mark.parametrize("mode", list(lossagg.MODES))
+def test_the_native_route_gives_the_python_routes_plan(mode, monkeypatch):
+    for empty in ("count", "skip"):
+        for term in (False, True):
+            for seed, labels, dtype, groups in ((0, "dense", torch.int64, 3), (1, "sparse", torch.float64, 5), (2, "negative", torch.int64, 1)):
+                config = config_for(mode, empty, term)
+                counts, group, session = step_of(groups, seed, labels, dtype)
+                fast = plan(config, counts, group, session)
+                with monkeypatch.context() as m:
+                    python_route(m)
+                    slow = plan(config, counts, group, session)
+                what = f"{mode} {empty} term={term} {labels} {dtype}"
+                assert list(fast.totals) == list(slow.totals), what
+                for name in slow.totals:
+                    assert same(fast.totals[name], slow.totals[name]), f"{what}: {name} {fast.totals[name]!r} != {slow.totals[name]!r}"
+                for name in slow.term_denoms:
+                    assert same(fast.term_denoms[name], slow.term_denoms[name]), f"{what}: d of {name}"
+                assert same(fast.token_counts, slow.token_counts) and fast.device == slow.device
+
+
+def test_the_native_route_is_taken(monkeypatch):
+    """Not a vacuous comparison: a plain one-process plan comes from the native pass."""
+    calls = []
+    real = step_module.native_plan_totals
+    monkeypatch.setattr(step_module, "native_plan_totals", lambda *a: calls.append(1) or real(*a))
+    lossagg.StepPlan(
+        config_for("prompt_session_token_mean", "count", True),
+        *step_of(2, 0, "dense", torch.int64)[:1],
+        group_index=torch.arange(8) // 4,
+        session_index=torch.arange(8) // 2,
+    )
+    assert calls == [1]
+
+
+BAD = {
+    "a negative count": (torch.tensor([3, -1, 2, 2]), None, None, "sample_mean", "token_counts must be >= 0"),
+    "a group of the wrong size": (torch.tensor([3, 1, 2, 2]), torch.tensor([0, 0, 0, 1]), None, "prompt_mean", "group 0 has 3 sample(s)"),
+    "a session in two groups": (
+        torch.tensor([3, 1, 2, 2, 1, 1, 1, 1]),
+        torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]),
+        torch.tensor([0, 0, 1, 2, 2, 3, 3, 4]),
+        "prompt_session_mean",
+        "holds samples of more than one prompt group",
+    ),
+    "a group with the wrong number of sessions": (
+        torch.tensor([3, 1, 2, 2, 1, 1, 1, 1]),
+        torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]),
+        torch.tensor([0, 0, 0, 1, 2, 2, 3, 4]),
+        "prompt_session_mean",
+        "has 3 session(s)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_step_the_native_pass_declines_is_the_python_routes(case, monkeypatch):
+    counts, group, session, mode, needle = BAD[case]
+    config = config_for(mode, "count", False)
+    kwargs = {k: v for k, v in (("group_index", group), ("session_index", session)) if v is not None}
+    with pytest.raises(ValueError) as fast:
+        lossagg.StepPlan(config, counts, **kwargs)
+    with monkeypatch.context() as m:
+        python_route(m)
+        with pytest.raises(ValueError) as slow:
+            lossagg.StepPlan(config, counts, **kwargs)
+    assert str(fast.value) == str(slow.value) and needle in str(fast.value)
+
+
+def test_fractional_counts_are_served_by_the_python_route(monkeypatch):
+    counts = torch.tensor([1.5, 0.0, 2.25, 3.0], dtype=torch.float64)
+    fast = lossagg.StepPlan(config_for("token_mean", "count", False), counts)
+    with monkeypatch.context() as m:
+        python_route(m)
+        slow = lossagg.StepPlan(config_for("token_mean", "count", False), counts)
+    assert torch.equal(fast.sample_denoms, slow.sample_denoms) and fast.totals["total_tokens"] == 6.75
+
+
+@pytest.mark.parametrize("divisor", [1e39, 1e-40, 1e308])
+def test_denominators_beyond_float32_or_float64_as_the_python_route(divisor, monkeypatch):
+    """d beyond float32 keeps a float64 table (the op then refuses it by value); beyond float64 the plan is refused naming it."""
+    config = lossagg.LossAggregationConfig(mode="constant", divisor=divisor)
+    counts = torch.tensor([3, 0, 5, 2])
+    outcome = []
+    for route in ("native", "python"):
+        with monkeypatch.context() as m:
+            if route == "python":
+                python_route(m)
+            try:
+                p = lossagg.StepPlan(config, counts)
+                outcome.append((p.sample_denoms, p._kernel_tables[torch.float32][0].dtype))
+            except ValueError as exc:
+                outcome.append(str(exc))
+    if isinstance(outcome[0], str):
+        assert outcome[0] == outcome[1] and "overflows float64" in outcome[0]
+    else:
+        assert torch.equal(outcome[0][0], outcome[1][0]) and outcome[0][1] == outcome[1][1] == torch.float64
+
+
+def test_what_the_native_route_leaves_to_python(monkeypatch):
+    """Weights, label bounds, int32 labels and a registered mode whose d[i] is a function take the Python route."""
+    calls = []
+    real = step_module.native_plan_totals
+    monkeypatch.setattr(step_module, "native_plan_totals", lambda *a: calls.append(1) or real(*a))
+    counts = torch.tensor([3, 0, 5, 2])
+    weighted = lossagg.LossAggregationConfig(mode="sample_mean", weighting="mean")
+    lossagg.StepPlan(weighted, counts, sample_weights=torch.tensor([1.0, 2.0, 0.5, 1.0], dtype=torch.float64))
+    grouped = config_for("prompt_mean", "count", False)
+    lossagg.StepPlan(grouped, counts, group_index=torch.tensor([0, 0, 0, 0], dtype=torch.int32))
+    lossagg.StepPlan(grouped, counts, group_index=torch.tensor([0, 0, 0, 0]), num_group_labels=1)
+    assert calls == []
+    lossagg.StepPlan(grouped, counts, group_index=torch.tensor([0, 0, 0, 0]))
+    assert calls == [1]
