@@ -17,6 +17,18 @@ namespace {
 
 constexpr int kBlock = 64;  // tokens converted per step
 
+// Metric k's row of values (T const) or of outputs: table[k] when the op gives K tensors of
+// their own (reduce_terms and its backward), else base + k * stride (the rows of one [K, T]
+// tensor). Looked up once per metric and piece, never per token, and built without an
+// allocation (no heap, no throwing path, in the entry points).
+template <typename T>
+struct Rows {
+  T* base;
+  int64_t stride;
+  const void* const* table;
+  T* operator[](int64_t k) const { return table != nullptr ? static_cast<T*>(const_cast<void*>(table[k])) : base + k * stride; }
+};
+
 // Masked sum of v[lo, hi), hi - lo >= kBlock. Tokens are converted a block at a time
 // into a small buffer (a loop without a reduction, which vectorises), then added into
 // kLanes fixed lanes: lane l takes tokens lo+l, lo+l+kLanes, ...; the tail goes to lane 0;
@@ -181,7 +193,7 @@ void masked_scale(scalar_t* __restrict o, const mask_t* __restrict m, const acc_
 // metric 0). The metrics of a piece (or of a batch of short segments) are summed one after
 // the other while its mask is in the cache: the mask is read from memory once for all K.
 template <typename acc_t, typename scalar_t, typename mask_t>
-void segment_sums(const scalar_t* const* rows, const mask_t* m, const TokenLayout& layout, const Segments& seg, acc_t* out, int64_t* counts) {
+void segment_sums(const Rows<const scalar_t>& rows, const mask_t* m, const TokenLayout& layout, const Segments& seg, acc_t* out, int64_t* counts) {
   const int64_t num_metrics = layout.num_metrics;
   const int64_t num_tokens = layout.num_tokens;
   const int64_t num_segments = layout.num_segments;
@@ -273,7 +285,7 @@ void segment_sums(const scalar_t* const* rows, const mask_t* m, const TokenLayou
 
 // rows[k]: metric k's output.
 template <typename scalar_t, typename acc_t, typename mask_t>
-void expand_to_tokens(scalar_t* const* rows, const mask_t* m, const TokenLayout& layout, const Segments& seg, const acc_t* coef) {
+void expand_to_tokens(const Rows<scalar_t>& rows, const mask_t* m, const TokenLayout& layout, const Segments& seg, const acc_t* coef) {
   const int64_t num_segments = layout.num_segments;
   const int64_t num_tokens = layout.num_tokens;
   const PiecePlan plan(seg, num_segments, layout.max_segment_tokens);
@@ -333,22 +345,16 @@ void count_kept(const mask_t* m, const TokenLayout& layout, const Segments& seg,
 void segment_sums_entry(const KernelArgs& a, void* out, int64_t* counts) {
   dispatch_kernel_types(a.values_dtype, a.mask_kind, [&]<typename S, typename M>(type_tag<S>, type_tag<M>) {
     using acc_t = acc_t_of<S>;
-    std::vector<const S*> rows(static_cast<size_t>(a.layout.num_metrics));
-    for (int64_t k = 0; k < a.layout.num_metrics; ++k) {
-      rows[k] = a.value_rows ? static_cast<const S*>(a.value_rows[k]) : static_cast<const S*>(a.values) + k * a.layout.num_tokens;
-    }
-    segment_sums<acc_t>(rows.data(), static_cast<const M*>(a.mask), a.layout, a.seg, static_cast<acc_t*>(out), counts);
+    const Rows<const S> rows{static_cast<const S*>(a.values), a.layout.num_tokens, a.value_rows};
+    segment_sums<acc_t>(rows, static_cast<const M*>(a.mask), a.layout, a.seg, static_cast<acc_t*>(out), counts);
   });
 }
 
 void expand_to_tokens_entry(const KernelArgs& a, const void* coef, void* out, void* const* out_rows) {
   dispatch_kernel_types(a.values_dtype, a.mask_kind, [&]<typename S, typename M>(type_tag<S>, type_tag<M>) {
     using acc_t = acc_t_of<S>;
-    std::vector<S*> rows(static_cast<size_t>(a.layout.num_metrics));
-    for (int64_t k = 0; k < a.layout.num_metrics; ++k) {
-      rows[k] = out_rows ? static_cast<S*>(out_rows[k]) : static_cast<S*>(out) + k * a.layout.num_tokens;
-    }
-    expand_to_tokens<S, acc_t>(rows.data(), static_cast<const M*>(a.mask), a.layout, a.seg, static_cast<const acc_t*>(coef));
+    const Rows<S> rows{static_cast<S*>(out), a.layout.num_tokens, out_rows};
+    expand_to_tokens<S, acc_t>(rows, static_cast<const M*>(a.mask), a.layout, a.seg, static_cast<const acc_t*>(coef));
   });
 }
 

@@ -277,7 +277,7 @@ void masked_sums_f32_avx512_group(const float* v, const mask_t* m, const Segment
 // segment s is shorter than kBlock.
 template <typename mask_t>
 int64_t long_segments_f32_avx512(
-    const float* const* rows,
+    const Rows<const float>& rows,
     const mask_t* m,
     const TokenLayout& layout,
     const Segments& seg,
