@@ -4,7 +4,11 @@ CPU-only library, and, with ``--cuda``, the CUDA kernels per architecture (scrip
 The library itself is stripped, so the functions are counted in the objects it is linked from: the
 ``lossagg_ops`` objects of a CMake tree (default: build/native, the tree ``make test`` builds for the C++
 tests from the same sources as the library), every defined text or weak symbol whose demangled name holds
-``lossagg::``, each name once (an inline function emitted in several objects is one function).
+``lossagg::``, each name once (an inline function emitted in several objects is one function). Where the tree
+also compiled the CUDA kernels (``TORCH_CUDA_ARCH_LIST``), the kernels are counted from the host entries nvcc
+gives each kernel instantiation in that object (one per kernel, whatever the architectures); ``--cuda`` instead
+compiles them for sm_90 and counts what ptxas reports (scripts/cuda_report.py), with no CUDA build needed here.
+scripts/ctest.sh runs this after it builds the tree.
 
     python scripts/build_counts.py [--tree build/native] [--cuda]
 
@@ -38,6 +42,23 @@ def lossagg_symbols(tree: str) -> set[str]:
     return names
 
 
+def cuda_kernels(tree: str) -> int | None:
+    """Kernel instantiations compiled into the tree's ops_cuda.cu object (None when it has none): the host
+    entries ``lossagg::cuda::*_kernel<...>`` nvcc defines for each, their clones (``.cold``) left out."""
+    obj = os.path.join(tree, "CMakeFiles", "lossagg_ops.dir", "csrc", "cuda", "ops_cuda.cu.o")
+    cache = os.path.join(tree, "CMakeCache.txt")
+    # an object left by an earlier CUDA build of a tree now configured without CUDA is not counted
+    if not os.path.exists(obj) or not os.path.exists(cache) or "LOSSAGG_CUDA:BOOL=ON" not in open(cache).read():
+        return None
+    out = subprocess.run(["nm", "--defined-only", obj], capture_output=True, text=True, check=True).stdout
+    names = set()
+    for line in out.splitlines():
+        parts = line.split(" ", 2)
+        if len(parts) == 3 and parts[1] in ("t", "T") and re.match(r"_ZN7lossagg4cudaL?\d+\w*_kernelI", parts[2]) and "." not in parts[2]:
+            names.add(parts[2])
+    return len(names)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tree", default=os.path.join(ROOT, "build", "native"), help="a CMake tree that built lossagg_ops (default build/native)")
@@ -49,6 +70,10 @@ def main(argv=None) -> int:
         return 2
     over = len(symbols) > SYMBOL_LIMIT
     print(f"lossagg functions in the CPU-only library: {len(symbols)} (limit {SYMBOL_LIMIT}) from {args.tree}")
+    compiled = cuda_kernels(args.tree)
+    if compiled is not None and not args.cuda:
+        over = over or compiled > KERNEL_LIMIT
+        print(f"CUDA kernels compiled into {args.tree}: {compiled} per architecture (limit {KERNEL_LIMIT})")
     if args.cuda:
         done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "cuda_report.py")], capture_output=True, text=True)
         found = re.search(r"(\d+) kernels for sm_(\d+)", done.stdout)

@@ -4,6 +4,7 @@
 # only the two test programs are. The tests run on every core (ctest -j):
 #   lossagg_cpp_test            the ops through the dispatcher, as a libtorch user calls them
 #   lossagg_cuda_host_test_*    the CUDA kernels' source run on the CPU, in shards
+# then scripts/build_counts.py: the build's size against its limits (fails the step when over).
 # LOSSAGG_TEST_TIER=full runs the emulated CUDA test's full tier (1200 generated cases and 200
 # invalid tables; the default tier is 200 and 60, about half a minute on 2 cores).
 set -euo pipefail
@@ -21,3 +22,5 @@ cmp -s "$BUILD/liblossagg_ops.so" lossagg/liblossagg_ops.so \
   || { echo "ctest: $BUILD/liblossagg_ops.so differs from lossagg/liblossagg_ops.so (rebuild with scripts/setup.sh)" >&2; exit 1; }
 echo "ctest: emulated CUDA test with $cases cases and $bad_tables invalid tables (${LOSSAGG_TEST_TIER:-default} tier)"
 ctest --test-dir "$BUILD" --output-on-failure -j "$(nproc)"
+# the build's size against its limits (lossagg functions in the CPU-only library, CUDA kernels when compiled)
+"${PYTHON:-python3}" scripts/build_counts.py --tree "$BUILD"

@@ -93,7 +93,9 @@ def table(rows: list[dict], arch: str, seconds: float) -> str:
         f"{spills} with spills; theoretical occupancy at {BLOCK_THREADS} threads per block. "
         f"`make cuda-report` ({seconds:.0f} s to compile ops_cuda.cu on this machine).",
         "",
-        "Kernels: `segment_sum_tiles<acc, values, mask>`, `segment_sum_fixup<reduce?, acc>`, `expand_tiles<values, acc, mask, coefficient>`.",
+        "Kernels: `segment_sum_tiles<acc, values, mask>` and `expand_tiles<values, acc, mask>` (one each per (values, mask) pair, "
+        "serving every op: rows of one [K, T] array or the terms' own, any op's coefficient), `segment_sum_fixup<reduce?, acc>`, "
+        "`terms_total<acc>`.",
         "",
         "| kernel | registers | stack (B) | spill stores / loads (B) | static smem (B) | occupancy |",
         "|---|---:|---:|---:|---:|---:|",

@@ -30,15 +30,15 @@ inline dim3 fixup_grid(int64_t num_segments, int64_t num_metrics) {
 // Segment sums of values (Rows: the rows of one [K, ntok] array, or the terms' own arrays)
 // into out ([K, B], acc_t). With denoms != nullptr (K == 1), also writes sum_s out[s] /
 // denoms[s] into *result; with counts != nullptr, the kept tokens of each segment into counts
-// ([B], int64). Two launches: the tile pass and the fix-up. TermRows run every metric in
-// each warp (one block row). Returns the flag (device memory) the tiles set when cu_seqlens is
-// inconsistent.
-template <typename acc_t, typename Device, typename Rows, typename mask_t>
+// ([B], int64). Two launches: the tile pass and the fix-up. Rows of their own run every metric
+// in each warp (one block row). Returns the flag (device memory) the tiles set when cu_seqlens
+// is inconsistent.
+template <typename acc_t, typename Device, typename scalar_t, typename mask_t>
 unsigned int* segment_sum_passes(
     Device& dev,
     const TokenLayout& layout,
     const Segments& seg,
-    Rows values,
+    const Rows<const scalar_t>& values,
     const mask_t* mask,
     acc_t* out,
     const acc_t* denoms,
@@ -67,10 +67,8 @@ unsigned int* segment_sum_passes(
   unsigned int* counter = bad_table + 1;
   dev.zero(bad_table, 2 * sizeof(unsigned int));
   if (tiles > 0) {
-    using scalar_t = std::remove_cv_t<std::remove_pointer_t<decltype(values(0, 0))>>;
-    constexpr bool kTermRows = std::is_same_v<Rows, TermRows<const scalar_t>>;
     dev.launch(
-        segment_sum_tiles_kernel<acc_t, scalar_t, mask_t, Rows>, tile_grid(tiles, kTermRows ? 1 : K), dim3(kThreads), values, mask, seg, B,
+        segment_sum_tiles_kernel<acc_t, scalar_t, mask_t>, tile_grid(tiles, values.base == nullptr ? 1 : K), dim3(kThreads), values, mask, seg, B,
         layout.num_tokens, K, tiles, out, first_partial, last_partial, bad_table, counts, first_count, last_count);
   }
   if (reduce) {
@@ -90,8 +88,7 @@ unsigned int* segment_sum_passes(
 // segment_sum: out [K, B].
 template <typename acc_t, typename Device, typename scalar_t, typename mask_t>
 void launch_segment_sum(Device& dev, const TokenLayout& layout, const Segments& seg, const scalar_t* values, const mask_t* mask, acc_t* out) {
-  segment_sum_passes<acc_t>(
-      dev, layout, seg, StridedRows<const scalar_t>{values}, mask, out, static_cast<const acc_t*>(nullptr), static_cast<acc_t*>(nullptr));
+  segment_sum_passes<acc_t>(dev, layout, seg, strided_rows(values), mask, out, static_cast<const acc_t*>(nullptr), static_cast<acc_t*>(nullptr));
 }
 
 // segment_sum_and_count: out [K, B] and counts [B] (kept tokens of each segment) from the
@@ -100,7 +97,7 @@ template <typename acc_t, typename Device, typename scalar_t, typename mask_t>
 void launch_segment_sum_and_count(
     Device& dev, const TokenLayout& layout, const Segments& seg, const scalar_t* values, const mask_t* mask, acc_t* out, int64_t* counts) {
   segment_sum_passes<acc_t>(
-      dev, layout, seg, StridedRows<const scalar_t>{values}, mask, out, static_cast<const acc_t*>(nullptr), static_cast<acc_t*>(nullptr), counts);
+      dev, layout, seg, strided_rows(values), mask, out, static_cast<const acc_t*>(nullptr), static_cast<acc_t*>(nullptr), counts);
 }
 
 // reduce: *result = sum_s segment_sum[s] / denoms[s]; the per-sample sums live in the workspace.
@@ -108,26 +105,27 @@ template <typename acc_t, typename Device, typename scalar_t, typename mask_t>
 void launch_reduce(
     Device& dev, const TokenLayout& layout, const Segments& seg, const scalar_t* values, const mask_t* mask, const acc_t* denoms, acc_t* result) {
   acc_t* sums = static_cast<acc_t*>(dev.workspace(std::max<int64_t>(layout.num_segments, 1) * static_cast<int64_t>(sizeof(acc_t))));
-  segment_sum_passes<acc_t>(dev, layout, seg, StridedRows<const scalar_t>{values}, mask, sums, denoms, result);
+  segment_sum_passes<acc_t>(dev, layout, seg, strided_rows(values), mask, sums, denoms, result);
 }
 
 // out(k)[t] = mask_weight(mask[t]) * coef(k, s(t)), out the rows of one [K, ntok] array (or
-// Rows of the terms' own tensors). One launch.
-template <typename scalar_t, typename acc_t, typename Device, typename mask_t, typename Coef, typename Rows = StridedRows<scalar_t>>
-void launch_expand_rows(Device& dev, const TokenLayout& layout, const Segments& seg, Rows out, const mask_t* mask, Coef coef) {
+// the terms' own tensors). One launch.
+template <typename scalar_t, typename acc_t, typename Device, typename mask_t>
+void launch_expand_rows(
+    Device& dev, const TokenLayout& layout, const Segments& seg, const Rows<scalar_t>& out, const mask_t* mask, const Coefficient<acc_t>& coef) {
   const int64_t tiles = num_tiles(layout.num_tokens);
   if (tiles == 0 || layout.num_metrics == 0) {
     return;
   }
   dev.launch(
-      expand_tiles_kernel<scalar_t, acc_t, mask_t, Coef, Rows>, tile_grid(tiles, layout.num_metrics), dim3(kThreads), out, mask, seg,
-      layout.num_segments, layout.num_tokens, layout.num_metrics, tiles, coef);
+      expand_tiles_kernel<scalar_t, acc_t, mask_t>, tile_grid(tiles, layout.num_metrics), dim3(kThreads), out, mask, seg, layout.num_segments,
+      layout.num_tokens, layout.num_metrics, tiles, coef);
 }
 
 // out[k, t] = mask_weight(mask[t]) * coef(k, s(t)), out [K, ntok]. One launch.
-template <typename scalar_t, typename acc_t, typename Device, typename mask_t, typename Coef>
-void launch_expand(Device& dev, const TokenLayout& layout, const Segments& seg, scalar_t* out, const mask_t* mask, Coef coef) {
-  launch_expand_rows<scalar_t, acc_t>(dev, layout, seg, StridedRows<scalar_t>{out}, mask, coef);
+template <typename scalar_t, typename acc_t, typename Device, typename mask_t>
+void launch_expand(Device& dev, const TokenLayout& layout, const Segments& seg, scalar_t* out, const mask_t* mask, const Coefficient<acc_t>& coef) {
+  launch_expand_rows<scalar_t, acc_t>(dev, layout, seg, strided_rows(out), mask, coef);
 }
 
 // reduce_terms over the K terms of `layout` (num_metrics = K), term k's values at rows[k] (a
@@ -152,7 +150,7 @@ void launch_reduce_terms(
   acc_t* sums = static_cast<acc_t*>(dev.workspace(std::max<int64_t>(K * B, 1) * static_cast<int64_t>(sizeof(acc_t))));
   for (int64_t k0 = 0; k0 < K; k0 += kMaxTermRows) {
     const int64_t n = std::min<int64_t>(kMaxTermRows, K - k0);
-    TermRows<const scalar_t> chunk{};
+    Rows<const scalar_t> chunk{};
     TermCoefficients c{};
     for (int64_t j = 0; j < n; ++j) {
       chunk.row[j] = rows[k0 + j];
@@ -185,14 +183,14 @@ void launch_reduce_terms_backward(
   for (int64_t k0 = 0; k0 < K; k0 += kMaxTermRows) {
     const int64_t n = std::min<int64_t>(kMaxTermRows, K - k0);
     TermCoefficients c{};
-    TermRows<scalar_t> rows{};
+    Rows<scalar_t> rows{};
     for (int64_t j = 0; j < n; ++j) {
       c.c[j] = coefficients[k0 + j];
       rows.row[j] = out[k0 + j];
     }
     TokenLayout part = layout;
     part.num_metrics = n;
-    launch_expand_rows<scalar_t, acc_t>(dev, part, seg, rows, mask, TermGrad<acc_t>{grad, denoms, weights, c, k0, layout.num_segments});
+    launch_expand_rows<scalar_t, acc_t>(dev, part, seg, rows, mask, term_grad_of<acc_t>(grad, denoms, weights, c, k0, layout.num_segments));
   }
 }
 

@@ -77,7 +77,7 @@ Tensor segment_sum_backward(const BackwardArgs& args, ScalarType values_dtype) {
     using acc_t = acc_t_of<S>;
     launch_expand<S, acc_t>(
         dev, call.layout, call.segments(), out.mutable_data_ptr<S>(), call.mask_data<M>(),
-        SegmentGrad<acc_t>{g.const_data_ptr<acc_t>(), call.layout.num_segments});
+        segment_grad(g.const_data_ptr<acc_t>(), call.layout.num_segments));
   });
   return out;
 }
@@ -93,7 +93,7 @@ Tensor reduce_backward(const BackwardArgs& args, ScalarType values_dtype) {
     using acc_t = acc_t_of<S>;
     launch_expand<S, acc_t>(
         dev, call.layout, call.segments(), out.mutable_data_ptr<S>(), call.mask_data<M>(),
-        GradOverDenom<acc_t>{g.const_data_ptr<acc_t>(), d.const_data_ptr<acc_t>()});
+        grad_over_denom(g.const_data_ptr<acc_t>(), d.const_data_ptr<acc_t>()));
   });
   return out;
 }

@@ -245,37 +245,51 @@ lane_masked_sum(const scalar_t* __restrict__ v, const mask_t* __restrict__ m, in
   return acc;
 }
 
-// Where metric k's values lie. StridedRows: the rows of one [K, T] array (segment_sum, with
-// grid.y over the metrics). TermRows: up to kMaxTermRows arrays of their own, the terms of
-// reduce_terms read where they lie, launched with one block row so that each warp sums every
-// term over its tile while the tile's mask is in its L1 (the mask is read from memory once).
-// The same two for the outputs of the backward kernels (T non-const). Row k of a [K, T] array
-// is base + k * num_tokens: the kernel's own num_tokens, so that StridedRows is one pointer and
-// the kernels keep the code (and registers) they had with a plain pointer.
-template <typename T>
-struct StridedRows {
-  T* base;
-  __device__ __forceinline__ T* operator()(int64_t k, int64_t num_tokens) const { return base + k * num_tokens; }
-};
-
+// Where metric k's values lie: the rows of one [K, T] array (`base`, row k at base + k *
+// num_tokens: segment_sum, reduce, their backward, with grid.y over the metrics), or up to
+// kMaxTermRows arrays of their own (`row`, base null: reduce_terms and its backward, read where
+// they lie, launched with one block row so that each warp sums every term over its tile while
+// the tile's mask is in its L1, and the mask is read from memory once). One type for both, so
+// each (values, mask) pair has one tile kernel and one expand kernel for every op: the branch
+// is per metric, never per token.
 constexpr int kMaxTermRows = 8;
 
+// Element k of a kernel parameter's small array, picked by selects over constant indices: a
+// dynamic index into a parameter array would copy the array to the thread's stack first.
 template <typename T>
-struct TermRows {
+__device__ __forceinline__ T pick(const T (&a)[kMaxTermRows], int64_t k) {
+  T x = a[0];
+#pragma unroll
+  for (int j = 1; j < kMaxTermRows; ++j) {
+    x = k == j ? a[j] : x;
+  }
+  return x;
+}
+
+template <typename T>
+struct Rows {
+  T* base;
   T* row[kMaxTermRows];
-  __device__ __forceinline__ T* operator()(int64_t k, int64_t) const { return row[k]; }
+  __device__ __forceinline__ T* operator()(int64_t k, int64_t num_tokens) const { return base != nullptr ? base + k * num_tokens : pick(row, k); }
 };
 
+template <typename T>
+__host__ inline Rows<T> strided_rows(T* base) {
+  Rows<T> r{};
+  r.base = base;
+  return r;
+}
+
 // Pass 1 of segment sums. grid: (ceil(tiles / kWarpsPerBlock), min(K, kMaxGridY)), or
-// (…, 1) for TermRows. out[k, s] for segments inside one tile; first_partial / last_partial [K, tiles] for the
+// (…, 1) for rows of their own. out[k, s] for segments inside one tile; first_partial / last_partial [K, tiles] for the
 // tile's first segment (if it starts before the tile or ends after it) and for its last
 // segment (if it ends after the tile). With counts (segment_sum_and_count), the kept
 // tokens go the same way, for metric 0: counts[s], or first_count / last_count [tiles].
 // A tile over which cu_seqlens is inconsistent sets *bad_table (a plain integer store; the
 // fix-up then writes NaN).
-template <typename acc_t, typename scalar_t, typename mask_t, typename Rows>
+template <typename acc_t, typename scalar_t, typename mask_t>
 __global__ void segment_sum_tiles_kernel(
-    Rows values,
+    Rows<const scalar_t> values,
     const mask_t* __restrict__ mask,
     Segments seg,
     int64_t num_segments,
@@ -455,22 +469,73 @@ __global__ void segment_sum_fixup_kernel(
   }
 }
 
+// The coefficient of token t of segment s in metric k's gradient, for every backward op: one
+// type, chosen per op by `kind` (a branch per segment, never per token), each kind computing
+// exactly what that op's gradient is.
+//   segment:   segment_sum_backward, each segment's incoming gradient grad [K, B];
+//   over_denom: reduce_backward, the scalar incoming gradient (read on the device: no host sync)
+//              over the sample's denominator;
+//   term:      reduce_terms_backward, for the terms [k0, k0 + kMaxTermRows) of a call:
+//              ((grad * c_k) / d[k, s]) * w[k, s] (no w: the quotient) by term_grad.
+struct TermCoefficients {
+  double c[kMaxTermRows];
+};
+
+enum class CoefficientKind : int { segment, over_denom, term };
+
+template <typename acc_t>
+struct Coefficient {
+  CoefficientKind kind;
+  const acc_t* grad;
+  const acc_t* denoms;   // over_denom: [B]; term: [K, B]
+  const acc_t* weights;  // term: [K, B] or null
+  TermCoefficients coefficients;
+  int64_t k0;
+  int64_t num_segments;
+  __device__ acc_t operator()(int64_t k, int64_t s) const {
+    switch (kind) {
+      case CoefficientKind::segment:
+        return grad[k * num_segments + s];
+      case CoefficientKind::over_denom:
+        return *grad / denoms[s];
+      default: {
+        const int64_t i = (k0 + k) * num_segments + s;
+        return term_grad(*grad, pick(coefficients.c, k), denoms[i], weights != nullptr ? weights + i : nullptr);
+      }
+    }
+  }
+};
+
+template <typename acc_t>
+__host__ inline Coefficient<acc_t> segment_grad(const acc_t* grad, int64_t num_segments) {
+  return {CoefficientKind::segment, grad, nullptr, nullptr, {}, 0, num_segments};
+}
+template <typename acc_t>
+__host__ inline Coefficient<acc_t> grad_over_denom(const acc_t* grad, const acc_t* denoms) {
+  return {CoefficientKind::over_denom, grad, denoms, nullptr, {}, 0, 0};
+}
+template <typename acc_t>
+__host__ inline Coefficient<acc_t> term_grad_of(
+    const acc_t* grad, const acc_t* denoms, const acc_t* weights, const TermCoefficients& c, int64_t k0, int64_t num_segments) {
+  return {CoefficientKind::term, grad, denoms, weights, c, k0, num_segments};
+}
+
 // Backward: out(k)[t] = mask_weight(m[t]) * coef(k, s(t)), 0 where the mask is 0 (Rows: the
-// rows of one [K, T] array, or up to kMaxTermRows tensors of their own).
+// rows of one [K, T] array, or up to kMaxTermRows tensors of their own; Coefficient: any op's).
 // grid: (ceil(tiles / kWarpsPerBlock), min(K, kMaxGridY)). Every token of the tile is
 // written: with an invalid cu_seqlens (device checks off) the tiles that see it are all
 // NaN (every lane's stores of the walk ordered before the fill), so the gradient holds NaN
 // and never unwritten memory.
-template <typename scalar_t, typename acc_t, typename mask_t, typename Coef, typename Rows>
+template <typename scalar_t, typename acc_t, typename mask_t>
 __global__ void expand_tiles_kernel(
-    Rows out,
+    Rows<scalar_t> out,
     const mask_t* __restrict__ mask,
     Segments seg,
     int64_t num_segments,
     int64_t num_tokens,
     int64_t num_metrics,
     int64_t tiles,
-    Coef coef) {
+    Coefficient<acc_t> coef) {
   constexpr int VEC = vec_width<scalar_t>();
   WarpTile t;
   if (!warp_tile(tiles, num_tokens, t)) {
@@ -525,10 +590,6 @@ __global__ void expand_tiles_kernel(
 // term (scaled_part). Thread j computes the totals of blocks j, j + kThreads, ...; thread 0 adds
 // them in order. Deterministic; with an inconsistent cu_seqlens (bad_table, set by the tiles;
 // or a segment's own offsets, whose sum the fix-up made NaN) J_k and J are NaN.
-struct TermCoefficients {
-  double c[kMaxTermRows];
-};
-
 template <typename acc_t>
 __global__ void terms_total_kernel(
     const acc_t* __restrict__ sums,
@@ -573,44 +634,10 @@ __global__ void terms_total_kernel(
     if (threadIdx.x == 0) {
       const acc_t part = table_bad ? quiet_nan<acc_t>() : total;
       parts[k] = part;
-      const acc_t scaled = scaled_part(part, coefficients.c[j]);
+      const acc_t scaled = scaled_part(part, pick(coefficients.c, j));
       *result = k == 0 ? scaled : *result + scaled;
     }
   }
 }
-
-// Coefficients of the backward kernels.
-// segment_sum_backward: each segment's incoming gradient, grad [K, B].
-template <typename acc_t>
-struct SegmentGrad {
-  const acc_t* grad;
-  int64_t num_segments;
-  __device__ acc_t operator()(int64_t k, int64_t s) const { return grad[k * num_segments + s]; }
-};
-
-// reduce_backward: the scalar incoming gradient (read on the device: no host sync)
-// over the sample's denominator.
-template <typename acc_t>
-struct GradOverDenom {
-  const acc_t* grad;
-  const acc_t* denoms;
-  __device__ acc_t operator()(int64_t, int64_t s) const { return *grad / denoms[s]; }
-};
-
-// reduce_terms_backward, for the terms [k0, k0 + kMaxTermRows) of a call: ((grad * c_k) /
-// d[k, s]) * w[k, s] (no w: the quotient) by term_grad, the incoming gradient read on the device.
-template <typename acc_t>
-struct TermGrad {
-  const acc_t* grad;
-  const acc_t* denoms;   // [K, B]
-  const acc_t* weights;  // [K, B] or null
-  TermCoefficients coefficients;
-  int64_t k0;
-  int64_t num_segments;
-  __device__ acc_t operator()(int64_t j, int64_t s) const {
-    const int64_t i = (k0 + j) * num_segments + s;
-    return term_grad(*grad, coefficients.c[j], denoms[i], weights != nullptr ? weights + i : nullptr);
-  }
-};
 
 }  // namespace lossagg::cuda

@@ -428,7 +428,7 @@ void run_case(const Case& c, uint64_t case_seed) {
   std::fill(grad.data, grad.data + c.K * c.T, static_cast<S>(12345.0));
   {
     HostDevice dev;
-    lossagg::cuda::launch_expand<S, acc_t>(dev, layout, seg, grad.data, in.mask.data, lossagg::cuda::SegmentGrad<acc_t>{g.data(), c.B});
+    lossagg::cuda::launch_expand<S, acc_t>(dev, layout, seg, grad.data, in.mask.data, lossagg::cuda::segment_grad<acc_t>(g.data(), c.B));
   }
   bool grad_ok = true;
   for (int64_t k = 0; k < c.K; ++k) {
@@ -448,7 +448,7 @@ void run_case(const Case& c, uint64_t case_seed) {
   {
     HostDevice dev;
     lossagg::cuda::launch_expand<S, acc_t>(
-        dev, one, seg, rgrad.data, in.mask.data, lossagg::cuda::GradOverDenom<acc_t>{&upstream, denoms_acc.data()});
+        dev, one, seg, rgrad.data, in.mask.data, lossagg::cuda::grad_over_denom<acc_t>(&upstream, denoms_acc.data()));
   }
   bool rgrad_ok = true;
   for (int64_t s = 0; s < c.B; ++s) {
@@ -480,7 +480,7 @@ void expect_tiles_all_nan_or_none(const Case& c, const In& in, const Seg& seg, c
     {
       HostDevice dev(BlockOrder::InOrder, 7, lanes);
       lossagg::cuda::launch_expand<S, acc_t>(
-          dev, layout, seg, grad.data, in.mask.data, lossagg::cuda::GradOverDenom<acc_t>{&upstream, denoms.data()});
+          dev, layout, seg, grad.data, in.mask.data, lossagg::cuda::grad_over_denom<acc_t>(&upstream, denoms.data()));
     }
     std::vector<double> g(grad.data, grad.data + c.T);
     bool g_nan = false, g_written = true, tiles_whole = true;
@@ -670,7 +670,7 @@ int main(int argc, char** argv) {
     std::vector<float> grad(5, 12345.0f);
     float upstream = 1.0f;
     lossagg::cuda::launch_expand<float, float>(
-        dev, in.layout(c), in.segments(c), grad.data(), in.mask.data, lossagg::cuda::GradOverDenom<float>{&upstream, nullptr});
+        dev, in.layout(c), in.segments(c), grad.data(), in.mask.data, lossagg::cuda::grad_over_denom<float>(&upstream, nullptr));
     bool all_nan = true;
     for (float x : grad) {
       all_nan = all_nan && std::isnan(x);
@@ -703,7 +703,7 @@ int main(int argc, char** argv) {
     std::vector<float> grad(static_cast<size_t>(c.K * c.T), 12345.0f);
     HostDevice dev2;
     lossagg::cuda::launch_expand<float, float>(
-        dev2, in.layout(c), in.segments(c), grad.data(), in.mask.data, lossagg::cuda::SegmentGrad<float>{g.data(), c.B});
+        dev2, in.layout(c), in.segments(c), grad.data(), in.mask.data, lossagg::cuda::segment_grad<float>(g.data(), c.B));
     bool gok = true;
     for (int64_t k = 0; k < c.K; ++k) {
       for (int64_t t = 0; t < c.T; ++t) {
