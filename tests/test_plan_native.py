@@ -31,7 +31,7 @@ def config_for(mode: str, empty: str, term: bool) -> lossagg.LossAggregationConf
     return lossagg.LossAggregationConfig(**settings)
 
 
-def step_of(n_groups: int, seed: int, labels: str, dtype):
+def step_of(n_groups: int, seed: int, labels: str, dtype, shuffled: bool = True):
     g = torch.Generator().manual_seed(seed)
     n = n_groups * GROUP
     counts = torch.randint(0, 50, (n,), generator=g)
@@ -42,6 +42,8 @@ def step_of(n_groups: int, seed: int, labels: str, dtype):
         group, session = group * 1_000_003 - 7, session * 999_983 + 2**40
     elif labels == "negative":
         group, session = -group - 5, -session
+    if not shuffled:  # each group's and session's samples side by side, as trainers give them: runs of one label
+        return counts.to(dtype), group, session
     perm = torch.randperm(n, generator=g)  # samples in any order
     return counts[perm].to(dtype), group[perm], session[perm]
 
@@ -66,9 +68,15 @@ def same(a, b) -> bool:
 def test_the_native_route_gives_the_python_routes_plan(mode, monkeypatch):
     for empty in ("count", "skip"):
         for term in (False, True):
-            for seed, labels, dtype, groups in ((0, "dense", torch.int64, 3), (1, "sparse", torch.float64, 5), (2, "negative", torch.int64, 1)):
+            for seed, labels, dtype, groups, shuffled in (
+                (0, "dense", torch.int64, 3, True),
+                (1, "sparse", torch.float64, 5, True),
+                (2, "negative", torch.int64, 1, True),
+                (3, "dense", torch.int64, 9, False),
+                (4, "sparse", torch.float64, 6, False),
+            ):
                 config = config_for(mode, empty, term)
-                counts, group, session = step_of(groups, seed, labels, dtype)
+                counts, group, session = step_of(groups, seed, labels, dtype, shuffled)
                 fast = plan(config, counts, group, session)
                 with monkeypatch.context() as m:
                     python_route(m)
@@ -128,6 +136,27 @@ def test_a_step_the_native_pass_declines_is_the_python_routes(case, monkeypatch)
         with pytest.raises(ValueError) as slow:
             lossagg.StepPlan(config, counts, **kwargs)
     assert str(fast.value) == str(slow.value) and needle in str(fast.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64])
+def test_a_total_beyond_2_53_is_the_python_routes(dtype, monkeypatch):
+    """The native pass adds the counts in lanes, exact only while the total stays below 2**53: beyond, it declines
+    the step and the plan is the Python route's."""
+    counts = torch.tensor([2**52 - 1, 2**52 - 3, 2**51 + 1, 5, 0, 2**50 + 7], dtype=dtype)
+    calls = []
+    real = step_module.native_plan_totals
+    monkeypatch.setattr(step_module, "native_plan_totals", lambda *a: calls.append(real(*a)[0].item()) or real(*a))
+    config = config_for("token_mean", "count", False)
+    fast = lossagg.StepPlan(config, counts)
+    assert calls == [8.0]  # declined: the total is not exact in any order
+    with monkeypatch.context() as m:
+        python_route(m)
+        slow = lossagg.StepPlan(config, counts)
+    assert same(fast.totals["total_tokens"], slow.totals["total_tokens"]) and same(fast.sample_denoms, slow.sample_denoms)
+    below = torch.div(counts, 4, rounding_mode="floor")  # total < 2**53: served
+    calls.clear()
+    lossagg.StepPlan(config, below)
+    assert calls and calls[0] in (0.0, 7.0)
 
 
 def test_fractional_counts_are_served_by_the_python_route(monkeypatch):

@@ -4,21 +4,23 @@
 // its denominators without a process group (lossagg/step.py, the native route).
 //
 // Registered for the CPU only; every other case (a process group, counts on a device, weights, a mode whose
-// d[i] is a function) takes the Python route, and so does a step this route declines (a status in 1..6
+// d[i] is a function) takes the Python route, and so does a step this route declines (a status in 1..6 or 8
 // below): the Python route then raises the error that names the problem, or serves the step. Sums are taken
 // in the samples' order over whole-number counts, so they are exact, and each d[i] multiplies its factors in
 // their declared order: the Python route's numbers bit for bit (tests/test_plan_native.py).
 #include "../torch_api.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <unordered_map>
 #include <vector>
 
 namespace lossagg::cpu {
 namespace {
 
-// What the route declines (the Python route then raises, naming it, or serves the step), and 7, served.
+// What the route declines (the Python route then raises, naming it, or serves the step: 1..6 and 8), and 7, served.
 enum Status : int64_t {
   kServed = 0,
   kCountNotWhole = 1,       // a count that is not finite, below 0 or not a whole number below 2**53
@@ -27,7 +29,8 @@ enum Status : int64_t {
   kSessionsPerGroup = 4,    // a prompt group with another number of sessions than n_samples_per_prompt
   kTooManyForTheCheck = 5,  // beyond the exact range of the Python route's check that a session lies in one group
   kDenomNotPositive = 6,    // a d[i] that is not finite and > 0 (the Python route names it)
-  kServedNotFloat32 = 7     // served; some d[i] is not a normal finite float32, so the float32 table is d itself
+  kServedNotFloat32 = 7,    // served; some d[i] is not a normal finite float32, so the float32 table is d itself
+  kTotalNotExact = 8        // the step's tokens add up to 2**53 or more, where a sum's order changes its rounding
 };
 
 // The scalars first in the output: status, N, N', T, L_max, P, P', S, S'.
@@ -41,7 +44,8 @@ constexpr int64_t kDivisor = -1, kCounts = -2, kFactorFields = 4;
 constexpr double kWhole = 9007199254740992.0;  // 2**53
 
 // Dense ids (0, 1, ...) of the labels, in any order: by direct address when the labels span little more than
-// the samples, else by a hash map. Returns the number of distinct labels.
+// the samples, else by a hash map. A label is looked up only where it differs from the sample before (a step's
+// samples of one prompt group or session usually lie side by side). Returns the number of distinct labels.
 int64_t dense_ids(const int64_t* labels, int64_t n, std::vector<int64_t>& ids) {
   ids.resize(n);
   if (n == 0) {
@@ -56,67 +60,143 @@ int64_t dense_ids(const int64_t* labels, int64_t n, std::vector<int64_t>& ids) {
   const uint64_t span = static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo);  // unsigned: no overflow
   if (span <= static_cast<uint64_t>(4 * n + 64)) {
     std::vector<int64_t> slot(span + 1, -1);
+    int64_t current = -1;
     for (int64_t i = 0; i < n; ++i) {
-      int64_t& s = slot[static_cast<uint64_t>(labels[i]) - static_cast<uint64_t>(lo)];
-      if (s < 0) {
-        s = distinct++;
+      if (i == 0 || labels[i] != labels[i - 1]) {
+        int64_t& s = slot[static_cast<uint64_t>(labels[i]) - static_cast<uint64_t>(lo)];
+        if (s < 0) {
+          s = distinct++;
+        }
+        current = s;
       }
-      ids[i] = s;
+      ids[i] = current;
     }
     return distinct;
   }
   std::unordered_map<int64_t, int64_t> slot;
   slot.reserve(static_cast<size_t>(n));
+  int64_t current = -1;
   for (int64_t i = 0; i < n; ++i) {
-    auto [it, added] = slot.try_emplace(labels[i], distinct);
-    distinct += added ? 1 : 0;
-    ids[i] = it->second;
+    if (i == 0 || labels[i] != labels[i - 1]) {
+      auto [it, added] = slot.try_emplace(labels[i], distinct);
+      distinct += added ? 1 : 0;
+      current = it->second;
+    }
+    ids[i] = current;
   }
   return distinct;
 }
 
-// The step's samples as the passes read them: counts, labels' dense ids and what each label holds.
+// Each label's samples, non-empty samples and tokens, added run by run (a run: consecutive samples of one label),
+// so that consecutive additions to one label's total do not wait on each other. Every addend is a whole number
+// and every total below 2**53 (the counts are checked so), so the sums are exact in any order.
+void label_sums(
+    const std::vector<int64_t>& id,
+    const std::vector<double>& counts,
+    int64_t labels,
+    std::vector<double>& size,
+    std::vector<double>& kept,
+    std::vector<double>& tokens) {
+  size.assign(labels, 0.0);
+  kept.assign(labels, 0.0);
+  tokens.assign(labels, 0.0);
+  const int64_t n = static_cast<int64_t>(id.size());
+  const int64_t* ids = id.data();
+  const double* c = counts.data();
+  for (int64_t i = 0; i < n;) {
+    const int64_t label = ids[i];
+    int64_t nonempty = 0;
+    double sum = 0.0;
+    int64_t j = i;
+    for (; j < n && ids[j] == label; ++j) {
+      nonempty += c[j] > 0.0;
+      sum += c[j];
+    }
+    size[label] += static_cast<double>(j - i);
+    kept[label] += static_cast<double>(nonempty);
+    tokens[label] += sum;
+    i = j;
+  }
+}
+
+// The step's samples as the passes read them: counts (as float64), labels' dense ids and what each label holds.
 struct Step {
   int64_t n = 0;
-  const int64_t* counts_long = nullptr;
-  const double* counts_double = nullptr;
+  std::vector<double> counts;
   std::vector<int64_t> g_id, s_id;
   std::vector<double> g_tokens, s_size, s_kept, s_tokens, g_held, g_held_kept;
 
-  double count(int64_t i) const { return counts_long ? static_cast<double>(counts_long[i]) : counts_double[i]; }
-
-  double per_sample(int64_t block, int64_t i) const {
-    switch (block) {
-      case 0:
-        return g_tokens[g_id[i]];
-      case 1:
-        return s_size[s_id[i]];
-      case 2:
-        return s_kept[s_id[i]];
-      case 3:
-        return s_tokens[s_id[i]];
-      case 4:
-        return g_held.empty() ? 0.0 : g_held[g_id[i]];
-      default:
-        return g_held_kept.empty() ? 0.0 : g_held_kept[g_id[i]];
+  // Per-sample block b (0..5, see kBlocks) into out [n].
+  void per_sample(int64_t block, double* out) const {
+    const std::vector<double>& table = block == 0   ? g_tokens
+                                       : block == 1 ? s_size
+                                       : block == 2 ? s_kept
+                                       : block == 3 ? s_tokens
+                                       : block == 4 ? g_held
+                                                    : g_held_kept;
+    const std::vector<int64_t>& id = block == 0 || block >= 4 ? g_id : s_id;
+    if (table.empty()) {  // the groups' sessions of a mode that does not read them
+      std::fill(out, out + n, 0.0);
+      return;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      out[i] = table[id[i]];
     }
   }
 };
+
+// The counts as float64 into step.counts; false when one is not a whole number in [0, 2**53).
+bool read_counts(Step& step, const int64_t* counts_long, const double* counts_double) {
+  const int64_t n = step.n;
+  step.counts.resize(n);
+  double* c = step.counts.data();
+  bool whole = true;
+  if (counts_long != nullptr) {
+    constexpr int64_t kWholeLong = int64_t(1) << 53;
+    for (int64_t i = 0; i < n; ++i) {
+      whole &= (counts_long[i] >= 0) & (counts_long[i] < kWholeLong);  // no branch: the loop vectorises
+      c[i] = static_cast<double>(counts_long[i]);
+    }
+    return whole;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const double x = counts_double[i];
+    // x in [0, 2**53) first, so the conversion to int64 is defined; a whole x converts back to itself
+    if (!(x >= 0.0) || !(x < kWhole) || static_cast<double>(static_cast<int64_t>(x)) != x) {
+      return false;
+    }
+    c[i] = x;
+  }
+  return true;
+}
 
 // The totals into o[1..8] and the labels' tables into `step`; a status when the route declines the step.
 Status totals(
     Step& step, const int64_t* groups_in, const int64_t* sessions_in, int64_t per_prompt, bool check_groups, bool sessions_in_groups, double* o) {
   const int64_t n = step.n;
-  double total = 0.0, longest = 0.0;
+  const double* c = step.counts.data();
+  // in four lanes, so that no addition waits on the one before: every count is a whole number below 2**53, so
+  // the total is exact in any order while it stays below 2**53, and the step is declined beyond
+  constexpr int kLanes = 4;
+  double lane_total[kLanes] = {}, lane_longest[kLanes] = {};
   int64_t nonempty = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const double x = step.count(i);
-    if (!(x >= 0.0) || !(x < kWhole) || x != std::floor(x)) {
-      return kCountNotWhole;
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      lane_total[l] += c[i + l];
+      lane_longest[l] = std::max(lane_longest[l], c[i + l]);
+      nonempty += c[i + l] > 0.0;
     }
-    total += x;
-    longest = std::max(longest, x);
-    nonempty += x > 0.0 ? 1 : 0;
+  }
+  for (; i < n; ++i) {
+    lane_total[0] += c[i];
+    lane_longest[0] = std::max(lane_longest[0], c[i]);
+    nonempty += c[i] > 0.0;
+  }
+  const double total = (lane_total[0] + lane_total[1]) + (lane_total[2] + lane_total[3]);
+  const double longest = std::max(std::max(lane_longest[0], lane_longest[1]), std::max(lane_longest[2], lane_longest[3]));
+  if (!(total < kWhole)) {
+    return kTotalNotExact;
   }
   o[1] = static_cast<double>(n);
   o[2] = static_cast<double>(nonempty);
@@ -125,14 +205,8 @@ Status totals(
   int64_t groups = 0;
   if (groups_in != nullptr) {
     groups = dense_ids(groups_in, n, step.g_id);
-    std::vector<double> size(groups, 0.0), kept(groups, 0.0);
-    step.g_tokens.assign(groups, 0.0);
-    for (int64_t i = 0; i < n; ++i) {
-      const double x = step.count(i);
-      size[step.g_id[i]] += 1.0;
-      kept[step.g_id[i]] += x > 0.0 ? 1.0 : 0.0;
-      step.g_tokens[step.g_id[i]] += x;
-    }
+    std::vector<double> size, kept;
+    label_sums(step.g_id, step.counts, groups, size, kept, step.g_tokens);
     int64_t groups_nonempty = 0;
     for (int64_t g = 0; g < groups; ++g) {
       if (check_groups && per_prompt >= 0 && size[g] != static_cast<double>(per_prompt)) {
@@ -145,15 +219,7 @@ Status totals(
   }
   if (sessions_in != nullptr) {
     const int64_t sessions = dense_ids(sessions_in, n, step.s_id);
-    step.s_size.assign(sessions, 0.0);
-    step.s_kept.assign(sessions, 0.0);
-    step.s_tokens.assign(sessions, 0.0);
-    for (int64_t i = 0; i < n; ++i) {
-      const double x = step.count(i);
-      step.s_size[step.s_id[i]] += 1.0;
-      step.s_kept[step.s_id[i]] += x > 0.0 ? 1.0 : 0.0;
-      step.s_tokens[step.s_id[i]] += x;
-    }
+    label_sums(step.s_id, step.counts, sessions, step.s_size, step.s_kept, step.s_tokens);
     int64_t sessions_nonempty = 0;
     double largest = 0.0;
     for (int64_t s = 0; s < sessions; ++s) {
@@ -195,11 +261,20 @@ Status totals(
 }
 
 // Each term's d[i] into d [K, N]: the product of its factors in their order (every product rounds as
-// lossagg.DenomProduct's), checked finite and > 0; whether every d[i] rounds to a normal finite float32.
-Status denoms(const Step& step, const double* o, const std::vector<int64_t>& program, const std::vector<double>& divisors, double* d) {
+// lossagg.DenomProduct's), checked finite and > 0; whether every d[i] rounds to a normal finite float32. A
+// per-sample factor is read from its block, made once for the call (`blocks`: the blocks already written to the
+// output, by block; the others are made here).
+Status denoms(
+    const Step& step,
+    const double* o,
+    const std::vector<int64_t>& program,
+    const std::vector<double>& divisors,
+    const double* const* written,
+    double* d) {
   const int64_t n = step.n;
   constexpr double kNormalFrom = 1.1754942807573643e-38;   // 2**-126 - 2**-150: rounds to float32's smallest normal
   constexpr double kFiniteBelow = 3.4028235677973366e+38;  // 2**128 - 2**103: rounds to float32's infinity
+  std::vector<double> made[kBlocks];
   bool fits = true;
   size_t at = 0;
   for (size_t k = 0; k < divisors.size(); ++k) {
@@ -213,23 +288,58 @@ Status denoms(const Step& step, const double* o, const std::vector<int64_t>& pro
       const int64_t source = program[at];
       const bool as_count = program[at + 1] != 0, clamped = program[at + 2] != 0, zero_as_one = program[at + 3] != 0;
       LOSSAGG_CHECK(source >= kCounts && source < kScalars + kBlocks && source != 0, "lossagg.plan_totals: a factor's source is out of range");
-      const auto read = [&](double v) {
-        v = as_count ? std::max(v, 1.0) : v;
-        v = clamped ? std::max(v, 1.0) : v;
-        return zero_as_one && v == 0.0 ? 1.0 : v;
+      // read as lossagg.totals.read_as does: max(x, 1) as a count, max(x, 1) clamped, then 0 as 1; a loop for
+      // each case, with no branch inside, so each vectorises
+      const double floor_at = as_count || clamped ? 1.0 : -std::numeric_limits<double>::infinity();
+      const double* src = nullptr;
+      if (source == kCounts) {
+        src = step.counts.data();
+      } else if (source >= kScalars) {
+        const int64_t b = source - kScalars;
+        src = written[b];
+        if (src == nullptr) {
+          if (made[b].empty()) {
+            made[b].resize(n);
+            step.per_sample(b, made[b].data());
+          }
+          src = made[b].data();
+        }
+      }
+      if (src == nullptr) {
+        double v = source == kDivisor ? divisors[k] : std::max(o[source], floor_at);
+        v = zero_as_one && v == 0.0 ? 1.0 : v;
+        if (f == 0) {
+          std::fill(row, row + n, v);
+        } else {
+          for (int64_t i = 0; i < n; ++i) {
+            row[i] = row[i] * v;
+          }
+        }
+        continue;
+      }
+      const auto apply = [&]<bool kZeroAsOne, bool kFirst>() {
+        for (int64_t i = 0; i < n; ++i) {
+          double v = std::max(src[i], floor_at);
+          if constexpr (kZeroAsOne) {
+            v = v == 0.0 ? 1.0 : v;
+          }
+          row[i] = kFirst ? v : row[i] * v;
+        }
       };
-      const bool per_sample = source == kCounts || source >= kScalars;
-      const double scalar = source == kDivisor ? divisors[k] : per_sample ? 0.0 : read(o[source]);
-      for (int64_t i = 0; i < n; ++i) {
-        const double v = !per_sample ? scalar : read(source == kCounts ? step.count(i) : step.per_sample(source - kScalars, i));
-        row[i] = f == 0 ? v : row[i] * v;
+      if (zero_as_one) {
+        f == 0 ? apply.template operator()<true, true>() : apply.template operator()<true, false>();
+      } else {
+        f == 0 ? apply.template operator()<false, true>() : apply.template operator()<false, false>();
       }
     }
+    bool positive = true;
     for (int64_t i = 0; i < n; ++i) {
-      if (!(row[i] > 0.0) || !std::isfinite(row[i])) {
-        return kDenomNotPositive;
-      }
-      fits = fits && row[i] >= kNormalFrom && row[i] < kFiniteBelow;
+      // bitwise, with no branch: the loop vectorises
+      positive &= (row[i] > 0.0) & (row[i] <= std::numeric_limits<double>::max());
+      fits &= (row[i] >= kNormalFrom) & (row[i] < kFiniteBelow);
+    }
+    if (!positive) {
+      return kDenomNotPositive;
     }
   }
   return fits ? kServed : kServedNotFloat32;
@@ -258,11 +368,6 @@ Tensor plan_totals(
   Step step;
   step.n = counts.numel();
   const int64_t n = step.n;
-  if (is_long) {
-    step.counts_long = counts.const_data_ptr<int64_t>();
-  } else {
-    step.counts_double = counts.const_data_ptr<double>();
-  }
   const int64_t* labels[2] = {nullptr, nullptr};
   int li = 0;
   for (const std::optional<Tensor>* given : {&group_index, &session_index}) {
@@ -282,22 +387,22 @@ Tensor plan_totals(
   Tensor out = new_tensor(counts, {kScalars + width * n}, ScalarType::Double);
   double* o = out.mutable_data_ptr<double>();
   std::fill(o, o + kScalars, 0.0);
-  Status status = totals(step, labels[0], labels[1], per_prompt, check_groups, sessions_in_groups, o);
+  Status status = read_counts(step, is_long ? counts.const_data_ptr<int64_t>() : nullptr, is_long ? nullptr : counts.const_data_ptr<double>())
+                      ? totals(step, labels[0], labels[1], per_prompt, check_groups, sessions_in_groups, o)
+                      : kCountNotWhole;
   if (status == kServed) {
     double* at = o + kScalars;
+    const double* written[kBlocks] = {};
     for (int64_t b : blocks) {
-      for (int64_t i = 0; i < n; ++i) {
-        at[i] = step.per_sample(b, i);
-      }
+      step.per_sample(b, at);
+      written[b] = at;
       at += n;
     }
     if (with_counts) {
-      for (int64_t i = 0; i < n; ++i) {
-        at[i] = step.count(i);
-      }
+      std::copy(step.counts.begin(), step.counts.end(), at);
       at += n;
     }
-    status = denoms(step, o, program, divisors, at);
+    status = denoms(step, o, program, divisors, written, at);
   }
   o[0] = static_cast<double>(status);
   return out;
