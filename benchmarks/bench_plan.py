@@ -7,6 +7,11 @@ Contenders are timed interleaved in one process, medians of the rounds (benchmar
 the step's samples: token counts 0-1,023 (one in eight empty), prompt groups of 8, sessions of 2 samples.
 
     python benchmarks/bench_plan.py [--rounds 201] [--sizes 64 4096]
+    python benchmarks/bench_plan.py --standalone   # each build timed alone (timeit: best of 7 repeats of 300)
+
+Interleaving leaves every call with cold caches (each contender evicts the others'); ``--standalone`` times a
+build in a loop of its own, warm, as a trainer that plans once per step does not see it, but steadier on a
+shared machine: the same command before and after a change compares the two.
 """
 
 from __future__ import annotations
@@ -70,12 +75,40 @@ def deferred_close(config, counts, labels):
     return make
 
 
+def standalone(args) -> None:
+    import timeit
+
+    def best(f) -> float:
+        return min(timeit.repeat(f, number=300, repeat=7)) / 300 * 1e6
+
+    x, m = torch.randn(16), torch.ones(16, dtype=torch.bool)
+    cu16, d16 = torch.tensor([0, 4, 8, 12, 16]), torch.full((4,), 4.0, dtype=torch.float64)
+    print(
+        f"# plan build alone: torch {torch.__version__}, CPU ({bench_reduce.cpu_description()}, {torch.get_num_threads()} threads); "
+        "timeit, best of 7 repeats of 300 calls, the reduce timed before each mode\n"
+    )
+    print("| mode | samples | StepPlan build (µs) | reduce, 16 tokens (µs) | build / reduce |")
+    print("|---|---:|---:|---:|---:|")
+    for mode in args.modes:
+        config = config_for(mode)
+        for n in args.sizes:
+            counts, groups, sessions = step_samples(n)
+            labels = labels_for(mode, groups, sessions)
+            reduce_us = best(lambda: lossagg.reduce(x, m, cu_seqlens=cu16, sample_denoms=d16))
+            build_us = best(lambda config=config, counts=counts, labels=labels: lossagg.StepPlan(config, counts, **labels))
+            print(f"| {mode} | {n} | {build_us:.1f} | {reduce_us:.1f} | {build_us / reduce_us:.1f}x |")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=201)
     p.add_argument("--sizes", type=int, nargs="*", default=[64, 4096])
     p.add_argument("--modes", nargs="*", default=list(lossagg.MODES))
+    p.add_argument("--standalone", action="store_true", help="time each build alone (timeit), with the 16-token reduce timed the same way")
     args = p.parse_args(argv)
+    if args.standalone:
+        standalone(args)
+        return
     print(
         f"# plan build and DeferredPlan close: torch {torch.__version__}, CPU ({bench_reduce.cpu_description()}, "
         f"{torch.get_num_threads()} threads, lossagg CPU kernels: {lossagg.cpu_isa()}); medians of {args.rounds} interleaved rounds\n"
