@@ -44,10 +44,10 @@ STABLE_TORCH_LIBRARY(lossagg, m) {
   // Not differentiable. CPU kernel in csrc/cpu/ops_cpu.cpp; other devices in lossagg/ops.py.
   m.def("token_counts(Tensor mask, Tensor? cu_seqlens) -> Tensor");
   // The step totals and every term's d[i] of a plan made by one process, from its samples' token counts [N]
-  // (int64 or float64) and prompt-group and session labels (int64 [N] or None): float64
-  // [9 + (blocks + with_counts + K) N], a status first (0 or 7: served; else the Python route takes the step),
-  // csrc/cpu/plan_totals.cpp. CPU kernel only; lossagg/step.py calls it.
+  // (int64 or float64) and prompt-group and session labels (int64 [N] or None): [scalars float64 [9] (a status
+  // first: 0 or 7 served, else the Python route takes the step), each block [N], the counts [N] (with_counts),
+  // d float64 [K, N], d float32 [K, N]], csrc/cpu/plan_totals.cpp. CPU kernel only; lossagg/step.py calls it.
   m.def(
       "plan_totals(Tensor counts, Tensor? group_index, Tensor? session_index, int per_prompt, bool check_groups, "
-      "bool sessions_in_groups, int[] blocks, bool with_counts, int[] program, float[] divisors) -> Tensor");
+      "bool sessions_in_groups, int[] blocks, bool with_counts, int[] program, float[] divisors) -> Tensor[]");
 }

@@ -31,7 +31,7 @@ import torch
 
 from lossagg.config import LossAggregationConfig
 from lossagg.config.model import PG_TERM
-from lossagg.denom_program import FACTORS, DenomInputs, DenomProduct
+from lossagg.denom_program import FACTORS, DenomInputs, DenomProduct, step_product
 from lossagg.denominators import check_denoms
 from lossagg.layout import token_counts as _token_counts
 from lossagg.ledger import StepLedger
@@ -86,15 +86,6 @@ def whole_sessions(spec: ModeSpec) -> bool:
 
 #: The per-sample totals a micro-batch computes itself when its sessions (or groups) lie whole in it.
 _LOCAL_TOTALS = ("group_token_sums", "session_sizes", "session_token_sums", "group_sessions")
-
-
-def _value(symbols: tuple[str, ...], read: Mapping[str, Any]) -> float:
-    """The product of step-level factors ``symbols`` from the totals a mode reads (``read``), as
-    :class:`lossagg.DenomProduct` evaluates it; 1.0 for none."""
-    if not symbols:
-        return 1.0
-    ones = torch.ones(1, dtype=torch.float64)
-    return float(DenomProduct(*symbols)(DenomInputs(ones, read, None))[0])
 
 
 def _ratio(used: float, final: float) -> float:
@@ -276,8 +267,8 @@ class DeferredPlan(Plan):
             raise TypeError(f"metrics must be a list of the metric names every rank reports (strings), got {metrics!r}")
         needed = {FACTORS[f].reads for f in (*self._step_factors, *self._metric_step_factors)}
         self._estimate_read = estimate_read(estimate, needed, config)
-        self._used = _value(self._step_factors, self._estimate_read)
-        self._metric_used = _value(self._metric_step_factors, self._estimate_read)
+        self._used = step_product(self._step_factors, self._estimate_read)
+        self._metric_used = step_product(self._metric_step_factors, self._estimate_read)
         agreed = self.process_group is not None or self.cp_group is not None
         self._whole = whole
         self.ledger = StepLedger(n, [t.name for t in self._terms], list(metrics), self.group_index, self.session_index, whole, pg.mode, agreed)
@@ -438,9 +429,9 @@ class DeferredPlan(Plan):
         logged = extra[: len(keys)]
         empty = self.config.empty_samples
         final = read_totals(tuple(FACTORS[f].reads for f in self._step_factors), plan.totals, empty, self._terms[0].mode)
-        scale = _ratio(self._used, _value(self._step_factors, final))
+        scale = _ratio(self._used, step_product(self._step_factors, final))
         metric_final = read_totals(tuple(FACTORS[f].reads for f in self._metric_step_factors), plan.totals, empty, self._metric_spec.name)
-        metric_scale = _ratio(self._metric_used, _value(self._metric_step_factors, metric_final))
+        metric_scale = _ratio(self._metric_used, step_product(self._metric_step_factors, metric_final))
         values = dict(zip(keys, logged.tolist(), strict=True))
         terms = {t.name: values[f"term:{t.name}"] * scale for t in self._terms}
         loss = sum(t.coefficient * terms[t.name] for t in self._terms)

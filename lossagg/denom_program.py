@@ -96,6 +96,25 @@ def _c(x: float) -> float:
     return max(float(x), 1.0)
 
 
+def step_factor_value(f, totals: Mapping[str, Any]) -> float:
+    """The value of a factor read from one step total (``f``: a :data:`FACTORS` entry, not per sample): the total,
+    clamped to >= 1 where the factor is, and 0 read as 1 where it is."""
+    v = _c(totals[f.reads]) if f.clamped else float(totals[f.reads])
+    return 1.0 if f.zero_as_one and v == 0.0 else v
+
+
+def step_product(symbols: tuple[str, ...], totals: Mapping[str, Any]) -> float:
+    """The product of the step-level factors ``symbols`` (none per sample, no divisor) in their order, each read
+    from ``totals`` by :func:`step_factor_value`: the float :class:`DenomProduct` makes of them; 1.0 for none."""
+    acc = 1.0
+    for symbol in symbols:
+        f = FACTORS[symbol]
+        if f.per_sample or f.reads in ("divisor", "token_counts"):
+            raise ValueError(f"step_product reads the factors of step totals; {symbol} is not one")
+        acc *= step_factor_value(f, totals)  # 1.0 * v is v: the same rounding as the product from its first factor
+    return acc
+
+
 @dataclass(frozen=True)
 class Code:
     """One code of the native program (csrc/denom_program.h): the factor it multiplies and what it
@@ -237,9 +256,7 @@ class DenomProduct:
             elif f.per_sample:
                 v = x.totals[f.reads].clamp(min=1.0) if f.clamped else x.totals[f.reads]
             else:
-                v = _c(x.totals[f.reads]) if f.clamped else float(x.totals[f.reads])
-                if f.zero_as_one and v == 0.0:
-                    v = 1.0
+                v = step_factor_value(f, x.totals)
             acc = v if acc is None else acc * v
         if isinstance(acc, float):
             return x.token_counts.new_full(x.token_counts.shape, acc)

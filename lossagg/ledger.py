@@ -154,8 +154,8 @@ class StepLedger:
     # ---------------------------------------------------------------- close
     def problem(self) -> str | None:
         """What keeps this rank from closing the step, or None."""
-        missing = torch.nonzero(~self.seen).flatten()
-        if missing.numel():
+        if not bool(self.seen.all()):
+            missing = torch.nonzero(~self.seen).flatten()
             shown = ", ".join(map(str, missing[:8].tolist())) + (", ..." if missing.numel() > 8 else "")
             return (
                 f"DeferredPlan.close: {missing.numel()} of this rank's {self.num_samples} samples never ran a micro-batch ({shown}): "

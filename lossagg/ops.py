@@ -847,10 +847,12 @@ _PLAN_TOTALS = torch.ops.lossagg.plan_totals.default
 
 def plan_totals(
     counts, group_index, session_index, per_prompt: int, check_groups: bool, sessions_in_groups: bool, blocks, with_counts: bool, program, divisors
-) -> torch.Tensor:
+) -> list[torch.Tensor]:
     """The step totals and every term's d[i] of a one-process plan in one native call (csrc/cpu/plan_totals.cpp):
-    float64 ``[9 + (B + with_counts + K) N]``, a status first (0 or 7: served; else the Python route takes the
-    step). CPU tensors only: lossagg.StepPlan calls it with the arguments it checked (lossagg/step.py)."""
+    ``[scalars, *blocks, counts (with_counts), d, d32]``, the scalars float64 ``[9]`` with a status first (0 or 7:
+    served; else the Python route takes the step), each block and the counts float64 ``[N]``, ``d`` float64 and
+    ``d32`` float32 ``[K, N]``. CPU tensors only: lossagg.StepPlan calls it with the arguments it checked
+    (lossagg/step.py)."""
     try:
         return _PLAN_TOTALS(counts, group_index, session_index, per_prompt, check_groups, sessions_in_groups, blocks, with_counts, program, divisors)
     except RuntimeError as exc:
@@ -859,4 +861,7 @@ def plan_totals(
 
 @torch.library.register_fake("lossagg::plan_totals")
 def _plan_totals_fake(counts, group_index, session_index, per_prompt, check_groups, sessions_in_groups, blocks, with_counts, program, divisors):
-    return counts.new_empty((9 + (len(blocks) + int(with_counts) + len(divisors)) * counts.shape[0],), dtype=torch.float64)
+    n, k = counts.shape[0], len(divisors)
+    per_sample = [counts.new_empty((n,), dtype=torch.float64) for _ in range(len(blocks) + int(with_counts))]
+    d = [counts.new_empty((k, n), dtype=torch.float64), counts.new_empty((k, n), dtype=torch.float32)]
+    return [counts.new_empty((9,), dtype=torch.float64), *per_sample, *d]

@@ -204,9 +204,15 @@ def _native_route(config, info: _PlanInfo, counts, group_index, session_index, s
     """(samples, totals, each term's d, the kernels' tables) of a one-process plan from one native pass
     (csrc/cpu/plan_totals.cpp), or None where the Python route (lossagg/totals.py, lossagg/denominators.py) takes
     it: arguments other than the plain ones (CPU tensors, int64 or float64 counts, int64 labels exactly where the
-    mode reads them, no weights or label bounds), or a step the native pass declines (a count that is not a whole
-    number >= 0, a group or session of the wrong size, a d[i] that is not finite and > 0: the Python route raises
-    naming it)."""
+    mode reads them, no weights or label bounds; given alone or as a :class:`RankSamples` holding just those), or a
+    step the native pass declines (a count that is not a whole number >= 0, a group or session of the wrong size, a
+    d[i] that is not finite and > 0: the Python route raises naming it)."""
+    if type(counts) is RankSamples:  # a record given alone (a closing DeferredPlan's): its fields
+        if any(x is not None for x in (group_index, session_index, sample_weights, num_group_labels, num_session_labels)):
+            return None  # the Python route refuses it, naming them
+        r = counts
+        counts, group_index, session_index = r.token_counts, r.group_index, r.session_index
+        sample_weights, num_group_labels, num_session_labels = r.sample_weights, r.num_group_labels, r.num_session_labels
     if sample_weights is not None or num_group_labels is not None or num_session_labels is not None:
         return None
     if not _plain_tensor(counts, None, (torch.int64, torch.float64)):
@@ -229,22 +235,21 @@ def _native_route(config, info: _PlanInfo, counts, group_index, session_index, s
         info.program,
         info.divisors,
     )
-    scalars = out[:_SCALARS].tolist()
+    scalars = out[0].tolist()
     if scalars[0] not in (_SERVED, _NOT_FLOAT32):
         return None
     values: dict[str, Any] = {}
-    at = _SCALARS
+    at = 1
     for name in info.names:
         slot = _NATIVE_TOTALS[name]
         if isinstance(slot, tuple):
-            values[name], at = out[at : at + n], at + n
+            values[name], at = out[at], at + 1
         else:
             values[name] = scalars[slot] if name in _FLOAT_TOTALS else int(scalars[slot])
-    counts64 = counts
-    if not as_given:
-        counts64, at = out[at : at + n], at + n
-    d = out[at:].view(len(info.terms), n)
-    d32 = d if scalars[0] == _NOT_FLOAT32 else d.to(torch.float32)
+    counts64 = counts if as_given else out[at]
+    d, d32 = out[-2], out[-1]
+    if scalars[0] == _NOT_FLOAT32:  # some d[i] is not a normal finite float32: the float32 kernels read d itself
+        d32 = d
     samples = RankSamples(n, counts64, group_index, session_index)
     return samples, StepTotals(values, info.mode), d, {torch.float32: (d32, None), torch.float64: (d, None)}
 
@@ -297,7 +302,9 @@ class StepPlan(Plan):
             config = LossAggregationConfig.coerce(config)
         info = _plan_info(config)
         native = None
-        if process_group is None and _totals is None and _extra_sums is None and _problem is None and info.native:
+        # without a process group the logged sums (_extra_sums) are the step's as they are: the native route serves
+        # a closing DeferredPlan's record too
+        if process_group is None and _totals is None and _problem is None and info.native:
             native = _native_route(config, info, token_counts, group_index, session_index, sample_weights, num_group_labels, num_session_labels)
         if native is not None:  # one process, counts on the CPU: the step totals and every d_k from one native pass
             samples, self.totals, d, tables = native

@@ -145,7 +145,7 @@ def test_a_total_beyond_2_53_is_the_python_routes(dtype, monkeypatch):
     counts = torch.tensor([2**52 - 1, 2**52 - 3, 2**51 + 1, 5, 0, 2**50 + 7], dtype=dtype)
     calls = []
     real = step_module.native_plan_totals
-    monkeypatch.setattr(step_module, "native_plan_totals", lambda *a: calls.append(real(*a)[0].item()) or real(*a))
+    monkeypatch.setattr(step_module, "native_plan_totals", lambda *a: calls.append(real(*a)[0][0].item()) or real(*a))
     config = config_for("token_mean", "count", False)
     fast = lossagg.StepPlan(config, counts)
     assert calls == [8.0]  # declined: the total is not exact in any order
@@ -203,3 +203,57 @@ def test_what_the_native_route_leaves_to_python(monkeypatch):
     assert calls == []
     lossagg.StepPlan(grouped, counts, group_index=torch.tensor([0, 0, 0, 0]))
     assert calls == [1]
+
+
+def closed_step(config, counts, group, session):
+    """A one-process DeferredPlan over the step's samples in two micro-batches, closed: its DeferredStep."""
+    n = counts.numel()
+    labels = {}
+    if any(t.spec.needs_groups for t in config.loss_terms):
+        labels["group_index"] = group
+    if any(t.spec.needs_sessions for t in config.loss_terms):
+        labels["session_index"] = session
+    deferred = lossagg.DeferredPlan(config, n, **labels)
+    g = torch.Generator().manual_seed(n)
+    for part in (slice(0, n // 2), slice(n // 2, n)):
+        m = counts[part].long().clamp(min=1)  # every sample one segment, at least one token
+        cu = torch.zeros(m.numel() + 1, dtype=torch.int64)
+        torch.cumsum(m, 0, out=cu[1:])
+        mask = torch.arange(int(cu[-1])) < 0  # then the sample's own count of kept tokens, from its start
+        for i, c in enumerate(counts[part].long().tolist()):
+            mask[int(cu[i]) : int(cu[i]) + c] = True
+        values = torch.randn(mask.numel(), generator=g, dtype=torch.float64)
+        terms = {t.name: values * (k + 1) for k, t in enumerate(config.loss_terms)}
+        deferred.loss(terms if len(terms) > 1 else values, deferred.micro_batch(part, mask, cu))
+    return deferred.close()
+
+
+@pytest.mark.parametrize("mode", list(lossagg.MODES))
+def test_a_deferred_plan_closes_through_the_native_route_as_through_pythons(mode, monkeypatch):
+    """Without a process group a DeferredPlan's close takes the native route (its logged sums ride beside it): the
+    same scale, loss, terms and plan as the Python route's, bit for bit."""
+    calls = []
+    real = step_module.native_plan_totals
+    monkeypatch.setattr(step_module, "native_plan_totals", lambda *a: calls.append(1) or real(*a))
+    for empty, term in (("count", False), ("skip", True)):
+        config = config_for(mode, empty, False)
+        if term:  # a DeferredPlan's terms divide by the PG term's step-level factors: a second term of its mode
+            divisor = {"divisor": config.divisor} if lossagg.MODES[mode].needs_divisor else {}
+            config = lossagg.LossAggregationConfig(
+                **{**config.model_dump(exclude_unset=True), "terms": {"kl": {"coefficient": 0.1, "mode": mode, **divisor}}}
+            )
+        counts, group, session = step_of(4, 5, "dense", torch.int64, shuffled=False)  # halves of whole groups
+        calls.clear()
+        fast = closed_step(config, counts, group, session)
+        assert calls, f"{mode}: the close did not take the native route"
+        with monkeypatch.context() as m:
+            python_route(m)
+            slow = closed_step(config, counts, group, session)
+        what = f"{mode} {empty} term={term}"
+        for field in ("scale", "metric_scale", "loss", "terms", "metrics"):
+            assert same(getattr(fast, field), getattr(slow, field)), f"{what}: {field}"
+        assert list(fast.plan.totals) == list(slow.plan.totals), what
+        for name in slow.plan.totals:
+            assert same(fast.plan.totals[name], slow.plan.totals[name]), f"{what}: {name}"
+        for name in slow.plan.term_denoms:
+            assert same(fast.plan.term_denoms[name], slow.plan.term_denoms[name]), f"{what}: d of {name}"

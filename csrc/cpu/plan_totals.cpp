@@ -11,8 +11,10 @@
 #include "../torch_api.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <unordered_map>
 #include <vector>
@@ -92,7 +94,7 @@ int64_t dense_ids(const int64_t* labels, int64_t n, std::vector<int64_t>& ids) {
 // and every total below 2**53 (the counts are checked so), so the sums are exact in any order.
 void label_sums(
     const std::vector<int64_t>& id,
-    const std::vector<double>& counts,
+    const double* counts,
     int64_t labels,
     std::vector<double>& size,
     std::vector<double>& kept,
@@ -102,7 +104,7 @@ void label_sums(
   tokens.assign(labels, 0.0);
   const int64_t n = static_cast<int64_t>(id.size());
   const int64_t* ids = id.data();
-  const double* c = counts.data();
+  const double* c = counts;
   for (int64_t i = 0; i < n;) {
     const int64_t label = ids[i];
     int64_t nonempty = 0;
@@ -122,7 +124,8 @@ void label_sums(
 // The step's samples as the passes read them: counts (as float64), labels' dense ids and what each label holds.
 struct Step {
   int64_t n = 0;
-  std::vector<double> counts;
+  double* counts = nullptr;  // [n]: the output's counts where it returns them, else `own`
+  std::vector<double> own;
   std::vector<int64_t> g_id, s_id;
   std::vector<double> g_tokens, s_size, s_kept, s_tokens, g_held, g_held_kept;
 
@@ -145,61 +148,81 @@ struct Step {
   }
 };
 
-// The counts as float64 into step.counts; false when one is not a whole number in [0, 2**53).
+// Two doubles at a time, as GCC and Clang vector types (SSE2 on x86-64, NEON on arm64): the scalar loops below
+// compile to a compare and a flag per element, with a branch to clamp.
+using Double2 = double __attribute__((vector_size(16)));
+using Long2 = int64_t __attribute__((vector_size(16)));
+using Float2 = float __attribute__((vector_size(8)));
+
+// The counts as float64 into step.counts; false when one is not a whole number in [0, 2**53). Each loop has no
+// branch and only 8-byte lanes, so it vectorises (SSE2 has no int64 -> double conversion: the exact one below).
 bool read_counts(Step& step, const int64_t* counts_long, const double* counts_double) {
   const int64_t n = step.n;
-  step.counts.resize(n);
-  double* c = step.counts.data();
-  bool whole = true;
+  double* c = step.counts;
+  constexpr double kTwo52 = 4503599627370496.0;            // 2**52
+  constexpr uint64_t kExponent52 = 0x4330000000000000ULL;  // the bits of 2**52: 2**52 + m for m < 2**52 is exponent | m
   if (counts_long != nullptr) {
-    constexpr int64_t kWholeLong = int64_t(1) << 53;
+    uint64_t beyond = 0;
     for (int64_t i = 0; i < n; ++i) {
-      whole &= (counts_long[i] >= 0) & (counts_long[i] < kWholeLong);  // no branch: the loop vectorises
-      c[i] = static_cast<double>(counts_long[i]);
+      const uint64_t u = static_cast<uint64_t>(counts_long[i]);
+      beyond |= u >> 53;  // non-zero for a count below 0 or at or above 2**53
+      // u < 2**53 as hi · 2**32 + lo, each part exact as (2**52 + part) - 2**52, the sum exact below 2**53
+      const double hi = std::bit_cast<double>((u >> 32) | kExponent52) - kTwo52;
+      const double lo = std::bit_cast<double>((u & 0xFFFFFFFFULL) | kExponent52) - kTwo52;
+      c[i] = hi * 4294967296.0 + lo;
     }
-    return whole;
+    return beyond == 0;
   }
-  for (int64_t i = 0; i < n; ++i) {
+  // whole in [0, 2**53): at or above 2**52 every double is whole; below it, (x + 2**52) - 2**52 is x rounded to a
+  // whole number (no fused multiply-add: -ffp-contract=off), which is x exactly when x is whole
+  Long2 not_whole = {0, 0};
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2) {
+    Double2 x;
+    std::memcpy(&x, counts_double + i, sizeof(x));
+    not_whole |= ~((x >= 0.0) & (x < kWhole) & ((x >= kTwo52) | ((x + kTwo52) - kTwo52 == x)));
+    std::memcpy(c + i, &x, sizeof(x));
+  }
+  bool whole = (not_whole[0] | not_whole[1]) == 0;
+  for (; i < n; ++i) {
     const double x = counts_double[i];
-    // x in [0, 2**53) first, so the conversion to int64 is defined; a whole x converts back to itself
-    if (!(x >= 0.0) || !(x < kWhole) || static_cast<double>(static_cast<int64_t>(x)) != x) {
-      return false;
-    }
+    whole &= (x >= 0.0) & (x < kWhole) & ((x >= kTwo52) | ((x + kTwo52) - kTwo52 == x));
     c[i] = x;
   }
-  return true;
+  return whole;
 }
 
 // The totals into o[1..8] and the labels' tables into `step`; a status when the route declines the step.
 Status totals(
     Step& step, const int64_t* groups_in, const int64_t* sessions_in, int64_t per_prompt, bool check_groups, bool sessions_in_groups, double* o) {
   const int64_t n = step.n;
-  const double* c = step.counts.data();
+  const double* c = step.counts;
   // in four lanes, so that no addition waits on the one before: every count is a whole number below 2**53, so
   // the total is exact in any order while it stays below 2**53, and the step is declined beyond
   constexpr int kLanes = 4;
-  double lane_total[kLanes] = {}, lane_longest[kLanes] = {};
-  int64_t nonempty = 0;
+  double lane_total[kLanes] = {}, lane_longest[kLanes] = {}, lane_nonempty[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     for (int l = 0; l < kLanes; ++l) {
-      lane_total[l] += c[i + l];
-      lane_longest[l] = std::max(lane_longest[l], c[i + l]);
-      nonempty += c[i + l] > 0.0;
+      const double x = c[i + l];
+      lane_total[l] += x;
+      lane_longest[l] = lane_longest[l] < x ? x : lane_longest[l];
+      lane_nonempty[l] += x > 0.0 ? 1.0 : 0.0;  // whole numbers below 2**53: exact
     }
   }
   for (; i < n; ++i) {
     lane_total[0] += c[i];
     lane_longest[0] = std::max(lane_longest[0], c[i]);
-    nonempty += c[i] > 0.0;
+    lane_nonempty[0] += c[i] > 0.0 ? 1.0 : 0.0;
   }
   const double total = (lane_total[0] + lane_total[1]) + (lane_total[2] + lane_total[3]);
   const double longest = std::max(std::max(lane_longest[0], lane_longest[1]), std::max(lane_longest[2], lane_longest[3]));
+  const double nonempty = (lane_nonempty[0] + lane_nonempty[1]) + (lane_nonempty[2] + lane_nonempty[3]);
   if (!(total < kWhole)) {
     return kTotalNotExact;
   }
   o[1] = static_cast<double>(n);
-  o[2] = static_cast<double>(nonempty);
+  o[2] = nonempty;
   o[3] = total;
   o[4] = longest;
   int64_t groups = 0;
@@ -260,6 +283,46 @@ Status totals(
   return kServed;
 }
 
+float* row32_of(float* d32, size_t k, int64_t n) { return d32 + static_cast<int64_t>(k) * n; }
+
+struct Checked {
+  bool not_positive;  // some d[i] is not finite and > 0
+  bool not_normal;    // some d[i] does not round to a normal finite float32
+};
+
+// One term's d [n]: checked, and rounded to float32 into row32 (to nearest even, as torch's .to(float32); clamped
+// first so the conversion is defined: a d[i] at or beyond kFiniteBelow, where clamping changes it, leaves the
+// table unread, not_normal).
+Checked check_and_round(const double* row, float* row32, int64_t n) {
+  constexpr double kNormalFrom = 1.1754942807573643e-38;   // 2**-126 - 2**-150: rounds to float32's smallest normal
+  constexpr double kFiniteBelow = 3.4028235677973366e+38;  // 2**128 - 2**103: rounds to float32's infinity
+  constexpr double kFloatMax = static_cast<double>(std::numeric_limits<float>::max());
+  constexpr double kDoubleMax = std::numeric_limits<double>::max();
+  Long2 bad = {0, 0}, unfit = {0, 0};
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2) {
+    Double2 x;
+    std::memcpy(&x, row + i, sizeof(x));
+    bad |= ~((x > 0.0) & (x <= kDoubleMax));  // each compare: all ones where it holds
+    unfit |= ~((x >= kNormalFrom) & (x < kFiniteBelow));
+    const Long2 below = x < kFloatMax;
+    const Double2 max2 = {kFloatMax, kFloatMax};
+    Double2 clamped;
+    const Long2 picked = (std::bit_cast<Long2>(x) & below) | (std::bit_cast<Long2>(max2) & ~below);
+    std::memcpy(&clamped, &picked, sizeof(clamped));
+    const Float2 rounded = __builtin_convertvector(clamped, Float2);
+    std::memcpy(row32 + i, &rounded, sizeof(rounded));
+  }
+  bool not_positive = (bad[0] | bad[1]) != 0, not_normal = (unfit[0] | unfit[1]) != 0;
+  for (; i < n; ++i) {
+    const double x = row[i];
+    not_positive |= !((x > 0.0) & (x <= kDoubleMax));
+    not_normal |= !((x >= kNormalFrom) & (x < kFiniteBelow));
+    row32[i] = static_cast<float>(x < kFloatMax ? x : kFloatMax);
+  }
+  return {not_positive, not_normal};
+}
+
 // Each term's d[i] into d [K, N]: the product of its factors in their order (every product rounds as
 // lossagg.DenomProduct's), checked finite and > 0; whether every d[i] rounds to a normal finite float32. A
 // per-sample factor is read from its block, made once for the call (`blocks`: the blocks already written to the
@@ -270,10 +333,9 @@ Status denoms(
     const std::vector<int64_t>& program,
     const std::vector<double>& divisors,
     const double* const* written,
-    double* d) {
+    double* d,
+    float* d32) {
   const int64_t n = step.n;
-  constexpr double kNormalFrom = 1.1754942807573643e-38;   // 2**-126 - 2**-150: rounds to float32's smallest normal
-  constexpr double kFiniteBelow = 3.4028235677973366e+38;  // 2**128 - 2**103: rounds to float32's infinity
   std::vector<double> made[kBlocks];
   bool fits = true;
   size_t at = 0;
@@ -293,7 +355,7 @@ Status denoms(
       const double floor_at = as_count || clamped ? 1.0 : -std::numeric_limits<double>::infinity();
       const double* src = nullptr;
       if (source == kCounts) {
-        src = step.counts.data();
+        src = step.counts;
       } else if (source >= kScalars) {
         const int64_t b = source - kScalars;
         src = written[b];
@@ -332,15 +394,11 @@ Status denoms(
         f == 0 ? apply.template operator()<false, true>() : apply.template operator()<false, false>();
       }
     }
-    bool positive = true;
-    for (int64_t i = 0; i < n; ++i) {
-      // bitwise, with no branch: the loop vectorises
-      positive &= (row[i] > 0.0) & (row[i] <= std::numeric_limits<double>::max());
-      fits &= (row[i] >= kNormalFrom) & (row[i] < kFiniteBelow);
-    }
-    if (!positive) {
+    const Checked checked = check_and_round(row, row32_of(d32, k, n), n);
+    if (checked.not_positive) {
       return kDenomNotPositive;
     }
+    fits &= !checked.not_normal;
   }
   return fits ? kServed : kServedNotFloat32;
 }
@@ -349,9 +407,12 @@ Status denoms(
 // none; check_groups: whether the step's groups must hold per_prompt samples (the mode reads P); sessions_in_groups:
 // whether the mode reads the sessions of each group (Sp, Sp'), which must then hold per_prompt sessions; blocks:
 // the per-sample totals to return (0..5, in this order); with_counts: whether to return the counts as float64;
-// program and divisors: each term's d[i] (its factors' codes; its divisor). Returns float64
-// [9 + (B + with_counts + K) N]: the scalars (status, N, N', T, L_max, P, P', S, S'), the blocks, the counts, d [K, N].
-Tensor plan_totals(
+// program and divisors: each term's d[i] (its factors' codes; its divisor). Returns, each its own tensor, so that
+// the caller takes them as they are: the scalars float64 [9] (status, N, N', T, L_max, P, P', S, S'), each block
+// float64 [N], the counts float64 [N] (with_counts), d float64 [K, N] and d float32 [K, N] (d rounded; the table
+// the float32 kernels read where every d[i] is a normal finite float32, status 0). The others are read only where
+// the status is 0 or 7.
+std::vector<Tensor> plan_totals(
     const Tensor& counts,
     const std::optional<Tensor>& group_index,
     const std::optional<Tensor>& session_index,
@@ -383,26 +444,36 @@ Tensor plan_totals(
   for (int64_t b : blocks) {
     LOSSAGG_CHECK_VALUE(b >= 0 && b < kBlocks, "lossagg.plan_totals: a block is out of range");
   }
-  const int64_t width = static_cast<int64_t>(blocks.size()) + (with_counts ? 1 : 0) + static_cast<int64_t>(divisors.size());
-  Tensor out = new_tensor(counts, {kScalars + width * n}, ScalarType::Double);
-  double* o = out.mutable_data_ptr<double>();
+  const int64_t terms = static_cast<int64_t>(divisors.size());
+  std::vector<Tensor> out;
+  out.reserve(blocks.size() + 4);
+  out.push_back(new_tensor(counts, {kScalars}, ScalarType::Double));
+  for (size_t b = 0; b < blocks.size() + (with_counts ? 1 : 0); ++b) {
+    out.push_back(new_tensor(counts, {n}, ScalarType::Double));
+  }
+  out.push_back(new_tensor(counts, {terms, n}, ScalarType::Double));
+  out.push_back(new_tensor(counts, {terms, n}, ScalarType::Float));
+  double* o = out[0].mutable_data_ptr<double>();
   std::fill(o, o + kScalars, 0.0);
+  if (with_counts) {
+    step.counts = out[1 + blocks.size()].mutable_data_ptr<double>();
+  } else {
+    step.own.resize(n);
+    step.counts = step.own.data();
+  }
   Status status = read_counts(step, is_long ? counts.const_data_ptr<int64_t>() : nullptr, is_long ? nullptr : counts.const_data_ptr<double>())
                       ? totals(step, labels[0], labels[1], per_prompt, check_groups, sessions_in_groups, o)
                       : kCountNotWhole;
   if (status == kServed) {
-    double* at = o + kScalars;
     const double* written[kBlocks] = {};
+    size_t at = 1;
     for (int64_t b : blocks) {
-      step.per_sample(b, at);
-      written[b] = at;
-      at += n;
+      double* block = out[at++].mutable_data_ptr<double>();
+      step.per_sample(b, block);
+      written[b] = block;
     }
-    if (with_counts) {
-      std::copy(step.counts.begin(), step.counts.end(), at);
-      at += n;
-    }
-    status = denoms(step, o, program, divisors, written, at);
+    at += with_counts ? 1 : 0;  // read into the output
+    status = denoms(step, o, program, divisors, written, out[at].mutable_data_ptr<double>(), out[at + 1].mutable_data_ptr<float>());
   }
   o[0] = static_cast<double>(status);
   return out;
