@@ -192,7 +192,7 @@ def _plain_tensor(t, n: int | None, dtypes) -> bool:
     return (
         type(t) is torch.Tensor
         and t.layout is _STRIDED
-        and t.device.type == "cpu"
+        and t.is_cpu
         and t.dim() == 1
         and t.dtype in dtypes
         and (n is None or t.shape[0] == n)
@@ -333,8 +333,9 @@ class StepPlan(Plan):
         self.device = samples.token_counts.device
         self._terms = info.terms
         if native is not None:
-            self.sample_denoms = d[0]
-            self.term_denoms = {t.name: d[k] for k, t in enumerate(self._terms)}
+            rows = (d[0],) if len(self._terms) == 1 else d.unbind(0)  # every term's row in one call
+            self.sample_denoms = rows[0]
+            self.term_denoms = {t.name: row for t, row in zip(self._terms, rows, strict=True)}
             self._kernel_tables = tables
             return
         bounds: list = []
