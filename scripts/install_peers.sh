@@ -30,6 +30,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 . scripts/steps.sh
+# not byte-compiled at install (pip compiles every file of transformers, ray, sglang, ... by default): Python
+# compiles the modules the tests import, once, the first time they are imported
+pip_install() { "${PY:-python3}" -m pip install --disable-pip-version-check --no-compile "$@"; }
 cons=$(mktemp)
 trap 'rm -f "$cons"' EXIT
 "$PY" -c "import torch, numpy; print('torch==' + torch.__version__.split('+')[0]); print('numpy==' + numpy.__version__)" > "$cons"
@@ -74,6 +77,27 @@ install_areal() {
       "tensorboardX==2.6.5" "tabulate==0.10.0" "pybase64==1.5.1"
 }
 
+# miles and slime live in directories of their own (below): their files are fetched by a second pip beside the
+# site-packages peers, and their imports checked after them (they import megatron-core and transformers)
+MILES_DIR=build/peers/miles
+MILES_DEPS_DIR=build/peers/miles-deps
+MILES_DEPS="sglang-router==0.3.2 setproctitle==1.3.8 aiohttp==3.14.5 multidict==7.2.1 yarl==1.25.1 propcache==0.5.4 \
+  aiohappyeyeballs==2.7.1 aiosignal==1.4.0 frozenlist==1.8.0 uvicorn==0.54.0 fastapi==0.165.0 starlette==1.10.0 \
+  opentelemetry-api==1.45.2 pybase64==1.5.1 openai==3.57.0 httpx2==2.16.2 partial_json_parser==0.2.1.1.post7 pyzmq==27.3.0 \
+  sentencepiece==0.2.3 torchvision==0.29.1 ipython==9.18.1 traitlets==5.16.1 sniffio==1.3.1 six==1.17.0"
+miles_stamp() { echo "miles-rl==0.0.2 $MILES_DEPS python=$("$PY" -c 'import sys; print(sys.version_info[:2])')"; }
+fetch_miles() {
+  [ "$(cat "$MILES_DIR/.lossagg-stamp" 2>/dev/null)" = "$(miles_stamp)" ] && return 0
+  rm -rf "$MILES_DIR" "$MILES_DEPS_DIR"
+  # shellcheck disable=SC2086
+  pip_install --no-deps --target "$MILES_DIR" "miles-rl==0.0.2" && pip_install --no-deps --target "$MILES_DEPS_DIR" $MILES_DEPS \
+    && miles_stamp > "$MILES_DIR/.lossagg-fetched"
+}
+mkdir -p "$LOSSAGG_LOG_DIR"
+fetch_log="$LOSSAGG_LOG_DIR/peers-fetch-miles-slime.log"
+{ fetch_miles; bash scripts/install_slime.sh --fetch; } >"$fetch_log" 2>&1 &
+fetch_pid=$!
+
 peer verl 0.9.1 "import verl.trainer.ppo.core_algos" install_verl
 peer hydra-core 1.3.2 "import hydra" install_hydra
 peer trl 1.16.0 "from trl import GRPOTrainer, GRPOConfig; import datasets, tokenizers" install_trl
@@ -92,28 +116,18 @@ peer openrlhf 0.11.2 "import sys; sys.path.insert(0, 'tests'); import openrlhf_p
 # its FSDP engine and PPO actor (tests/test_areal_trainer.py), after TRL (transformers) and SkyRL (torchdata)
 peer areal 1.0.4 "from areal.engine.fsdp_engine import FSDPPPOActor; from areal.trainer.ppo.actor import PPOActor" install_areal
 
-# miles: its own directories, not site-packages (see above); "installed" is the stamp file. Last: its
-# imports also need what the peers above bring (transformers, attrs)
-MILES_DIR=build/peers/miles
-MILES_DEPS_DIR=build/peers/miles-deps
-MILES_DEPS="sglang-router==0.3.2 setproctitle==1.3.8 aiohttp==3.14.5 multidict==7.2.1 yarl==1.25.1 propcache==0.5.4 \
-  aiohappyeyeballs==2.7.1 aiosignal==1.4.0 frozenlist==1.8.0 uvicorn==0.54.0 fastapi==0.165.0 starlette==1.10.0 \
-  opentelemetry-api==1.45.2 pybase64==1.5.1 openai==3.57.0 httpx2==2.16.2 partial_json_parser==0.2.1.1.post7 pyzmq==27.3.0 \
-  sentencepiece==0.2.3 torchvision==0.29.1 ipython==9.18.1 traitlets==5.16.1 sniffio==1.3.1 six==1.17.0"
-miles_stamp() { echo "miles-rl==0.0.2 $MILES_DEPS python=$("$PY" -c 'import sys; print(sys.version_info[:2])')"; }
-install_miles() {
-  rm -rf "$MILES_DIR" "$MILES_DEPS_DIR"
-  # shellcheck disable=SC2086
-  pip_install --no-deps --target "$MILES_DIR" "miles-rl==0.0.2" && pip_install --no-deps --target "$MILES_DEPS_DIR" $MILES_DEPS \
-    && miles_stamp > "$MILES_DIR/.lossagg-stamp"
-}
+# miles: its own directories, not site-packages (see above); "installed" is the stamp file, written once its
+# imports, which also need what the peers above bring (transformers, attrs), work
+wait "$fetch_pid"
 miles_check="import sys; sys.path[:0] = ['$MILES_DIR', '$MILES_DEPS_DIR']; import miles.utils.arguments, miles.backends.megatron_utils.model, miles.backends.training_utils.loss"
 if [ "$(cat "$MILES_DIR/.lossagg-stamp" 2>/dev/null)" = "$(miles_stamp)" ]; then
   echo "peers: miles-rl 0.0.2 already installed ($MILES_DIR)"
 else
   log="$LOSSAGG_LOG_DIR/peers-miles-rl.log" start=$SECONDS
-  if install_miles >"$log" 2>&1 && "$PY" -c "$miles_check" >>"$log" 2>&1; then
-    echo "peers: installed miles-rl 0.0.2 into $MILES_DIR ($((SECONDS - start)) s)"
+  { cat "$fetch_log"; [ "$(cat "$MILES_DIR/.lossagg-fetched" 2>/dev/null)" = "$(miles_stamp)" ] || fetch_miles; } >"$log" 2>&1
+  if [ "$(cat "$MILES_DIR/.lossagg-fetched" 2>/dev/null)" = "$(miles_stamp)" ] && "$PY" -c "$miles_check" >>"$log" 2>&1; then
+    miles_stamp > "$MILES_DIR/.lossagg-stamp"
+    echo "peers: installed miles-rl 0.0.2 into $MILES_DIR (its imports checked in $((SECONDS - start)) s; fetched beside the others)"
   else
     rm -f "$MILES_DIR/.lossagg-stamp"
     echo "peers: miles-rl 0.0.2 could not be installed or imported (pip's output: $log): its tests will be skipped"

@@ -68,15 +68,27 @@ fi
 py_ver=$("$PY" -c 'import sys, importlib.metadata as m; print("python=%d.%d torch=%s" % (sys.version_info[:2] + (m.version("torch"),)))' 2>/dev/null) \
   || fail "$PY or its torch is not usable"
 deps_stamp="$DEPS $py_ver"
-if [ "$(cat "$DEPS_DIR/.lossagg-stamp" 2>/dev/null)" != "$deps_stamp" ]; then
+log="$DEPS_DIR/.install.log"
+# --fetch: only the files (the sources and the pinned dependencies, into their own directories), no import check:
+# scripts/install_peers.sh runs it beside the site-packages peers, and this script again after them, which then
+# checks the imports (slime imports megatron-core and transformers from site-packages)
+if [ "$(cat "$DEPS_DIR/.lossagg-stamp" 2>/dev/null)" != "$deps_stamp" ] && [ "$(cat "$DEPS_DIR/.lossagg-fetched" 2>/dev/null)" != "$deps_stamp" ]; then
   rm -rf "$DEPS_DIR" && mkdir -p "$DEPS_DIR" || fail "could not create $DEPS_DIR"
-  log="$DEPS_DIR/.install.log"
   # shellcheck disable=SC2086
-  "$PY" -m pip install --disable-pip-version-check --no-deps --only-binary=:all: --target "$DEPS_DIR" $DEPS >"$log" 2>&1 \
+  "$PY" -m pip install --disable-pip-version-check --no-compile --no-deps --only-binary=:all: --target "$DEPS_DIR" $DEPS >"$log" 2>&1 \
     || fail "pip could not install the pinned dependencies into $DEPS_DIR (pip's output: $log)"
   for forbidden in torch numpy; do
     [ ! -e "$DEPS_DIR/$forbidden" ] || fail "pip put $forbidden into $DEPS_DIR (see $log)"
   done
+  echo "$deps_stamp" > "$DEPS_DIR/.lossagg-fetched"
+  did="${did:+$did, }installed its dependencies into $DEPS_DIR ($(du -sh "$DEPS_DIR" | cut -f1))"
+fi
+if [ "${1:-}" = "--fetch" ]; then
+  echo "slime: ${did:-files already there} ($((SECONDS - start)) s)"
+  exit 0
+fi
+
+if [ "$(cat "$DEPS_DIR/.lossagg-stamp" 2>/dev/null)" != "$deps_stamp" ]; then
   check="import sys, typing, typing_extensions
 typing.override = getattr(typing, 'override', typing_extensions.override)
 sys.path[:0] = ['$SLIME_DIR', '$DEPS_DIR']
@@ -86,7 +98,7 @@ import slime.utils.accelerator, slime.utils.misc, slime.observability.rollout_da
   "$PY" -c "$check" >>"$log" 2>&1 \
     || fail "installed into $DEPS_DIR, but slime does not import (traceback at the end of $log)"
   echo "$deps_stamp" > "$DEPS_DIR/.lossagg-stamp"
-  did="${did:+$did, }installed its dependencies into $DEPS_DIR ($(du -sh "$DEPS_DIR" | cut -f1))"
+  did="${did:+$did, }checked its imports"
 fi
 
 if [ -n "$did" ]; then

@@ -386,15 +386,24 @@ NOT_REGULAR_FILES = [
 
 
 @pytest.mark.parametrize(("case", "make", "message"), NOT_REGULAR_FILES, ids=[c[0] for c in NOT_REGULAR_FILES])
-def test_paths_that_are_not_regular_files_are_refused_without_blocking(tmp_path, case, make, message):
+def test_paths_that_are_not_regular_files_are_refused_without_blocking(tmp_path, case, make, message, capsys):
     """The loader and `lossagg check` read regular files only: a FIFO with no writer, a socket
-    or a device is named and refused at once, never waited on."""
+    or a device is named and refused at once, never waited on (the CLI in this process; a fresh
+    process below)."""
     path = make(tmp_path)
     with pytest.raises(ConfigError) as info:
         LossAggregationConfig.from_file(path)
     assert message in str(info.value) and path in str(info.value), str(info.value)
+    assert cli_main(["check", path]) == 1
+    err = capsys.readouterr().err.strip()
+    assert message in err and path in err and "\n" not in err, err
+
+
+def test_the_cli_refuses_a_fifo_in_a_fresh_process_without_blocking(tmp_path):
+    """`python -m lossagg check` on a named pipe with no writer, as a user runs it (no stdin): one line, exit 1."""
+    path = _fifo(tmp_path)
     done = subprocess.run([sys.executable, "-m", "lossagg", "check", path], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
-    assert done.returncode == 1 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 1 and "is a named pipe (FIFO), not a regular file" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 BOM_FILES = [
