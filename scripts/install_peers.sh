@@ -30,9 +30,6 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 . scripts/steps.sh
-# not byte-compiled at install (pip compiles every file of transformers, ray, sglang, ... by default): Python
-# compiles the modules the tests import, once, the first time they are imported
-pip_install() { "${PY:-python3}" -m pip install --disable-pip-version-check --no-compile "$@"; }
 cons=$(mktemp)
 trap 'rm -f "$cons"' EXIT
 "$PY" -c "import torch, numpy; print('torch==' + torch.__version__.split('+')[0]); print('numpy==' + numpy.__version__)" > "$cons"

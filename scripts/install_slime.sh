@@ -75,7 +75,7 @@ log="$DEPS_DIR/.install.log"
 if [ "$(cat "$DEPS_DIR/.lossagg-stamp" 2>/dev/null)" != "$deps_stamp" ] && [ "$(cat "$DEPS_DIR/.lossagg-fetched" 2>/dev/null)" != "$deps_stamp" ]; then
   rm -rf "$DEPS_DIR" && mkdir -p "$DEPS_DIR" || fail "could not create $DEPS_DIR"
   # shellcheck disable=SC2086
-  "$PY" -m pip install --disable-pip-version-check --no-compile --no-deps --only-binary=:all: --target "$DEPS_DIR" $DEPS >"$log" 2>&1 \
+  "$PY" -m pip install --disable-pip-version-check --no-deps --only-binary=:all: --target "$DEPS_DIR" $DEPS >"$log" 2>&1 \
     || fail "pip could not install the pinned dependencies into $DEPS_DIR (pip's output: $log)"
   for forbidden in torch numpy; do
     [ ! -e "$DEPS_DIR/$forbidden" ] || fail "pip put $forbidden into $DEPS_DIR (see $log)"
