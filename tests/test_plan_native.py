@@ -1,7 +1,7 @@
 """The native route of a one-process plan (csrc/cpu/plan_totals.cpp, lossagg/step.py's _native_route) gives the
 Python route's plan (lossagg/totals.py) bit for bit: the same totals, in the same order, of the same types, and the
 same d[i], for every mode, both empty_samples conventions, a second term, any labels (dense, sparse, negative,
-spanning more than the direct-address table); where the native pass declines a step the Python route raises
+spanning more than the direct-address table, in runs or not, a label in several runs); where the native pass declines a step the Python route raises
 its error or serves it, exactly as without the native route."""
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ def step_of(n_groups: int, seed: int, labels: str, dtype, shuffled: bool = True)
         group, session = group * 1_000_003 - 7, session * 999_983 + 2**40
     elif labels == "negative":
         group, session = -group - 5, -session
+    elif labels == "groups_relabelled":  # sessions rising run by run, the groups' labels in any order
+        group = torch.randperm(n_groups, generator=g)[group]
     if not shuffled:  # each group's and session's samples side by side, as trainers give them: runs of one label
         return counts.to(dtype), group, session
     perm = torch.randperm(n, generator=g)  # samples in any order
@@ -74,6 +76,8 @@ def test_the_native_route_gives_the_python_routes_plan(mode, monkeypatch):
                 (2, "negative", torch.int64, 1, True),
                 (3, "dense", torch.int64, 9, False),
                 (4, "sparse", torch.float64, 6, False),
+                (5, "negative", torch.int64, 4, False),
+                (6, "groups_relabelled", torch.int64, 5, False),
             ):
                 config = config_for(mode, empty, term)
                 counts, group, session = step_of(groups, seed, labels, dtype, shuffled)
@@ -114,6 +118,13 @@ BAD = {
         "prompt_session_mean",
         "holds samples of more than one prompt group",
     ),
+    "a session of two runs in two groups": (
+        torch.tensor([3, 1, 2, 2, 1, 1, 1, 1]),
+        torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]),
+        torch.tensor([0, 0, 1, 1, 2, 2, 0, 0]),
+        "prompt_session_mean",
+        "holds samples of more than one prompt group",
+    ),
     "a group with the wrong number of sessions": (
         torch.tensor([3, 1, 2, 2, 1, 1, 1, 1]),
         torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]),
@@ -136,6 +147,25 @@ def test_a_step_the_native_pass_declines_is_the_python_routes(case, monkeypatch)
         with pytest.raises(ValueError) as slow:
             lossagg.StepPlan(config, counts, **kwargs)
     assert str(fast.value) == str(slow.value) and needle in str(fast.value)
+
+
+@pytest.mark.parametrize(
+    "session",
+    [[0, 0, 1, 2, 2, 3, 3, 4], [0, 0, 1, 1, 2, 2, 0, 0]],
+    ids=["a session run across two groups", "a session of two runs in two groups"],
+)
+def test_a_session_in_two_groups_is_refused_without_a_group_size(session, monkeypatch):
+    """Without n_samples_per_prompt no group's count of sessions is checked: the session check alone refuses it."""
+    config = lossagg.LossAggregationConfig(mode="prompt_session_mean")
+    kwargs = {"group_index": torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), "session_index": torch.tensor(session)}
+    counts = torch.tensor([3, 1, 2, 2, 1, 1, 1, 1])
+    with pytest.raises(ValueError, match="holds samples of more than one prompt group") as fast:
+        lossagg.StepPlan(config, counts, **kwargs)
+    with monkeypatch.context() as m:
+        python_route(m)
+        with pytest.raises(ValueError) as slow:
+            lossagg.StepPlan(config, counts, **kwargs)
+    assert str(fast.value) == str(slow.value)
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.float64])

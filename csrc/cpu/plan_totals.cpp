@@ -16,8 +16,12 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <unordered_map>
 #include <vector>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 namespace lossagg::cpu {
 namespace {
@@ -45,91 +49,134 @@ constexpr int64_t kBlocks = 6;
 constexpr int64_t kDivisor = -1, kCounts = -2, kFactorFields = 4;
 constexpr double kWhole = 9007199254740992.0;  // 2**53
 
-// Dense ids (0, 1, ...) of the labels, in any order: by direct address when the labels span little more than
-// the samples, else by a hash map. A label is looked up only where it differs from the sample before (a step's
-// samples of one prompt group or session usually lie side by side). Returns the number of distinct labels.
-int64_t dense_ids(const int64_t* labels, int64_t n, std::vector<int64_t>& ids) {
-  ids.resize(n);
-  if (n == 0) {
-    return 0;
-  }
-  int64_t lo = labels[0], hi = labels[0];
+// The runs of one set of labels (a run: consecutive samples of one label, as a step's samples of one prompt group
+// or session usually lie): run k holds the samples [start[k], start[k + 1]); run_of[i] is sample i's run; id[k]
+// the dense id (0, 1, ... in any order) of run k's label, or none where each run is a label of its own, in order
+// (id[k] = k); labels, how many distinct labels there are. Only finding the runs reads every sample; the rest is
+// done run by run.
+struct Runs {
+  std::unique_ptr<int64_t[]> start, run_of;  // uninitialised until written: no pass to zero them
+  std::vector<int64_t> id;
+  int64_t runs = 0, labels = 0;
+};
+
+// The runs of `labels`, in one pass over the samples without a branch, then each run's label made dense.
+void find_runs(const int64_t* labels, int64_t n, Runs& runs) {
+  runs.start.reset(new int64_t[n + 1]);
+  runs.run_of.reset(new int64_t[std::max<int64_t>(n, 1)]);
+  int64_t* start = runs.start.get();
+  int64_t* run_of = runs.run_of.get();
+  int64_t r = 0;
+  start[0] = 0;
+  run_of[0] = 0;
   for (int64_t i = 1; i < n; ++i) {
-    lo = std::min(lo, labels[i]);
-    hi = std::max(hi, labels[i]);
+    r += labels[i] != labels[i - 1] ? 1 : 0;
+    start[r] = i;  // written again until the run ends: start[r] holds run r's last sample
+    run_of[i] = r;
+  }
+  const int64_t count = n > 0 ? r + 1 : 0;
+  for (int64_t k = count - 1; k >= 1; --k) {  // each run's first sample: one past the last of the run before
+    start[k] = start[k - 1] + 1;
+  }
+  start[0] = 0;
+  start[count] = n;
+  runs.runs = count;
+  runs.id.clear();
+  // each run's label made dense. The common case first: labels rising run by run, so each run is a label of its own
+  bool rising = true;
+  for (int64_t k = 1; k < count; ++k) {
+    rising &= labels[start[k]] > labels[start[k - 1]];
+  }
+  if (rising) {
+    runs.labels = count;
+    return;
+  }
+  runs.id.resize(count);
+  // else by direct address when the labels span little more than the runs, else by a hash map
+  int64_t lo = labels[0], hi = labels[0];
+  for (int64_t k = 1; k < count; ++k) {
+    const int64_t label = labels[start[k]];
+    lo = std::min(lo, label);
+    hi = std::max(hi, label);
   }
   int64_t distinct = 0;
   const uint64_t span = static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo);  // unsigned: no overflow
-  if (span <= static_cast<uint64_t>(4 * n + 64)) {
+  if (span <= static_cast<uint64_t>(4 * count + 64)) {
     std::vector<int64_t> slot(span + 1, -1);
-    int64_t current = -1;
-    for (int64_t i = 0; i < n; ++i) {
-      if (i == 0 || labels[i] != labels[i - 1]) {
-        int64_t& s = slot[static_cast<uint64_t>(labels[i]) - static_cast<uint64_t>(lo)];
-        if (s < 0) {
-          s = distinct++;
-        }
-        current = s;
-      }
-      ids[i] = current;
+    for (int64_t k = 0; k < count; ++k) {
+      int64_t& s = slot[static_cast<uint64_t>(labels[start[k]]) - static_cast<uint64_t>(lo)];
+      s = s < 0 ? distinct++ : s;
+      runs.id[k] = s;
     }
-    return distinct;
-  }
-  std::unordered_map<int64_t, int64_t> slot;
-  slot.reserve(static_cast<size_t>(n));
-  int64_t current = -1;
-  for (int64_t i = 0; i < n; ++i) {
-    if (i == 0 || labels[i] != labels[i - 1]) {
-      auto [it, added] = slot.try_emplace(labels[i], distinct);
+  } else {
+    std::unordered_map<int64_t, int64_t> slot;
+    slot.reserve(static_cast<size_t>(count));
+    for (int64_t k = 0; k < count; ++k) {
+      auto [it, added] = slot.try_emplace(labels[start[k]], distinct);
       distinct += added ? 1 : 0;
-      current = it->second;
+      runs.id[k] = it->second;
     }
-    ids[i] = current;
   }
-  return distinct;
+  runs.labels = distinct;
 }
 
-// Each label's samples, non-empty samples and tokens, added run by run (a run: consecutive samples of one label),
-// so that consecutive additions to one label's total do not wait on each other. Every addend is a whole number
-// and every total below 2**53 (the counts are checked so), so the sums are exact in any order.
-void label_sums(
-    const std::vector<int64_t>& id,
-    const double* counts,
-    int64_t labels,
-    std::vector<double>& size,
-    std::vector<double>& kept,
-    std::vector<double>& tokens) {
-  size.assign(labels, 0.0);
-  kept.assign(labels, 0.0);
-  tokens.assign(labels, 0.0);
-  const int64_t n = static_cast<int64_t>(id.size());
-  const int64_t* ids = id.data();
-  const double* c = counts;
-  for (int64_t i = 0; i < n;) {
-    const int64_t label = ids[i];
-    int64_t nonempty = 0;
-    double sum = 0.0;
-    int64_t j = i;
-    for (; j < n && ids[j] == label; ++j) {
-      nonempty += c[j] > 0.0;
-      sum += c[j];
+// before[2i] and before[2i + 1]: the tokens and the non-empty samples before sample i (i = 0..n). In integers:
+// every count is a whole number and the step's total below 2**53 (checked before), so every sum is exact, and an
+// addition waits one cycle on the one before.
+std::unique_ptr<int64_t[]> running_sums(const double* c, int64_t n) {
+  std::unique_ptr<int64_t[]> before(new int64_t[2 * (n + 1)]);
+  int64_t* b = before.get();
+  int64_t tokens = 0, nonempty = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    b[2 * i] = tokens;
+    b[2 * i + 1] = nonempty;
+    const int64_t x = static_cast<int64_t>(c[i]);
+    tokens += x;
+    nonempty += x > 0 ? 1 : 0;
+  }
+  b[2 * n] = tokens;
+  b[2 * n + 1] = nonempty;
+  return before;
+}
+
+// Each label's samples, non-empty samples and tokens, run by run from the running sums (exact).
+void label_sums(const Runs& runs, const int64_t* before, std::vector<double>& size, std::vector<double>& kept, std::vector<double>& tokens) {
+  const int64_t* start = runs.start.get();
+  if (runs.id.empty()) {  // each run a label of its own: the runs' sums are the labels'
+    size.resize(runs.runs);
+    kept.resize(runs.runs);
+    tokens.resize(runs.runs);
+    double* sz = size.data();
+    double* kp = kept.data();
+    double* tk = tokens.data();
+    for (int64_t k = 0; k < runs.runs; ++k) {
+      const int64_t a = start[k], b = start[k + 1];
+      sz[k] = static_cast<double>(b - a);
+      tk[k] = static_cast<double>(before[2 * b] - before[2 * a]);
+      kp[k] = static_cast<double>(before[2 * b + 1] - before[2 * a + 1]);
     }
-    size[label] += static_cast<double>(j - i);
-    kept[label] += static_cast<double>(nonempty);
-    tokens[label] += sum;
-    i = j;
+    return;
+  }
+  size.assign(runs.labels, 0.0);
+  kept.assign(runs.labels, 0.0);
+  tokens.assign(runs.labels, 0.0);
+  for (int64_t k = 0; k < runs.runs; ++k) {
+    const int64_t label = runs.id[k], a = start[k], b = start[k + 1];
+    size[label] += static_cast<double>(b - a);
+    tokens[label] += static_cast<double>(before[2 * b] - before[2 * a]);
+    kept[label] += static_cast<double>(before[2 * b + 1] - before[2 * a + 1]);
   }
 }
 
-// The step's samples as the passes read them: counts (as float64), labels' dense ids and what each label holds.
+// The step's samples as the passes read them: counts (as float64), labels' runs and what each label holds.
 struct Step {
   int64_t n = 0;
   double* counts = nullptr;  // [n]: the output's counts where it returns them, else `own`
-  std::vector<double> own;
-  std::vector<int64_t> g_id, s_id;
+  std::unique_ptr<double[]> own;
+  Runs g, s;
   std::vector<double> g_tokens, s_size, s_kept, s_tokens, g_held, g_held_kept;
 
-  // Per-sample block b (0..5, see kBlocks) into out [n].
+  // Per-sample block b (0..5, see kBlocks) into out [n]: each sample's run's label's value.
   void per_sample(int64_t block, double* out) const {
     const std::vector<double>& table = block == 0   ? g_tokens
                                        : block == 1 ? s_size
@@ -137,19 +184,29 @@ struct Step {
                                        : block == 3 ? s_tokens
                                        : block == 4 ? g_held
                                                     : g_held_kept;
-    const std::vector<int64_t>& id = block == 0 || block >= 4 ? g_id : s_id;
+    const Runs& runs = block == 0 || block >= 4 ? g : s;
     if (table.empty()) {  // the groups' sessions of a mode that does not read them
       std::fill(out, out + n, 0.0);
       return;
     }
+    const int64_t* run_of = runs.run_of.get();
+    const double* v = table.data();
+    if (runs.id.empty()) {
+      for (int64_t i = 0; i < n; ++i) {
+        out[i] = v[run_of[i]];
+      }
+      return;
+    }
+    const int64_t* id = runs.id.data();
     for (int64_t i = 0; i < n; ++i) {
-      out[i] = table[id[i]];
+      out[i] = v[id[run_of[i]]];
     }
   }
 };
 
-// Two doubles at a time, as GCC and Clang vector types (SSE2 on x86-64, NEON on arm64): the scalar loops below
-// compile to a compare and a flag per element, with a branch to clamp.
+// Two doubles at a time: SSE2's own intrinsics on x86-64, GCC and Clang vector types elsewhere (NEON on arm64).
+// Scalar loops compile to a compare and a flag per element, with a branch to clamp; on x86-64, vector types
+// compile each compare's mask to a blend, which SSE2 lacks, so to scalar code again (measured: 2.3x slower).
 using Double2 = double __attribute__((vector_size(16)));
 using Long2 = int64_t __attribute__((vector_size(16)));
 using Float2 = float __attribute__((vector_size(8)));
@@ -175,15 +232,28 @@ bool read_counts(Step& step, const int64_t* counts_long, const double* counts_do
   }
   // whole in [0, 2**53): at or above 2**52 every double is whole; below it, (x + 2**52) - 2**52 is x rounded to a
   // whole number (no fused multiply-add: -ffp-contract=off), which is x exactly when x is whole
-  Long2 not_whole = {0, 0};
   int64_t i = 0;
+#if defined(__SSE2__)
+  __m128d whole2 = _mm_castsi128_pd(_mm_set1_epi64x(-1));  // all ones while every count holds
+  const __m128d zero = _mm_setzero_pd(), whole_from = _mm_set1_pd(kWhole), two52 = _mm_set1_pd(kTwo52);
+  for (; i + 2 <= n; i += 2) {
+    const __m128d x = _mm_loadu_pd(counts_double + i);
+    const __m128d rounded = _mm_sub_pd(_mm_add_pd(x, two52), two52);
+    const __m128d is_whole = _mm_or_pd(_mm_cmpge_pd(x, two52), _mm_cmpeq_pd(rounded, x));
+    whole2 = _mm_and_pd(whole2, _mm_and_pd(_mm_and_pd(_mm_cmpge_pd(x, zero), _mm_cmplt_pd(x, whole_from)), is_whole));
+    _mm_storeu_pd(c + i, x);
+  }
+  bool whole = _mm_movemask_pd(whole2) == 3;
+#else
+  Long2 whole2 = {-1, -1};  // all ones while every count holds
   for (; i + 2 <= n; i += 2) {
     Double2 x;
     std::memcpy(&x, counts_double + i, sizeof(x));
-    not_whole |= ~((x >= 0.0) & (x < kWhole) & ((x >= kTwo52) | ((x + kTwo52) - kTwo52 == x)));
+    whole2 &= (x >= 0.0) & (x < kWhole) & ((x >= kTwo52) | ((x + kTwo52) - kTwo52 == x));
     std::memcpy(c + i, &x, sizeof(x));
   }
-  bool whole = (not_whole[0] | not_whole[1]) == 0;
+  bool whole = (whole2[0] & whole2[1]) == -1;
+#endif
   for (; i < n; ++i) {
     const double x = counts_double[i];
     whole &= (x >= 0.0) & (x < kWhole) & ((x >= kTwo52) | ((x + kTwo52) - kTwo52 == x));
@@ -225,11 +295,16 @@ Status totals(
   o[2] = nonempty;
   o[3] = total;
   o[4] = longest;
+  if (groups_in == nullptr && sessions_in == nullptr) {
+    return kServed;
+  }
+  const std::unique_ptr<int64_t[]> before = running_sums(c, n);
   int64_t groups = 0;
   if (groups_in != nullptr) {
-    groups = dense_ids(groups_in, n, step.g_id);
+    find_runs(groups_in, n, step.g);
+    groups = step.g.labels;
     std::vector<double> size, kept;
-    label_sums(step.g_id, step.counts, groups, size, kept, step.g_tokens);
+    label_sums(step.g, before.get(), size, kept, step.g_tokens);
     int64_t groups_nonempty = 0;
     for (int64_t g = 0; g < groups; ++g) {
       if (check_groups && per_prompt >= 0 && size[g] != static_cast<double>(per_prompt)) {
@@ -241,8 +316,9 @@ Status totals(
     o[6] = static_cast<double>(groups_nonempty);
   }
   if (sessions_in != nullptr) {
-    const int64_t sessions = dense_ids(sessions_in, n, step.s_id);
-    label_sums(step.s_id, step.counts, sessions, step.s_size, step.s_kept, step.s_tokens);
+    find_runs(sessions_in, n, step.s);
+    const int64_t sessions = step.s.labels;
+    label_sums(step.s, before.get(), step.s_size, step.s_kept, step.s_tokens);
     int64_t sessions_nonempty = 0;
     double largest = 0.0;
     for (int64_t s = 0; s < sessions; ++s) {
@@ -256,20 +332,47 @@ Status totals(
       if (labels * labels * largest >= kWhole) {
         return kTooManyForTheCheck;
       }
-      std::vector<int64_t> group_of(sessions, -1);
-      for (int64_t i = 0; i < n; ++i) {
-        int64_t& g = group_of[step.s_id[i]];
-        if (g < 0) {
-          g = step.g_id[i];
-        } else if (g != step.g_id[i]) {
-          return kSessionInGroups;
-        }
-      }
+      // a session run lies in one prompt group when its first and last samples lie in one group run (two runs side
+      // by side have two labels), and a session of several runs when each lies in the same group
+      const int64_t* g_run = step.g.run_of.get();
+      const int64_t* s_start = step.s.start.get();
       step.g_held.assign(groups, 0.0);
       step.g_held_kept.assign(groups, 0.0);
-      for (int64_t s = 0; s < sessions; ++s) {
-        step.g_held[group_of[s]] += 1.0;
-        step.g_held_kept[group_of[s]] += step.s_kept[s] > 0.0 ? 1.0 : 0.0;
+      if (step.s.id.empty()) {  // each session one run: a group run's sessions are the session runs that start in it
+        bool crosses = false;
+        for (int64_t k = 0; k < step.s.runs; ++k) {
+          crosses |= g_run[s_start[k]] != g_run[s_start[k + 1] - 1];
+        }
+        if (crosses) {
+          return kSessionInGroups;
+        }
+        std::vector<int64_t> kept_before(step.s.runs + 1);  // the non-empty sessions before each session run
+        for (int64_t k = 0; k < step.s.runs; ++k) {
+          kept_before[k + 1] = kept_before[k] + (step.s_kept[k] > 0.0 ? 1 : 0);
+        }
+        const int64_t* s_run = step.s.run_of.get();
+        const int64_t* g_start = step.g.start.get();
+        for (int64_t j = 0; j < step.g.runs; ++j) {
+          const int64_t first = s_run[g_start[j]], last = s_run[g_start[j + 1] - 1] + 1;
+          const int64_t g = step.g.id.empty() ? j : step.g.id[j];
+          step.g_held[g] += static_cast<double>(last - first);
+          step.g_held_kept[g] += static_cast<double>(kept_before[last] - kept_before[first]);
+        }
+      } else {
+        std::vector<int64_t> group_of(sessions, -1);
+        for (int64_t k = 0; k < step.s.runs; ++k) {
+          const int64_t first = g_run[s_start[k]], last = g_run[s_start[k + 1] - 1];
+          int64_t& g = group_of[step.s.id[k]];
+          const int64_t group = step.g.id.empty() ? first : step.g.id[first];
+          if (first != last || (g >= 0 && g != group)) {
+            return kSessionInGroups;
+          }
+          g = group;
+        }
+        for (int64_t s = 0; s < sessions; ++s) {
+          step.g_held[group_of[s]] += 1.0;
+          step.g_held_kept[group_of[s]] += step.s_kept[s] > 0.0 ? 1.0 : 0.0;
+        }
       }
       if (per_prompt >= 0) {
         for (int64_t g = 0; g < groups; ++g) {
@@ -298,22 +401,36 @@ Checked check_and_round(const double* row, float* row32, int64_t n) {
   constexpr double kFiniteBelow = 3.4028235677973366e+38;  // 2**128 - 2**103: rounds to float32's infinity
   constexpr double kFloatMax = static_cast<double>(std::numeric_limits<float>::max());
   constexpr double kDoubleMax = std::numeric_limits<double>::max();
-  Long2 bad = {0, 0}, unfit = {0, 0};
   int64_t i = 0;
+  bool not_positive = false, not_normal = false;
+#if defined(__SSE2__)
+  // SSE2 itself: with GCC's vector types each compare's mask becomes a blend, which SSE2 lacks: scalar code
+  __m128d positive = _mm_castsi128_pd(_mm_set1_epi64x(-1)), normal = positive;  // all ones while every d[i] holds
+  const __m128d zero = _mm_setzero_pd(), double_max = _mm_set1_pd(kDoubleMax), normal_from = _mm_set1_pd(kNormalFrom);
+  const __m128d finite_below = _mm_set1_pd(kFiniteBelow), float_max = _mm_set1_pd(kFloatMax);
+  for (; i + 2 <= n; i += 2) {
+    const __m128d x = _mm_loadu_pd(row + i);
+    positive = _mm_and_pd(positive, _mm_and_pd(_mm_cmpgt_pd(x, zero), _mm_cmple_pd(x, double_max)));
+    normal = _mm_and_pd(normal, _mm_and_pd(_mm_cmpge_pd(x, normal_from), _mm_cmplt_pd(x, finite_below)));
+    // x < float_max ? x : float_max (float_max where x is NaN), then rounded to nearest even
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(row32 + i), _mm_castps_si128(_mm_cvtpd_ps(_mm_min_pd(x, float_max))));
+  }
+  not_positive = _mm_movemask_pd(positive) != 3;
+  not_normal = _mm_movemask_pd(normal) != 3;
+#else
+  Long2 positive = {-1, -1}, normal = {-1, -1};  // all ones while every d[i] holds
   for (; i + 2 <= n; i += 2) {
     Double2 x;
     std::memcpy(&x, row + i, sizeof(x));
-    bad |= ~((x > 0.0) & (x <= kDoubleMax));  // each compare: all ones where it holds
-    unfit |= ~((x >= kNormalFrom) & (x < kFiniteBelow));
-    const Long2 below = x < kFloatMax;
+    positive &= (x > 0.0) & (x <= kDoubleMax);  // each compare: all ones where it holds
+    normal &= (x >= kNormalFrom) & (x < kFiniteBelow);
     const Double2 max2 = {kFloatMax, kFloatMax};
-    Double2 clamped;
-    const Long2 picked = (std::bit_cast<Long2>(x) & below) | (std::bit_cast<Long2>(max2) & ~below);
-    std::memcpy(&clamped, &picked, sizeof(clamped));
-    const Float2 rounded = __builtin_convertvector(clamped, Float2);
+    const Float2 rounded = __builtin_convertvector(x < max2 ? x : max2, Float2);
     std::memcpy(row32 + i, &rounded, sizeof(rounded));
   }
-  bool not_positive = (bad[0] | bad[1]) != 0, not_normal = (unfit[0] | unfit[1]) != 0;
+  not_positive = (positive[0] & positive[1]) != -1;
+  not_normal = (normal[0] & normal[1]) != -1;
+#endif
   for (; i < n; ++i) {
     const double x = row[i];
     not_positive |= !((x > 0.0) & (x <= kDoubleMax));
@@ -458,8 +575,8 @@ std::vector<Tensor> plan_totals(
   if (with_counts) {
     step.counts = out[1 + blocks.size()].mutable_data_ptr<double>();
   } else {
-    step.own.resize(n);
-    step.counts = step.own.data();
+    step.own.reset(new double[std::max<int64_t>(n, 1)]);
+    step.counts = step.own.get();
   }
   Status status = read_counts(step, is_long ? counts.const_data_ptr<int64_t>() : nullptr, is_long ? nullptr : counts.const_data_ptr<double>())
                       ? totals(step, labels[0], labels[1], per_prompt, check_groups, sessions_in_groups, o)
