@@ -145,6 +145,58 @@ inline TokenCall aggregate_args(
   return make_call(layout, values, mask, cu_seqlens, acc_scalar_type(values.scalar_type()));
 }
 
+// aggregate_planned: values as for reduce, the mask and offsets as given (for the rare mask dtype counted from
+// them), each label tensor int64 [B] on the host, contiguous, and the plan's settings and one term's program.
+struct PlannedArgs {
+  TokenCall call;
+  Tensor mask;
+  std::optional<Tensor> cu_seqlens, group_index, session_index;
+  int64_t per_prompt;
+  bool check_groups, sessions_in_groups;
+  std::vector<int64_t> program;
+  double divisor;
+};
+
+inline std::optional<Tensor> label_arg(const char* name, const std::optional<Tensor>& labels, int64_t b) {
+  if (!labels.has_value()) {
+    return std::nullopt;
+  }
+  const Tensor& t = *labels;
+  LOSSAGG_CHECK_VALUE(
+      t.dim() == 1 && t.size(0) == b && t.scalar_type() == ScalarType::Long && t.is_cpu(), "lossagg.aggregate_planned: ", name,
+      " must be an int64 CPU tensor [B] with one label per sample (B = ", b, "), got ", t.scalar_type(), " of ", t.dim(), " dimension(s)",
+      t.dim() == 1 ? " and " + std::to_string(t.size(0)) + " entries" : std::string());
+  return as_contiguous(t);
+}
+
+inline PlannedArgs aggregate_planned_args(
+    const Tensor& values,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens,
+    const std::optional<Tensor>& group_index,
+    const std::optional<Tensor>& session_index,
+    int64_t per_prompt,
+    bool check_groups,
+    bool sessions_in_groups,
+    std::vector<int64_t> program,
+    double divisor) {
+  TokenLayout layout = check_token_layout("aggregate_planned", values, mask, cu_seqlens, /*allow_metric_dim=*/false);
+  layout.max_segment_tokens = check_cu_seqlens_data("aggregate_planned", cu_seqlens, layout);
+  const int64_t b = layout.num_segments;
+  std::optional<Tensor> groups = label_arg("group_index", group_index, b), sessions = label_arg("session_index", session_index, b);
+  return {
+      make_call(layout, values, mask, cu_seqlens, acc_scalar_type(values.scalar_type())),
+      mask,
+      cu_seqlens,
+      std::move(groups),
+      std::move(sessions),
+      per_prompt,
+      check_groups,
+      sessions_in_groups,
+      std::move(program),
+      divisor};
+}
+
 // reduce: the call and d [B] in the accumulation dtype.
 struct ReduceArgs {
   TokenCall call;
@@ -351,6 +403,22 @@ template <auto kernel>
 std::tuple<Tensor, Tensor> aggregate_op(
     const Tensor& values, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, std::vector<int64_t> denom_program, double divisor) {
   return kernel(aggregate_args(values, mask, cu_seqlens, denom_program, divisor), values.scalar_type(), mask, cu_seqlens, denom_program, divisor);
+}
+
+template <auto kernel>
+std::tuple<Tensor, Tensor> aggregate_planned_op(
+    const Tensor& values,
+    const Tensor& mask,
+    const std::optional<Tensor>& cu_seqlens,
+    const std::optional<Tensor>& group_index,
+    const std::optional<Tensor>& session_index,
+    int64_t per_prompt,
+    bool check_groups,
+    bool sessions_in_groups,
+    std::vector<int64_t> program,
+    double divisor) {
+  return kernel(aggregate_planned_args(
+      values, mask, cu_seqlens, group_index, session_index, per_prompt, check_groups, sessions_in_groups, std::move(program), divisor));
 }
 
 template <auto kernel>

@@ -19,6 +19,14 @@ STABLE_TORCH_LIBRARY(lossagg, m) {
   // codes (csrc/denom_program.h, lossagg/denom_program.py). CPU kernel; other devices in
   // lossagg/ops.py.
   m.def("aggregate(Tensor values, Tensor mask, Tensor? cu_seqlens, int[] denom_program, float divisor) -> (Tensor, Tensor)");
+  // aggregate for a one-process step whose d[i] is a plan's product, prompt groups and sessions included: sums,
+  // counts, d and J from one read of values and mask, d by the plan's own passes over the counts and the labels
+  // (int64 [B] or None), the same d as lossagg.StepPlan's; program and divisor are one term's, as plan_totals takes
+  // them -> (J 0-dim, d float64 [B]). A step the plan declines raises (lossagg/ops.py then takes the Python route).
+  // Gradient as aggregate's. CPU kernel only (csrc/cpu/ops_cpu.cpp).
+  m.def(
+      "aggregate_planned(Tensor values, Tensor mask, Tensor? cu_seqlens, Tensor? group_index, Tensor? session_index, int per_prompt, "
+      "bool check_groups, bool sessions_in_groups, int[] program, float divisor) -> (Tensor, Tensor)");
   // Gradient of segment_sum: grad [B] or [K, B] -> token layout of values.
   m.def("segment_sum_backward(Tensor grad, Tensor mask, Tensor? cu_seqlens, ScalarType values_dtype) -> Tensor");
   // sum_i segment_sum(values)[i] / sample_denoms[i] -> 0-dim tensor.

@@ -242,7 +242,8 @@ class DenomProduct:
     def program(self, empty_samples: str = "count") -> tuple[int, ...] | None:
         """The native program of this product under the ``empty_samples`` convention (its factors'
         codes, :data:`CODES`), or None where a factor has none (``P``, ``c(Sg[g(i)])``, the session
-        factors: the groups and sessions are planned in Python)."""
+        factors: the groups and sessions are read by the plan's own passes, the native
+        ``aggregate_planned`` op or a :class:`lossagg.StepPlan`)."""
         return self._programs.get(empty_samples)
 
     def __call__(self, x: DenomInputs):

@@ -10,8 +10,11 @@
   **one-pass route**, which reads the loss and the mask once. For a mode whose ``d[i]`` is a
   :class:`lossagg.DenomProduct` with a native program, on the CPU, the native ``aggregate``
   op computes the sums, the counts, ``d`` and ``J`` in one call (:func:`reduce_by_program`);
-  elsewhere (another mode, another device, ``torch.compile``) the sums and counts come from
-  one pass and ``d`` from the plan in Python (:func:`reduce_with_counts`). Every route gives
+  for one whose product reads prompt groups or sessions, the native ``aggregate_planned`` op
+  does, ``d`` by the native plan's passes over the counts and labels (:func:`reduce_by_plan`);
+  elsewhere (another mode, another device, ``torch.compile``, a step the native plan declines)
+  the sums and counts come from one pass and ``d`` from a :class:`lossagg.StepPlan`
+  (:func:`reduce_with_counts`). Every route gives
   the bits of plan-then-reduce (tests/test_one_pass.py, tests/golden_program.py).
 """
 
@@ -33,13 +36,14 @@ from lossagg.ops import (
     _reduce_grad,
     _token_layout,
     aggregate_by_program,
+    aggregate_planned,
     check_division_denoms,
     check_readable,
     python_error,
     reduce,
     segment_sum_and_count,
 )
-from lossagg.step import StepPlan
+from lossagg.step import StepPlan, plain_labels, plan_info
 from lossagg.validate import check_holds_data
 
 
@@ -91,7 +95,8 @@ def aggregate(
             plan = lambda m: StepPlan(config, m, group_index=group_index, session_index=session_index).sample_denoms  # noqa: E731
             if program is not None:
                 return reduce_by_program(per_token_loss, mask, cu_seqlens, program, config.divisor, plan)
-            return reduce_with_counts(per_token_loss, mask, cu_seqlens, plan)
+            planned = reduce_by_plan(config, per_token_loss, mask, cu_seqlens, group_index, session_index)
+            return reduce_with_counts(per_token_loss, mask, cu_seqlens, plan) if planned is None else planned
         LossAggregationConfig.coerce(config).check_single_term("lossagg.aggregate")
         sample_denoms = StepPlan.from_mask(config, rollout_mask, cu_seqlens, group_index=group_index, session_index=session_index).sample_denoms
     return reduce(per_token_loss, mask, cu_seqlens=cu_seqlens, sample_denoms=sample_denoms)
@@ -166,6 +171,62 @@ def reduce_by_program(
         if str(error).startswith(DENOMS_NOT_POSITIVE):
             return reduce_with_counts(values, mask, cu_seqlens, denoms_of)  # the plan's error names the settings and totals
         raise
+
+
+def reduce_by_plan(
+    config: LossAggregationConfig,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    group_index: torch.Tensor | None,
+    session_index: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """J of a one-process step whose ``d[i]`` reads prompt groups or sessions, from the one native call
+    ``torch.ops.lossagg.aggregate_planned``: the sums and counts from one read of the loss and the mask, ``d`` by
+    the native plan's own passes over the counts and the labels (:class:`lossagg.StepPlan`'s d, bit for bit), then
+    ``J`` as ``reduce`` adds the quotients. None where that call does not serve the step: the caller then takes
+    :func:`reduce_with_counts` through a :class:`lossagg.StepPlan`, which serves it or raises naming the problem
+    (arguments other than CPU tensors in the token layout, labels other than plain int64 ``[B]`` tensors where the
+    mode reads them, ``torch.compile``, a mode the native plan does not serve, a step it declines)."""
+    if (
+        not isinstance(values, torch.Tensor)
+        or not isinstance(mask, torch.Tensor)
+        or not values.is_cpu
+        or values.dim() != (1 if cu_seqlens is not None else 2)
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    info = plan_info(config)
+    if not info.native:
+        return None
+    if cu_seqlens is None:
+        b = values.shape[0]
+    elif isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1:
+        b = cu_seqlens.shape[0] - 1
+    else:
+        return None
+    labels = []
+    for given, needed in ((group_index, info.groups), (session_index, info.sessions)):
+        if needed and not plain_labels(given, b):
+            return None
+        labels.append(given if needed else None)
+    grad_mode = torch.is_grad_enabled()
+    needs_grad = grad_mode and values.requires_grad
+    check_readable("reduce", _SEGMENT_SUM_ARGS, (values, mask, cu_seqlens), (_token_layout, ("reduce", values, mask, cu_seqlens, False)), needs_grad)
+    if grad_mode and mask.requires_grad:
+        _not_differentiable("reduce", mask=mask)
+    per_prompt = config.n_samples_per_prompt
+    return aggregate_planned(
+        values,
+        mask,
+        cu_seqlens,
+        *labels,
+        -1 if per_prompt is None else per_prompt,
+        info.check_groups,
+        info.sessions_in_groups,
+        info.program,
+        info.divisors[0],
+    )
 
 
 def _reduce_with_counts(values, mask, cu_seqlens, denoms_of, grad_mode=None):

@@ -49,9 +49,12 @@ _SEGMENT_SUM = torch.ops.lossagg.segment_sum.default
 _SEGMENT_SUM_BACKWARD = torch.ops.lossagg.segment_sum_backward.default
 _SEGMENT_SUM_AND_COUNT = torch.ops.lossagg.segment_sum_and_count.default
 _AGGREGATE = torch.ops.lossagg.aggregate.default
+_AGGREGATE_PLANNED = torch.ops.lossagg.aggregate_planned.default
 _TOKEN_COUNTS = torch.ops.lossagg.token_counts.default
 #: The native aggregate op's error for a d[i] that is not finite and > 0 starts with this (csrc/denom_program.h).
 DENOMS_NOT_POSITIVE = "lossagg.aggregate: a denominator is not finite and > 0"
+#: The native aggregate_planned op's error for a step the plan declines starts with this (csrc/cpu/plan_totals.h).
+PLAN_DECLINES = "lossagg.aggregate_planned: the plan declines the step"
 # the dispatcher below the autograd key: the kernels themselves, for calls whose autograd
 # the wrappers handle (or that need none)
 _BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
@@ -778,7 +781,7 @@ def aggregate_by_program(values: torch.Tensor, mask: torch.Tensor, cu_seqlens: t
     checked the arguments (:func:`lossagg.aggregate`'s one-pass route)."""
     try:
         if torch.is_grad_enabled() and values.requires_grad:
-            return _Aggregate.apply(values, mask, cu_seqlens, list(program), divisor)
+            return _Aggregate.apply(values, mask, cu_seqlens, _AGGREGATE, list(program), divisor)
         with _BELOW_AUTOGRAD():
             return _AGGREGATE(values, mask, cu_seqlens, list(program), divisor)[0]
     except RuntimeError as exc:
@@ -810,19 +813,21 @@ torch.library.impl("lossagg::aggregate", "CUDA")(_aggregate_composite)
 
 
 class _Aggregate(torch.autograd.Function):
-    """The native aggregate op with reduce's backward over the d it returns."""
+    """A native aggregate op (``op``: aggregate or aggregate_planned, called with ``values, mask, cu_seqlens,
+    *args``) with reduce's backward over the d it returns."""
 
     @staticmethod
-    def forward(ctx, values, mask, cu_seqlens, denom_program, divisor):
+    def forward(ctx, values, mask, cu_seqlens, op, *args):
         with _BELOW_AUTOGRAD():
-            out, d = _AGGREGATE(values, mask, cu_seqlens, denom_program, divisor)
+            out, d = op(values, mask, cu_seqlens, *args)
         ctx.save_for_backward(mask, cu_seqlens, d)
         ctx.values_dtype = values.dtype
+        ctx.more = len(args)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        return (*_reduce_grad(ctx, grad), None)
+        return (*_reduce_grad(ctx, grad), *(None,) * ctx.more)  # reduce's fourth, its d, is here the op
 
 
 def _setup_aggregate(ctx, inputs, output):
@@ -839,6 +844,45 @@ def _aggregate_grad(ctx, grad, grad_d):
 
 
 torch.library.register_autograd("lossagg::aggregate", _aggregate_grad, setup_context=_setup_aggregate)
+
+
+# -------------------------------------------------------------------------- aggregate_planned
+def aggregate_planned(
+    values, mask, cu_seqlens, group_index, session_index, per_prompt: int, check_groups: bool, sessions_in_groups: bool, program, divisor
+):
+    """J of the native ``aggregate_planned`` op (csrc/cpu/ops_cpu.cpp): the sums, the counts, ``d`` by the plan's
+    own passes over the counts and labels (one term's plan program, lossagg/step.py) and ``J`` from one call,
+    differentiable in ``values`` (reduce's backward over the ``d`` it returned); None where the plan declines the
+    step (the caller then takes the Python route, which names the problem). CPU tensors only: the caller has
+    checked the arguments (:func:`lossagg.aggregate`'s one-pass route)."""
+    args = (group_index, session_index, per_prompt, check_groups, sessions_in_groups, program, divisor)
+    try:
+        if torch.is_grad_enabled() and values.requires_grad:
+            return _Aggregate.apply(values, mask, cu_seqlens, _AGGREGATE_PLANNED, *args)
+        with _BELOW_AUTOGRAD():
+            return _AGGREGATE_PLANNED(values, mask, cu_seqlens, *args)[0]
+    except RuntimeError as exc:
+        error = python_error(exc)
+        if str(error).startswith(PLAN_DECLINES):
+            return None
+        raise error from None
+
+
+@torch.library.register_fake("lossagg::aggregate_planned")
+def _aggregate_planned_fake(values, mask, cu_seqlens, group_index, session_index, per_prompt, check_groups, sessions_in_groups, program, divisor):
+    b, _ = _token_layout("aggregate_planned", values, mask, cu_seqlens, allow_metric_dim=False)
+    return values.new_empty((), dtype=_acc_dtype(values.dtype)), values.new_empty((b,), dtype=torch.float64)
+
+
+def _setup_aggregate_planned(ctx, inputs, output):
+    _setup_aggregate(ctx, inputs[:3] + (None, None), output)
+
+
+def _aggregate_planned_grad(ctx, grad, grad_d):
+    return (*_reduce_grad(ctx, grad), None, None, None, None, None, None)
+
+
+torch.library.register_autograd("lossagg::aggregate_planned", _aggregate_planned_grad, setup_context=_setup_aggregate_planned)
 
 
 # -------------------------------------------------------------------------- plan_totals

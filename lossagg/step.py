@@ -143,7 +143,7 @@ def _factor_codes(term, empty: str) -> list[int] | None:
     return codes
 
 
-def _plan_info(config: LossAggregationConfig) -> _PlanInfo:
+def plan_info(config: LossAggregationConfig) -> _PlanInfo:
     """:class:`_PlanInfo` of ``config``, kept for the last configs used (a config is immutable; the entry is made
     again when the mode registry changed)."""
     registry = mode_registry()
@@ -200,11 +200,16 @@ def _plain_tensor(t, n: int | None, dtypes) -> bool:
     )
 
 
+def plain_labels(t, n: int) -> bool:
+    """Whether ``t`` is labels the native passes read as they are: a plain int64 CPU tensor ``[n]``."""
+    return _plain_tensor(t, n, (torch.int64,))
+
+
 def _native_route(config, info: _PlanInfo, counts, group_index, session_index, sample_weights, num_group_labels, num_session_labels):
     """(samples, totals, each term's d, the kernels' tables) of a one-process plan from one native pass
     (csrc/cpu/plan_totals.cpp), or None where the Python route (lossagg/totals.py, lossagg/denominators.py) takes
     it: arguments other than the plain ones (CPU tensors, int64 or float64 counts, int64 labels exactly where the
-    mode reads them, no weights or label bounds; given alone or as a :class:`RankSamples` holding just those), or a
+    mode reads them (and any the mode does not read), no weights or label bounds; given alone or as a :class:`RankSamples` holding just those), or a
     step the native pass declines (a count that is not a whole number >= 0, a group or session of the wrong size, a
     d[i] that is not finite and > 0: the Python route raises naming it)."""
     if type(counts) is RankSamples:  # a record given alone (a closing DeferredPlan's): its fields
@@ -219,14 +224,15 @@ def _native_route(config, info: _PlanInfo, counts, group_index, session_index, s
         return None
     n = counts.shape[0]
     for given, needed in ((group_index, info.groups), (session_index, info.sessions)):
-        if (given is not None) != needed or (given is not None and not _plain_tensor(given, n, (torch.int64,))):
+        # labels the mode does not read are held as given (the Python route holds them too), not passed to the pass
+        if (given is None and needed) or (given is not None and not _plain_tensor(given, n, (torch.int64,))):
             return None
     per_prompt = config.n_samples_per_prompt
     as_given = counts.dtype is torch.float64
     out = native_plan_totals(
         counts.contiguous(),
-        None if group_index is None else group_index.contiguous(),
-        None if session_index is None else session_index.contiguous(),
+        group_index.contiguous() if info.groups else None,
+        session_index.contiguous() if info.sessions else None,
         -1 if per_prompt is None else per_prompt,
         info.check_groups,
         info.sessions_in_groups,
@@ -300,7 +306,7 @@ class StepPlan(Plan):
     ):
         if not isinstance(config, LossAggregationConfig):
             config = LossAggregationConfig.coerce(config)
-        info = _plan_info(config)
+        info = plan_info(config)
         native = None
         # without a process group the logged sums (_extra_sums) are the step's as they are: the native route serves
         # a closing DeferredPlan's record too

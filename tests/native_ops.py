@@ -8,6 +8,7 @@ OPS = (
     "segment_sum",
     "segment_sum_and_count",
     "aggregate",
+    "aggregate_planned",
     "reduce",
     "reduce_terms",
     "token_counts",

@@ -39,6 +39,8 @@ FRESH = textwrap.dedent(
         "segment_sum": [(v, m, cu), (k2, m, cu), (padded, padded_mask, None)],
         "segment_sum_and_count": [(v.detach(), m, cu), (padded.detach(), padded_mask, None)],
         "aggregate": [(v, m, cu, [1, 6], 0.0), (padded, padded_mask, None, [3], 0.0)],
+        # prompt_mean's d = P · c(Sg[g(i)]) by the plan's passes (lossagg/step.py's _factor_codes)
+        "aggregate_planned": [(v, m, cu, torch.tensor([0, 0, 1]), None, -1, True, False, [2, 5, 0, 0, 0, 9, 0, 1, 0], 0.0)],
         "reduce_backward": [(torch.tensor(1.5, dtype=torch.float64), m, cu, d, torch.float64)],
         "segment_sum_backward": [(torch.randn(3, dtype=torch.float64), m, cu, torch.float32)],
         "token_counts": [(m, cu), (padded_mask, None)],

@@ -146,10 +146,11 @@ def test_aggregate_one_pass_equals_the_float64_reference():
 
 
 def test_aggregate_reads_the_tokens_once():
-    """On the CPU a mode whose d[i] is a DenomProduct is one native call (sums, counts, d and J);
-    a mode planned by a StepPlan (prompt_mean's groups, a registered callable) is one
-    segment_sum_and_count, the plan's totals (one plan_totals call over the B counts) and a reduce
-    over the B sums. No token_counts or segment_sum pass."""
+    """On the CPU a mode whose d[i] is a DenomProduct is one native call (sums, counts, d and J): aggregate for
+    the products of step totals and M[i], aggregate_planned for those that read prompt groups or sessions (the
+    plan's passes over the B counts and labels inside it). Labels the native passes do not read as they are (int32)
+    take the composite: one segment_sum_and_count, the plan in Python and a reduce over the B sums. No token_counts
+    or segment_sum pass."""
     b = make_batch("packed32", requires_grad=True)
 
     def ops(mode, **kw):
@@ -159,8 +160,11 @@ def test_aggregate_reads_the_tokens_once():
 
     for mode in ("sample_mean", "token_mean", "constant", "max_length"):
         assert ops(mode) == ["lossagg::aggregate"], mode
-    names = ops("prompt_mean", group_index=torch.tensor([0, 0, 1, 1, 2, 2]))
-    assert sorted(names) == ["lossagg::plan_totals", "lossagg::reduce", "lossagg::segment_sum_and_count"], names
+    labels = torch.tensor([0, 0, 1, 1, 2, 2])
+    for mode in ("prompt_mean", "session_mean", "session_token_mean", "prompt_session_mean", "prompt_session_token_mean"):
+        assert ops(mode, group_index=labels, session_index=torch.arange(6)) == ["lossagg::aggregate_planned"], mode
+    names = ops("prompt_mean", group_index=labels.int())
+    assert sorted(names) == ["lossagg::reduce", "lossagg::segment_sum_and_count"], names
 
 
 def test_aggregate_with_another_rollout_mask_counts_that_mask():
@@ -454,6 +458,7 @@ def test_segments_side_by_side_have_the_bits_of_every_instruction_set(mask_dtype
 # the property test's value dtypes (test_one_pass.py's VALUE_DTYPES, from batches, lists them in another order)
 ROUTE_VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 PRODUCT_MODES = ("sample_mean", "token_mean", "constant", "max_length")
+SESSION_MODES = ("session_mean", "session_token_mean", "prompt_session_mean", "prompt_session_token_mean")
 
 
 def outcome(fn):
@@ -471,7 +476,7 @@ def plan_route(config, values, mask, cu):
 
 @settings(max_examples=150, deadline=None)
 @given(
-    mode=st.sampled_from(PRODUCT_MODES + ("prompt_mean",)),
+    mode=st.sampled_from(PRODUCT_MODES + ("prompt_mean",) + SESSION_MODES),
     dtype=st.sampled_from(ROUTE_VALUE_DTYPES),
     mask_dtype=st.sampled_from((torch.bool, torch.int32, torch.float32, torch.float64)),
     divisor=st.sampled_from((1e-46, 1e-300, 1e-30, 0.5, 3.0, 1e38, 1e300)),
@@ -479,8 +484,9 @@ def plan_route(config, values, mask, cu):
     lengths=st.lists(st.integers(0, 6), min_size=1, max_size=6),
     tiny=st.booleans(),
     seed=st.integers(0, 2**16),
+    labels=st.sampled_from(("pairs", "runs", "any order")),
 )
-def test_one_pass_and_plan_routes_agree(mode, dtype, mask_dtype, divisor, empty, lengths, tiny, seed):
+def test_one_pass_and_plan_routes_agree(mode, dtype, mask_dtype, divisor, empty, lengths, tiny, seed, labels):
     g = torch.Generator().manual_seed(seed)
     cu = lossagg.cu_seqlens_from_lengths(lengths, dtype=torch.int64)
     t = int(cu[-1])
@@ -494,11 +500,21 @@ def test_one_pass_and_plan_routes_agree(mode, dtype, mask_dtype, divisor, empty,
         settings_["divisor"] = divisor
     if mode == "prompt_mean":
         settings_["n_samples_per_prompt"] = 1
+    n = len(lengths)
+    groups, sessions = torch.arange(n), None
+    if mode in SESSION_MODES:  # aggregate_planned: the plan's passes over the labels inside the native call
+        sessions = torch.arange(n) // 2 if labels != "runs" else torch.arange(n) // 3
+        groups = sessions // 2 if labels != "any order" else (sessions // 2) % 2  # a group in two runs: the table
+        if MODES[mode].needs_groups:
+            settings_["n_samples_per_prompt"] = 2  # each group's sessions: wrong for some steps, which both routes refuse
     config = LossAggregationConfig(**settings_)
-    groups = torch.arange(len(lengths)) if mode == "prompt_mean" else None
-    one_pass = outcome(lambda: lossagg.aggregate(config, values, mask, cu_seqlens=cu, group_index=groups))
+    if not MODES[mode].needs_groups:
+        groups = None
+    one_pass = outcome(lambda: lossagg.aggregate(config, values, mask, cu_seqlens=cu, group_index=groups, session_index=sessions))
     plan = outcome(
-        lambda: lossagg.reduce(values, mask, cu_seqlens=cu, sample_denoms=StepPlan.from_mask(config, mask, cu, group_index=groups).sample_denoms)
+        lambda: lossagg.reduce(
+            values, mask, cu_seqlens=cu, sample_denoms=StepPlan.from_mask(config, mask, cu, group_index=groups, session_index=sessions).sample_denoms
+        )
     )
     assert one_pass == plan
     program = lossagg.MODES[mode].denoms.program(empty) if isinstance(lossagg.MODES[mode].denoms, lossagg.DenomProduct) else None

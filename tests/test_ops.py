@@ -126,6 +126,15 @@ def sample_inputs(device, requires_grad):
         program = [3, 5, 0, 0, 0, 13, 0, 0, 0, 10, 0, 0, 0, 1, -2, 0, 1, 0]
         cases.append((torch.ops.lossagg.plan_totals.default, (counts, labels, labels * 2, 1, False, True, [4, 1], True, program, [0.0, 0.0])))
         cases.append((torch.ops.lossagg.plan_totals.default, (counts.double(), None, None, -1, False, False, [], False, [1, -1, 0, 0, 0], [8.0])))
+        # J and d of the step by the plan's passes: session_mean's S · K[s(i)] · c(M[i]), prompt_mean's P · c(Sg[g(i)])
+        for layout in ("packed32", "padded"):
+            b = make_batch(layout, dtype=torch.float32, device=device, requires_grad=requires_grad)
+            labels = torch.arange(b.num_segments) // 2
+            session = [3, 7, 0, 0, 0, 10, 0, 0, 0, -2, 0, 1, 0]
+            planned = torch.ops.lossagg.aggregate_planned.default
+            cases.append((planned, (b.values, b.mask, b.cu_seqlens, None, labels, -1, False, False, session, 0.0)))
+            prompt = [2, 5, 0, 0, 0, 9, 0, 1, 0]
+            cases.append((planned, (b.values, b.mask, b.cu_seqlens, labels, None, 2, True, False, prompt, 0.0)))
     return cases
 
 

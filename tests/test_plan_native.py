@@ -50,12 +50,14 @@ def step_of(n_groups: int, seed: int, labels: str, dtype, shuffled: bool = True)
     return counts[perm].to(dtype), group[perm], session[perm]
 
 
-def plan(config, counts, group, session):
+def plan(config, counts, group, session, every_label=False):
+    """The plan of the step, given the labels its terms read (``every_label``: both, read or not, as a trainer
+    that passes whatever it has, and lossagg.aggregate, do)."""
     spec_terms = config.loss_terms
     kwargs = {}
-    if any(t.spec.needs_groups for t in spec_terms):
+    if every_label or any(t.spec.needs_groups for t in spec_terms):
         kwargs["group_index"] = group
-    if any(t.spec.needs_sessions for t in spec_terms):
+    if every_label or any(t.spec.needs_sessions for t in spec_terms):
         kwargs["session_index"] = session
     return lossagg.StepPlan(config, counts, **kwargs)
 
@@ -81,17 +83,20 @@ def test_the_native_route_gives_the_python_routes_plan(mode, monkeypatch):
             ):
                 config = config_for(mode, empty, term)
                 counts, group, session = step_of(groups, seed, labels, dtype, shuffled)
-                fast = plan(config, counts, group, session)
+                every_label = seed % 2 == 1  # half the steps with labels the mode may not read
+                fast = plan(config, counts, group, session, every_label)
                 with monkeypatch.context() as m:
                     python_route(m)
-                    slow = plan(config, counts, group, session)
-                what = f"{mode} {empty} term={term} {labels} {dtype}"
+                    slow = plan(config, counts, group, session, every_label)
+                what = f"{mode} {empty} term={term} {labels} {dtype} every_label={every_label}"
                 assert list(fast.totals) == list(slow.totals), what
                 for name in slow.totals:
                     assert same(fast.totals[name], slow.totals[name]), f"{what}: {name} {fast.totals[name]!r} != {slow.totals[name]!r}"
                 for name in slow.term_denoms:
                     assert same(fast.term_denoms[name], slow.term_denoms[name]), f"{what}: d of {name}"
                 assert same(fast.token_counts, slow.token_counts) and fast.device == slow.device
+                for name in ("group_index", "session_index"):
+                    assert same(getattr(fast.samples, name), getattr(slow.samples, name)), f"{what}: {name} held"
 
 
 def test_the_native_route_is_taken(monkeypatch):
@@ -106,6 +111,10 @@ def test_the_native_route_is_taken(monkeypatch):
         session_index=torch.arange(8) // 2,
     )
     assert calls == [1]
+    # labels the mode does not read (lossagg.aggregate passes whatever the trainer gave): still the native pass
+    unread = {"group_index": torch.arange(4) // 2, "session_index": torch.arange(4)}
+    lossagg.StepPlan(config_for("sample_mean", "count", False), torch.tensor([3, 0, 5, 2]), **unread)
+    assert calls == [1, 1]
 
 
 BAD = {

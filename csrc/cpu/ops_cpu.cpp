@@ -6,6 +6,7 @@
 #include "../op_setup.h"
 #include "../torch_api.h"
 #include "engine.h"
+#include "plan_totals.h"
 
 #include <optional>
 #include <tuple>
@@ -87,10 +88,36 @@ Tensor reduce(const ReduceArgs& args, ScalarType values_dtype) {
   return out;
 }
 
+// The engine's sums [B] (accumulation dtype) and each segment's kept tokens into `counts`, from one read of values
+// and mask (and one more of the mask for the rare pair of dtypes counts_need_own_pass names).
+Tensor sums_and_counts(const TokenCall& call, const Tensor& mask, const std::optional<Tensor>& cu_seqlens, std::vector<int64_t>& counts) {
+  const Tensor& values = *call.values;
+  Tensor sums = new_tensor(values, {call.layout.num_segments}, acc_scalar_type(values.scalar_type()));
+  counts.resize(static_cast<size_t>(call.layout.num_segments));
+  const bool own_pass = counts_need_own_pass(mask, values.scalar_type());
+  engine().segment_sums(kernel_args(call, values.scalar_type()), sums.mutable_data_ptr(), own_pass ? nullptr : counts.data());
+  if (own_pass) {
+    engine().count_kept(kernel_args(token_counts_args(mask, cu_seqlens), ScalarType::Float), counts.data());
+  }
+  return sums;
+}
+
+// J from the sums and d [B] float64 as reduce adds the quotients (weighted_total, d rounded once to the accumulation
+// dtype as kernel_denoms does). d is divided in the accumulation dtype: checked there by reduce's own check, so that
+// these routes refuse what plan-then-reduce refuses, with its message.
+Tensor total_of(const Tensor& values, const Tensor& sums, const Tensor& d) {
+  check_sample_denoms_data("reduce", d, values.scalar_type());
+  const ScalarType acc_dtype = acc_scalar_type(values.scalar_type());
+  Tensor out = new_tensor(values, {}, acc_dtype);
+  dispatch_values(acc_dtype, "values", [&]<typename A>(type_tag<A>) {
+    *out.mutable_data_ptr<A>() = weighted_total(sums.const_data_ptr<A>(), d.const_data_ptr<double>(), sums.numel());
+  });
+  return out;
+}
+
 // J and d of a mode whose d[i] is a denominator program (denom_program.h), from one read of
 // values and mask: the engine's sums and counts, d from the counts, then J as reduce adds the
-// quotients (weighted_total, d rounded once to the accumulation dtype as kernel_denoms does),
-// so J has the bits of reduce(values, mask, cu_seqlens, d).
+// quotients, so J has the bits of reduce(values, mask, cu_seqlens, d).
 std::tuple<Tensor, Tensor> aggregate(
     const TokenCall& call,
     ScalarType values_dtype,
@@ -98,29 +125,35 @@ std::tuple<Tensor, Tensor> aggregate(
     const std::optional<Tensor>& cu_seqlens,
     const std::vector<int64_t>& denom_program,
     double divisor) {
-  const Tensor& values = *call.values;
-  const ScalarType acc_dtype = acc_scalar_type(values_dtype);
+  (void)values_dtype;
+  std::vector<int64_t> counts;
+  const Tensor sums = sums_and_counts(call, mask, cu_seqlens, counts);
   const int64_t b = call.layout.num_segments;
-  Tensor sums = new_tensor(values, {b}, acc_dtype);
-  std::vector<int64_t> counts(static_cast<size_t>(b));
-  const bool own_pass = counts_need_own_pass(mask, values.scalar_type());
-  engine().segment_sums(kernel_args(call, values.scalar_type()), sums.mutable_data_ptr(), own_pass ? nullptr : counts.data());
-  if (own_pass) {
-    engine().count_kept(kernel_args(token_counts_args(mask, cu_seqlens), ScalarType::Float), counts.data());
-  }
-  Tensor d = new_tensor(values, {b}, ScalarType::Double);
+  Tensor d = new_tensor(*call.values, {b}, ScalarType::Double);
   double* dd = d.mutable_data_ptr<double>();
   const int64_t bad = eval_denom_program(denom_program, divisor, counts.data(), b, dd);
   LOSSAGG_CHECK_VALUE(
       bad < 0, "lossagg.aggregate: ", kDenomsNotPositive, ": d[", bad, "] = ", dd[bad < 0 ? 0 : bad], " (program ", program_text(denom_program),
       ", divisor ", divisor, ")");
-  // d is divided in the accumulation dtype: checked there by reduce's own check, so that this
-  // route refuses what plan-then-reduce refuses, with its message
-  check_sample_denoms_data("reduce", d, values.scalar_type());
-  Tensor out = new_tensor(values, {}, acc_dtype);
-  dispatch_values(
-      acc_dtype, "values", [&]<typename A>(type_tag<A>) { *out.mutable_data_ptr<A>() = weighted_total(sums.const_data_ptr<A>(), dd, b); });
-  return {out, d};
+  return {total_of(*call.values, sums, d), d};
+}
+
+// J and d of a one-process step whose d[i] is a plan's product (its prompt groups and sessions included), from one
+// read of values and mask: the engine's sums and counts, d from the plan's own passes over the counts and labels
+// (plan_totals.h: lossagg.StepPlan's d, bit for bit), then J as reduce adds the quotients. A step the plan declines
+// raises kPlanDeclines with its status: lossagg/one_pass.py then takes the Python route, which names the problem.
+std::tuple<Tensor, Tensor> aggregate_planned(const PlannedArgs& args) {
+  const TokenCall& call = args.call;
+  std::vector<int64_t> counts;
+  const Tensor sums = sums_and_counts(call, args.mask, args.cu_seqlens, counts);
+  const int64_t b = call.layout.num_segments;
+  Tensor d = new_tensor(*call.values, {b}, ScalarType::Double);
+  const auto labels = [](const std::optional<Tensor>& t) { return t.has_value() ? t->const_data_ptr<int64_t>() : nullptr; };
+  const int64_t status = plan_denoms(
+      counts.data(), b, labels(args.group_index), labels(args.session_index), args.per_prompt, args.check_groups, args.sessions_in_groups,
+      args.program, args.divisor, d.mutable_data_ptr<double>());
+  LOSSAGG_CHECK_VALUE(status == 0 || status == 7, "lossagg.aggregate_planned: ", kPlanDeclines, " (status ", status, ")");
+  return {total_of(*call.values, sums, d), d};
 }
 
 // Each segment's gradient broadcast to its tokens, weighted by the mask.
@@ -242,6 +275,7 @@ STABLE_TORCH_LIBRARY_IMPL(lossagg, CPU, m) {
   m.impl("segment_sum", TORCH_BOX(&segment_sum_op<&segment_sum>));
   m.impl("segment_sum_and_count", TORCH_BOX(&segment_sum_and_count_op<&segment_sum_and_count>));
   m.impl("aggregate", TORCH_BOX(&aggregate_op<&aggregate>));
+  m.impl("aggregate_planned", TORCH_BOX(&aggregate_planned_op<&aggregate_planned>));
   m.impl("segment_sum_backward", TORCH_BOX(&segment_sum_backward_op<&segment_sum_backward>));
   m.impl("reduce", TORCH_BOX(&reduce_op<&reduce>));
   m.impl("reduce_backward", TORCH_BOX(&reduce_backward_op<&reduce_backward>));

@@ -8,6 +8,8 @@
 // below): the Python route then raises the error that names the problem, or serves the step. Sums are taken
 // in the samples' order over whole-number counts, so they are exact, and each d[i] multiplies its factors in
 // their declared order: the Python route's numbers bit for bit (tests/test_plan_native.py).
+#include "plan_totals.h"
+
 #include "../torch_api.h"
 
 #include <algorithm>
@@ -597,6 +599,32 @@ std::vector<Tensor> plan_totals(
 }
 
 }  // namespace
+
+int64_t plan_denoms(
+    const int64_t* counts,
+    int64_t n,
+    const int64_t* groups,
+    const int64_t* sessions,
+    int64_t per_prompt,
+    bool check_groups,
+    bool sessions_in_groups,
+    const std::vector<int64_t>& program,
+    double divisor,
+    double* d) {
+  Step step;
+  step.n = n;
+  step.own.reset(new double[std::max<int64_t>(n, 1)]);
+  step.counts = step.own.get();
+  double o[kScalars] = {};
+  Status status =
+      read_counts(step, counts, nullptr) ? totals(step, groups, sessions, per_prompt, check_groups, sessions_in_groups, o) : kCountNotWhole;
+  if (status == kServed) {
+    std::unique_ptr<float[]> d32(new float[std::max<int64_t>(n, 1)]);  // the rounding's own check; the table unread
+    const double* written[kBlocks] = {};
+    status = denoms(step, o, program, {divisor}, written, d, d32.get());
+  }
+  return status;
+}
 
 STABLE_TORCH_LIBRARY_IMPL(lossagg, CPU, m) { m.impl("plan_totals", TORCH_BOX(&plan_totals)); }
 
