@@ -86,7 +86,8 @@ def main() -> None:
             if r >= args.warmup:
                 times[route, m].append(elapsed)
     cpu = platform.processor() or platform.machine()
-    print(f"torch {torch.__version__}, {cpu}, {torch.get_num_threads()} threads, lossagg ISA {lossagg.cpu_isa()}, {samples} samples, {tokens} tokens; {allocator}")
+    threads = torch.get_num_threads()
+    print(f"torch {torch.__version__}, {cpu}, {threads} threads, lossagg ISA {lossagg.cpu_isa()}, {samples} samples, {tokens} tokens; {allocator}")
     print(f"{'mode':26s} {'aggregate':>10s} {'ratio':>6s} {'plan':>10s} {'ratio':>6s}   (forward+backward, medians of {args.rounds} rounds)")
     for m in MODES:
         cells = []

@@ -19,6 +19,7 @@ is refused, naming the terms. One term, unweighted, is one :func:`lossagg.reduce
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -308,15 +309,18 @@ def _plain(seq: list, mask) -> bool:
     """Every term a dense tensor of the mask's shape, one dtype and device: the usual call, whose
     named checks are skipped (the op checks the rest)."""
     first = seq[0]
-    if not isinstance(first, torch.Tensor) or not first.is_floating_point():
+    if type(first) is not torch.Tensor or not first.is_floating_point():
         return False
     shape, dtype, device = mask.shape, first.dtype, first.device
-    for t in seq:
+    if first.layout is not _STRIDED or first.shape != shape:
+        return False
+    for t in seq[1:]:
         if not (isinstance(t, torch.Tensor) and t.layout is _STRIDED and t.shape == shape and t.dtype is dtype and t.device == device):
             return False
     return True
 
 
+@functools.lru_cache(maxsize=256)
 def _labels(names: tuple[str, ...], one: bool) -> tuple[str, ...]:
     """The values as the user passed them: ``values`` alone (``one`` tensor), or ``values['kl']`` of a mapping."""
     return ("values",) if one else tuple(f"values[{n!r}]" for n in names)
@@ -344,7 +348,8 @@ def reduce_micro_batch(values, mb: MicroBatch, *, terms=None, coefficients: bool
     names, rows = _selected(mb, terms, what)
     seq = _term_values(values, names, what, terms is None)
     labels = _labels(names, isinstance(values, torch.Tensor))
-    if not _plain(seq, mb.mask):
+    plain = _plain(seq, mb.mask)  # then every term has one dtype
+    if not plain:
         _check_values(labels, seq, mb, what)
     if mb.log is not None:
         again = [n for n in names if n in mb.log.parts]
@@ -354,10 +359,10 @@ def reduce_micro_batch(values, mb: MicroBatch, *, terms=None, coefficients: bool
                 "micro-batch once (a second reduction would count twice in the gradients and once in the step's J); make a new "
                 "micro-batch for other samples"
             )
-    coefs = [mb.coefficients[k] if coefficients else 1.0 for k in rows]
     whole = len(rows) == len(mb.names)
+    coefs = mb.coefficients if whole and coefficients else [mb.coefficients[k] if coefficients else 1.0 for k in rows]
     first = seq[0]
-    if all(v.dtype is first.dtype for v in seq):
+    if plain or all(v.dtype is first.dtype for v in seq):
         d, w = mb.tables[torch.float64 if first.dtype is torch.float64 else torch.float32]
         if not whole:
             d, w = _rows(d, rows), None if w is None else _rows(w, rows)
@@ -365,8 +370,7 @@ def reduce_micro_batch(values, mb: MicroBatch, *, terms=None, coefficients: bool
             total = reduce(first, mb.mask, cu_seqlens=mb.cu_seqlens, sample_denoms=d[0])
             split = [total.detach()]
         else:
-            total, split = reduce_terms_of(seq, mb.mask, mb.cu_seqlens, d, w, coefs, labels)
-            split = list(split)
+            total, split = reduce_terms_of(seq, mb.mask, mb.cu_seqlens, d, w, coefs, labels)  # split: [K], read by row below
     else:  # one reduce_terms per term, each accumulating as reduce does for its dtype; the total in the widest
         total, split = None, []
         for j, (k, v) in enumerate(zip(rows, seq, strict=True)):

@@ -33,6 +33,7 @@ from lossagg.ops import (
     _SEGMENT_SUM_ARGS,
     DENOMS_NOT_POSITIVE,
     _not_differentiable,
+    _readable,
     _reduce_grad,
     _token_layout,
     aggregate_by_program,
@@ -162,11 +163,13 @@ def reduce_by_program(
         return reduce_with_counts(values, mask, cu_seqlens, denoms_of)
     grad_mode = torch.is_grad_enabled()
     needs_grad = grad_mode and values.requires_grad
-    check_readable("reduce", _SEGMENT_SUM_ARGS, (values, mask, cu_seqlens), (_token_layout, ("reduce", values, mask, cu_seqlens, False)), needs_grad)
+    tensors = (values, mask, cu_seqlens)
+    if not _readable(tensors, needs_grad):  # the usual call passes this test alone
+        check_readable("reduce", _SEGMENT_SUM_ARGS, tensors, (_token_layout, ("reduce", *tensors, False)), needs_grad)
     if grad_mode and mask.requires_grad:
         _not_differentiable("reduce", mask=mask)
     try:
-        return aggregate_by_program(values, mask, cu_seqlens, denom_program, 0.0 if divisor is None else float(divisor))
+        return aggregate_by_program(values, mask, cu_seqlens, denom_program, 0.0 if divisor is None else float(divisor), needs_grad)
     except ValueError as error:
         if str(error).startswith(DENOMS_NOT_POSITIVE):
             return reduce_with_counts(values, mask, cu_seqlens, denoms_of)  # the plan's error names the settings and totals

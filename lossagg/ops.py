@@ -774,13 +774,18 @@ torch.library.impl("lossagg::token_counts", "CUDA")(_token_counts_composite)
 
 
 # ----------------------------------------------------------------------------- aggregate
-def aggregate_by_program(values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor | None, program, divisor: float) -> torch.Tensor:
+def aggregate_by_program(
+    values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor | None, program, divisor: float, needs_grad: bool | None = None
+) -> torch.Tensor:
     """J of the native ``aggregate`` op: the sums, the counts, ``d`` from the denominator
     ``program`` (the factor codes of lossagg/denom_program.py) and ``J`` from one call,
     differentiable in ``values`` (reduce's backward over the ``d`` it returned). The caller has
-    checked the arguments (:func:`lossagg.aggregate`'s one-pass route)."""
+    checked the arguments (:func:`lossagg.aggregate`'s one-pass route), and may say whether the
+    gradient is needed (``needs_grad``: gradients on and ``values`` requires grad)."""
+    if needs_grad is None:
+        needs_grad = torch.is_grad_enabled() and values.requires_grad
     try:
-        if torch.is_grad_enabled() and values.requires_grad:
+        if needs_grad:
             return _Aggregate.apply(values, mask, cu_seqlens, _AGGREGATE, list(program), divisor)
         with _BELOW_AUTOGRAD():
             return _AGGREGATE(values, mask, cu_seqlens, list(program), divisor)[0]

@@ -59,13 +59,16 @@ def as_number(name: str, value, *, positive: bool = True) -> float:
     return float(plain)
 
 
+_STRIDED = torch.strided
+
+
 def check_holds_data(name: str, value) -> None:
     """A tensor argument the code will read (or move): dense and holding data, refused by the user's name
     otherwise (a meta tensor would reach ``.to()`` and fail with torch's "Cannot copy out of meta tensor")."""
     if isinstance(value, torch.Tensor):
-        if value.layout != torch.strided:
+        if value.layout is not _STRIDED:
             raise TypeError(f"{name} must be a dense (strided) tensor, got layout {value.layout}: pass {name}.to_dense()")
-        if value.device.type == "meta":
+        if value.is_meta:
             raise ValueError(f"{name} must hold data (a CPU or CUDA tensor), got a meta tensor")
 
 
