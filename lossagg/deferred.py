@@ -247,6 +247,8 @@ class DeferredPlan(Plan):
         self._step_factors = step_factors[PG_TERM]
         self._metric_spec = config.metric_spec
         self._metric_step_factors, _ = deferred_factors(self._metric_spec)
+        self._step_reads = tuple(FACTORS[f].reads for f in self._step_factors)  # the totals each reads, for close
+        self._metric_step_reads = tuple(FACTORS[f].reads for f in self._metric_step_factors)
         per_sample = (group_index, session_index, sample_weights, num_group_labels, num_session_labels)
         self.samples = RankSamples.of(config, None, *per_sample, num_samples=num_local_samples, owner="DeferredPlan")
         self.num_local_samples = n = self.samples.num_samples
@@ -404,8 +406,15 @@ class DeferredPlan(Plan):
             return self._closed
         problem = self.ledger.problem()
         problem = None if problem is None else ValueError(problem)
-        sums = self.ledger.sums()
         counts = self.ledger.counts
+        if problem is None and counts is not None and self.process_group is None and self.cp_group is None:
+            values = self.ledger.host_sums()
+            if values is not None:  # one process, every logged value on the host: no buffer to all-reduce
+                s = self.samples
+                moved = (None if t is None else t.to(counts.device) for t in (s.group_index, s.session_index, s.sample_weights))
+                samples = RankSamples(s.num_samples, counts, *moved, s.num_group_labels, s.num_session_labels)
+                return self._finish(StepPlan(self.config, samples), values)
+        sums = self.ledger.sums()
         if problem is not None or counts is None:  # the layout of a rank that cannot close, or holds no sample
             counts = torch.zeros(self.num_local_samples, dtype=torch.float64, device=None if counts is None else counts.device)
         keys = sorted(sums)
@@ -426,13 +435,15 @@ class DeferredPlan(Plan):
         for kind, present in presence:
             held[kind], at = extra[at : at + present.numel()], at + present.numel()
         _check_whole_on_one_rank(held, self.config.mode)
-        logged = extra[: len(keys)]
+        return self._finish(plan, dict(zip(keys, extra[: len(keys)].tolist(), strict=True)))
+
+    def _finish(self, plan: StepPlan, values: dict[str, float]) -> DeferredStep:
+        """The step closed: the rescales from the plan's final totals, the logged ``values`` (by ledger key) rescaled."""
         empty = self.config.empty_samples
-        final = read_totals(tuple(FACTORS[f].reads for f in self._step_factors), plan.totals, empty, self._terms[0].mode)
+        final = read_totals(self._step_reads, plan.totals, empty, self._terms[0].mode)
         scale = _ratio(self._used, step_product(self._step_factors, final))
-        metric_final = read_totals(tuple(FACTORS[f].reads for f in self._metric_step_factors), plan.totals, empty, self._metric_spec.name)
+        metric_final = read_totals(self._metric_step_reads, plan.totals, empty, self._metric_spec.name)
         metric_scale = _ratio(self._metric_used, step_product(self._metric_step_factors, metric_final))
-        values = dict(zip(keys, logged.tolist(), strict=True))
         terms = {t.name: values[f"term:{t.name}"] * scale for t in self._terms}
         loss = sum(t.coefficient * terms[t.name] for t in self._terms)
         metrics = {k.split(":", 1)[1]: v * metric_scale for k, v in values.items() if k.startswith("metric:")}

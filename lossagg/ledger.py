@@ -191,5 +191,25 @@ class StepLedger:
             out[f"term:{name}"] = total
         return out
 
+    def host_sums(self) -> dict[str, float] | None:
+        """:meth:`sums` as Python floats, where every logged value lies on the CPU (else None): the same numbers,
+        each term's added in float64 in the same order (from 0.0, micro-batch by micro-batch), with no tensor op
+        (a one-process close reads them as floats anyway)."""
+        out = {}
+        for k, v in self.metrics.items():
+            if v.device.type != "cpu":
+                return None
+            out[f"metric:{k}"] = float(v)
+        for name in self.terms:
+            total = 0.0
+            for log in self.logs:
+                part = log.parts.get(name)
+                if part is not None:
+                    if part.device.type != "cpu":
+                        return None
+                    total += float(part)  # float32 or float64 to float64, exactly, then added as the tensor sum adds
+            out[f"term:{name}"] = total
+        return dict(sorted(out.items()))  # by key, as the buffer a process group sums is laid out
+
     def close(self) -> None:
         self.stage = Stage.CLOSED

@@ -153,6 +153,46 @@ def test_metrics_reported_after_the_step_use_the_final_totals():
         assert provisional * closed.metric_scale == pytest.approx(float(want), rel=1e-12)
 
 
+@pytest.mark.parametrize("mode", ["sample_mean", "prompt_mean", "session_token_mean"])
+def test_a_one_process_close_reads_the_logged_values_as_the_buffer_does(mode, monkeypatch):
+    """Without a process group the close adds the logged values as host floats (no buffer to all-reduce): the
+    same DeferredStep, bit for bit and key for key, as the buffer's route, which a device value still takes."""
+    step = _step()
+    _, _, _, _, groups = step
+    n = groups.numel()
+    spec = lossagg.MODES[mode]
+    labels = {"group_index": groups} if spec.needs_groups else {"session_index": torch.arange(n) // 2} if spec.needs_sessions else {}
+    config = lossagg.LossAggregationConfig.from_dict(
+        {
+            "mode": mode,
+            "n_samples_per_prompt": 4 if spec.needs_groups else None,  # _step's groups, whole in each micro-batch of 4
+            "terms": {"entropy": {"mode": mode, "coefficient": -0.1}, "kl": {"mode": mode, "coefficient": 0.5}},
+        }
+    )
+
+    def closed():
+        model = torch_engines.make_model()
+        plan = lossagg.DeferredPlan(config, n, metrics=["entropy", "clip", "ratio"], **labels)  # by key: clip, entropy, ratio
+        for samples, x, y, m, mcu in _micro_batches(step, "packed"):
+            loss = torch_engines.per_token_loss(model, x, y)
+            final = filtered_step.keep(loss, m, mcu)
+            plan.loss({"pg": loss, "entropy": loss.sin(), "kl": loss.float().sqrt()}, final, samples, mcu)
+            plan.metrics({"entropy": x[:, 0], "clip": x[:, 1].float(), "ratio": x[:, 0].exp()}, final, samples, mcu)
+        return plan.close()
+
+    fast = closed()
+    with monkeypatch.context() as m:
+        m.setattr(lossagg.ledger.StepLedger, "host_sums", lambda self: None)  # as for a value on a device
+        slow = closed()
+    assert (fast.scale, fast.metric_scale, fast.loss) == (slow.scale, slow.metric_scale, slow.loss)
+    assert list(fast.terms.items()) == list(slow.terms.items()) and list(fast.metrics.items()) == list(slow.metrics.items())
+    assert list(fast.plan.totals) == list(slow.plan.totals)
+    for name, value in slow.plan.totals.items():
+        same = torch.equal(fast.plan.totals[name], value) if isinstance(value, torch.Tensor) else fast.plan.totals[name] == value
+        assert same, name
+    assert fast.loss != 0.0 and list(fast.metrics) == ["clip", "entropy", "ratio"]
+
+
 def test_nemo_rls_token_level_scheme_gives_the_same_number():
     """NeMo-RL's in-loss filter (PR #4171, open when read; NVIDIA-NeMo/RL), transcribed in float64:
     each micro-batch's token-level loss divides by the step's rollout count G plus 1e-8
