@@ -63,7 +63,10 @@ class StepLedger:
         # each sample's final kept tokens, on the first mask's device (-1: not recorded)
         self.counts: torch.Tensor | None = None
         self.seen = torch.zeros(num_samples, dtype=torch.bool)
-        self._seen_labels: dict[str, set[int]] = {kind: set() for kind in self._whole}
+        # the labels each micro-batch recorded whole, by kind (tensors: a step's thousands of labels are never Python ints)
+        self._seen_labels: dict[str, list[torch.Tensor]] = {kind: [] for kind in self._whole}
+        # each label's samples on this rank (the labels sorted, and their counts), made at the first micro-batch
+        self._rank_sizes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         # every micro-batch made, with the terms' J_k its loss returned
         self.logs: list[MicroBatchLog] = []
         # the metrics' contributions summed so far (every declared one from the start: a rank without samples sends the same buffer)
@@ -78,9 +81,9 @@ class StepLedger:
         if self.stage is not Stage.OPEN:
             raise RuntimeError(f"DeferredPlan.{what}: the step is closed (close() ran); build a new plan for the next step")
 
-    def record(self, pos: torch.Tensor, kept: torch.Tensor) -> list[tuple[str, int]]:
+    def record(self, pos: torch.Tensor, kept: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """Record a micro-batch's samples (positions ``pos``) and their final kept tokens, atomically;
-        returns the labels it recorded whole (for :meth:`forget`)."""
+        returns the labels it recorded whole, by kind (for :meth:`forget`)."""
         with self._lock:
             again = pos[self.seen[pos]]
             if again.numel():
@@ -88,45 +91,55 @@ class StepLedger:
                     f"samples: sample {int(again[0])} already ran in an earlier micro-batch of this step (each sample's final mask is "
                     "given once, by micro_batch() or loss(); metrics() reads what they recorded)"
                 )
-            labels = [(kind, label) for kind in self._whole for label in self._check_whole(kind, pos)]
+            labels = [(kind, self._check_whole(kind, pos)) for kind in self._whole]
             if self.counts is None:
                 self.counts = torch.full((self.num_samples,), -1.0, dtype=torch.float64, device=kept.device)
             self.counts[pos.to(kept.device)] = kept
             self.seen[pos] = True
-            for kind, label in labels:
-                self._seen_labels[kind].add(label)
+            for kind, recorded in labels:
+                self._seen_labels[kind].append(recorded)
             return labels
 
-    def forget(self, pos: torch.Tensor, labels: list[tuple[str, int]]) -> None:
+    def forget(self, pos: torch.Tensor, labels: list[tuple[str, torch.Tensor]]) -> None:
         """Forget a micro-batch whose loss failed, so that nothing is half-applied."""
         with self._lock:
             self.seen[pos] = False
             self.counts[pos.to(self.counts.device)] = -1.0
-            for kind, label in labels:
-                self._seen_labels[kind].discard(label)
+            for kind, recorded in labels:
+                seen = self._seen_labels[kind]
+                seen[:] = [t for t in seen if t is not recorded]
 
-    def _check_whole(self, kind: str, pos: torch.Tensor) -> list[int]:
+    def _check_whole(self, kind: str, pos: torch.Tensor) -> torch.Tensor:
         """Each ``kind`` label (prompt group, session) of the micro-batch holds the samples it must (all of this
-        rank's, or ``n_samples_per_prompt``) and none ran before; one that straddles ranks is found at close."""
+        rank's, or ``n_samples_per_prompt``) and none ran before; one that straddles ranks is found at close.
+        Returns the micro-batch's labels (sorted, each once). Checked as tensors, the first label that fails in
+        sorted order named."""
         index = self._labels[kind]
         labels, sizes = torch.unique(index[pos], return_counts=True)
         size = self._whole[kind]
         if size == "rank":
-            all_labels, all_sizes = torch.unique(index, return_counts=True)
-            local = dict(zip(all_labels.tolist(), all_sizes.tolist(), strict=True))
-        what = "prompt group" if kind == "group" else "session"
-        for label, got in zip(labels.tolist(), sizes.tolist(), strict=True):
-            want = local[label] if size == "rank" else size
-            if got != want or label in self._seen_labels[kind]:
-                of = f"this rank's {want} samples of it" if size == "rank" else f"its {want} samples"
-                raise ValueError(
-                    f"DeferredPlan: {what} {label} has {got} of {of} in this micro-batch"
-                    + (" and more in an earlier one" if label in self._seen_labels[kind] else "")
-                    + f": mode={self._mode} reads its samples and tokens when its micro-batch runs, which is final only if each {what} "
-                    f"lies whole in one micro-batch (put a {what}'s samples in one micro-batch, or use a StepPlan of the rollout masks "
-                    "when the filter does not change the counts)"
-                )
-        return labels.tolist()
+            if kind not in self._rank_sizes:
+                self._rank_sizes[kind] = torch.unique(index, return_counts=True)
+            all_labels, all_sizes = self._rank_sizes[kind]
+            want = all_sizes[torch.searchsorted(all_labels, labels)]  # every label of pos is one of the rank's
+        else:
+            want = torch.full_like(sizes, size)
+        earlier = self._seen_labels[kind]
+        again = torch.isin(labels, torch.cat(earlier)) if earlier else torch.zeros_like(labels, dtype=torch.bool)
+        bad = torch.nonzero((sizes != want) | again)
+        if bad.numel():
+            at = int(bad[0, 0])
+            label, got, wanted, before = int(labels[at]), int(sizes[at]), int(want[at]), bool(again[at])
+            what = "prompt group" if kind == "group" else "session"
+            of = f"this rank's {wanted} samples of it" if size == "rank" else f"its {wanted} samples"
+            raise ValueError(
+                f"DeferredPlan: {what} {label} has {got} of {of} in this micro-batch"
+                + (" and more in an earlier one" if before else "")
+                + f": mode={self._mode} reads its samples and tokens when its micro-batch runs, which is final only if each {what} "
+                f"lies whole in one micro-batch (put a {what}'s samples in one micro-batch, or use a StepPlan of the rollout masks "
+                "when the filter does not change the counts)"
+            )
+        return labels
 
     def add(self, log: MicroBatchLog) -> None:
         """List a micro-batch of the step (its loss must reduce every term before :meth:`problem` is None)."""

@@ -279,6 +279,32 @@ def test_deferred_plan_refuses_a_session_cut_across_micro_batches():
     plan.loss(values[idx], mask[idx], torch.tensor(mb), lossagg.cu_seqlens_from_lengths(lengths[mb]))
 
 
+def test_deferred_plan_names_the_first_label_not_whole_and_forgets_a_failed_micro_batchs_labels():
+    """The ledger's checks of whole labels, as tensors: a prompt group of fixed size cut short, a label whose
+    samples came whole in an earlier micro-batch, the first failing label in sorted order named; a micro-batch
+    whose loss fails leaves no label recorded."""
+    g = torch.Generator().manual_seed(3)
+    groups = torch.tensor([5, 5, 1, 1, 7, 7, 5, 5])  # group 5: samples 0, 1 and 6, 7 (two whole groups of 2 under one label)
+    lengths = torch.randint(1, 6, (8,), generator=g)
+    cu = lossagg.cu_seqlens_from_lengths(lengths, dtype=torch.int64)
+    values, mask = torch.randn(int(cu[-1]), generator=g, dtype=torch.float64), torch.ones(int(cu[-1]), dtype=torch.bool)
+    cfg = lossagg.LossAggregationConfig(mode="prompt_mean", n_samples_per_prompt=2)
+
+    def run(plan, mb, short=0):
+        idx = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in mb])
+        return plan.loss(values[idx][short:], mask[idx], torch.tensor(mb), lossagg.cu_seqlens_from_lengths(lengths[mb]))
+
+    plan = lossagg.DeferredPlan(cfg, 8, group_index=groups)
+    with pytest.raises(ValueError, match="prompt group 1 has 1 of its 2 samples in this micro-batch: "):
+        run(plan, [0, 1, 2, 4, 5])  # groups 1 (cut short) and 7 (whole): 1 is named, the first in sorted order
+    run(plan, [0, 1, 2, 3])
+    with pytest.raises(ValueError, match="prompt group 5 has 2 of its 2 samples in this micro-batch and more in an earlier one"):
+        run(plan, [6, 7])
+    with pytest.raises(ValueError, match="values"):
+        run(plan, [4, 5], short=1)  # the loss fails after the micro-batch was recorded
+    run(plan, [4, 5])  # group 7 was forgotten with its samples (else: "... and more in an earlier one")
+
+
 def test_lossagg_check_names_the_session_index(tmp_path, capsys):
     from lossagg.cli import main as cli_main
 
