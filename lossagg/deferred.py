@@ -413,7 +413,8 @@ class DeferredPlan(Plan):
                 s = self.samples
                 moved = (None if t is None else t.to(counts.device) for t in (s.group_index, s.session_index, s.sample_weights))
                 samples = RankSamples(s.num_samples, counts, *moved, s.num_group_labels, s.num_session_labels)
-                return self._finish(StepPlan(self.config, samples), values)
+                # the close reads the plan's totals only: each d is made if the step's plan is read for it
+                return self._finish(StepPlan(self.config, samples, _denoms_when_read=True), values)
         sums = self.ledger.sums()
         if problem is not None or counts is None:  # the layout of a rank that cannot close, or holds no sample
             counts = torch.zeros(self.num_local_samples, dtype=torch.float64, device=None if counts is None else counts.device)
@@ -440,9 +441,10 @@ class DeferredPlan(Plan):
     def _finish(self, plan: StepPlan, values: dict[str, float]) -> DeferredStep:
         """The step closed: the rescales from the plan's final totals, the logged ``values`` (by ledger key) rescaled."""
         empty = self.config.empty_samples
-        final = read_totals(self._step_reads, plan.totals, empty, self._terms[0].mode)
+        totals = plan.totals  # a gathered plan's: every total the factors read is there (read_as under empty_samples)
+        final = {name: read_as(name, totals, empty) for name in self._step_reads}
         scale = _ratio(self._used, step_product(self._step_factors, final))
-        metric_final = read_totals(self._metric_step_reads, plan.totals, empty, self._metric_spec.name)
+        metric_final = {name: read_as(name, totals, empty) for name in self._metric_step_reads}
         metric_scale = _ratio(self._metric_used, step_product(self._metric_step_factors, metric_final))
         terms = {t.name: values[f"term:{t.name}"] * scale for t in self._terms}
         loss = sum(t.coefficient * terms[t.name] for t in self._terms)

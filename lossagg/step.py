@@ -205,13 +205,16 @@ def plain_labels(t, n: int) -> bool:
     return _plain_tensor(t, n, (torch.int64,))
 
 
-def _native_route(config, info: _PlanInfo, counts, group_index, session_index, sample_weights, num_group_labels, num_session_labels):
+def _native_route(
+    config, info: _PlanInfo, counts, group_index, session_index, sample_weights, num_group_labels, num_session_labels, with_denoms: bool = True
+):
     """(samples, totals, each term's d, the kernels' tables) of a one-process plan from one native pass
     (csrc/cpu/plan_totals.cpp), or None where the Python route (lossagg/totals.py, lossagg/denominators.py) takes
     it: arguments other than the plain ones (CPU tensors, int64 or float64 counts, int64 labels exactly where the
     mode reads them (and any the mode does not read), no weights or label bounds; given alone or as a :class:`RankSamples` holding just those), or a
     step the native pass declines (a count that is not a whole number >= 0, a group or session of the wrong size, a
-    d[i] that is not finite and > 0: the Python route raises naming it)."""
+    d[i] that is not finite and > 0: the Python route raises naming it). Without ``with_denoms`` the pass makes the
+    totals only (no term's d: the d returned is None)."""
     if type(counts) is RankSamples:  # a record given alone (a closing DeferredPlan's): its fields
         if any(x is not None for x in (group_index, session_index, sample_weights, num_group_labels, num_session_labels)):
             return None  # the Python route refuses it, naming them
@@ -238,8 +241,8 @@ def _native_route(config, info: _PlanInfo, counts, group_index, session_index, s
         info.sessions_in_groups,
         info.blocks,
         not as_given,
-        info.program,
-        info.divisors,
+        info.program if with_denoms else [],
+        info.divisors if with_denoms else [],
     )
     scalars = out[0].tolist()
     if scalars[0] not in (_SERVED, _NOT_FLOAT32):
@@ -253,15 +256,21 @@ def _native_route(config, info: _PlanInfo, counts, group_index, session_index, s
         else:
             values[name] = scalars[slot] if name in _FLOAT_TOTALS else int(scalars[slot])
     counts64 = counts if as_given else out[at]
+    samples = RankSamples(n, counts64, group_index, session_index)
+    if not with_denoms:
+        return samples, StepTotals(values, info.mode), None, None
     d, d32 = out[-2], out[-1]
     if scalars[0] == _NOT_FLOAT32:  # some d[i] is not a normal finite float32: the float32 kernels read d itself
         d32 = d
-    samples = RankSamples(n, counts64, group_index, session_index)
     return samples, StepTotals(values, info.mode), d, {torch.float32: (d32, None), torch.float64: (d, None)}
 
 
 def _holds_data(t) -> bool:
     return isinstance(t, torch.Tensor) and t.layout is _STRIDED and not t.is_meta
+
+
+#: The attributes a plan built with ``_denoms_when_read`` makes when first read.
+_DENOMS_WHEN_READ = frozenset({"sample_denoms", "term_denoms", "_kernel_tables"})
 
 
 class StepPlan(Plan):
@@ -303,6 +312,7 @@ class StepPlan(Plan):
         _extra_sums: torch.Tensor | None = None,
         _problem: Exception | None = None,
         _fingerprint: str = "",
+        _denoms_when_read: bool = False,
     ):
         if not isinstance(config, LossAggregationConfig):
             config = LossAggregationConfig.coerce(config)
@@ -311,7 +321,9 @@ class StepPlan(Plan):
         # without a process group the logged sums (_extra_sums) are the step's as they are: the native route serves
         # a closing DeferredPlan's record too
         if process_group is None and _totals is None and _problem is None and info.native:
-            native = _native_route(config, info, token_counts, group_index, session_index, sample_weights, num_group_labels, num_session_labels)
+            native = _native_route(
+                config, info, token_counts, group_index, session_index, sample_weights, num_group_labels, num_session_labels, not _denoms_when_read
+            )
         if native is not None:  # one process, counts on the CPU: the step totals and every d_k from one native pass
             samples, self.totals, d, tables = native
         else:
@@ -338,15 +350,38 @@ class StepPlan(Plan):
         self.sample_weights = samples.sample_weights
         self.device = samples.token_counts.device
         self._terms = info.terms
-        if native is not None:
-            rows = (d[0],) if len(self._terms) == 1 else d.unbind(0)  # every term's row in one call
-            self.sample_denoms = rows[0]
-            self.term_denoms = {t.name: row for t, row in zip(self._terms, rows, strict=True)}
-            self._kernel_tables = tables
+        if native is not None and d is None:  # a closing DeferredPlan's: every d made when first read (__getattr__)
+            self._info = info
             return
+        if native is not None:
+            self._keep_native(d, tables)
+            return
+        self._make_denoms()
+
+    def _keep_native(self, d: torch.Tensor, tables: dict) -> None:
+        rows = (d[0],) if len(self._terms) == 1 else d.unbind(0)  # every term's row in one call
+        self.sample_denoms = rows[0]
+        self.term_denoms = {t.name: row for t, row in zip(self._terms, rows, strict=True)}
+        self._kernel_tables = tables
+
+    def _make_denoms(self) -> None:
         bounds: list = []
         self.sample_denoms = self._denoms(self._terms[0], bounds)
         self._make_tables({PG_TERM: self.sample_denoms}, bounds)
+
+    def __getattr__(self, name: str):
+        """The d of a plan built without them (``_denoms_when_read``: a one-process :class:`lossagg.DeferredPlan`'s
+        close, which reads the totals only), made at the first read of any of them: by the native pass again, else
+        by the Python route, which raises naming a d[i] that is not finite and > 0, as a build would have."""
+        if name not in _DENOMS_WHEN_READ or "_info" not in self.__dict__:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        info = self.__dict__.pop("_info")
+        native = _native_route(self.config, info, self.samples, None, None, None, None, None)
+        if native is not None:
+            self._keep_native(native[2], native[3])
+        else:
+            self._make_denoms()
+        return self.__dict__[name]
 
     def _denoms(self, term, bounds: list | None = None) -> torch.Tensor:
         """``d_k[i]`` of one of the loss's terms (``config.loss_terms``), from the totals this plan holds

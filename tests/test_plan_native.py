@@ -294,5 +294,38 @@ def test_a_deferred_plan_closes_through_the_native_route_as_through_pythons(mode
         assert list(fast.plan.totals) == list(slow.plan.totals), what
         for name in slow.plan.totals:
             assert same(fast.plan.totals[name], slow.plan.totals[name]), f"{what}: {name}"
+        assert len(calls) == 1, what
         for name in slow.plan.term_denoms:
             assert same(fast.plan.term_denoms[name], slow.plan.term_denoms[name]), f"{what}: d of {name}"
+        assert len(calls) == 2, f"{what}: the plan's d is made once, when first read"
+        for dtype, (table, weights) in slow.plan._kernel_tables.items():
+            assert same(fast.plan._kernel_tables[dtype][0], table) and fast.plan._kernel_tables[dtype][1] is weights is None, what
+        assert same(fast.plan.sample_denoms, slow.plan.sample_denoms) and len(calls) == 2, what
+
+
+@pytest.mark.parametrize("divisor", [1e39, 1e308])
+@pytest.mark.parametrize("declined", [False, True])
+def test_a_closed_plans_d_is_made_when_read_as_a_build_makes_it(divisor, declined, monkeypatch):
+    """A one-process close gathers the totals only (the op given no term); the plan's d, first read after, is what
+    a StepPlan of the final counts holds, or the same error: by the native pass, or by the Python route where the
+    native pass declines the step."""
+    config = lossagg.LossAggregationConfig(mode="constant", divisor=divisor)
+    counts = torch.tensor([3, 0, 5, 2])
+    programs = []
+    real = step_module.native_plan_totals
+    monkeypatch.setattr(step_module, "native_plan_totals", lambda *a: programs.append(a[-2]) or real(*a))
+    closed = closed_step(config, counts, None, None)
+    assert programs == [[]]
+    if declined:
+        python_route(monkeypatch)
+    try:
+        built = lossagg.StepPlan(config, counts.double())
+    except ValueError as exc:
+        with pytest.raises(ValueError, match="overflows float64") as raised:
+            closed.plan.sample_denoms  # noqa: B018 (the read makes d)
+        assert str(raised.value) == str(exc)
+        return
+    assert torch.equal(closed.plan.sample_denoms, built.sample_denoms)
+    assert closed.plan._kernel_tables[torch.float32][0].dtype == built._kernel_tables[torch.float32][0].dtype == torch.float64
+    with pytest.raises(AttributeError, match="no attribute 'denoms'"):
+        closed.plan.denoms  # noqa: B018
