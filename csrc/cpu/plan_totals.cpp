@@ -122,51 +122,34 @@ void find_runs(const int64_t* labels, int64_t n, Runs& runs) {
   runs.labels = distinct;
 }
 
-// before[2i] and before[2i + 1]: the tokens and the non-empty samples before sample i (i = 0..n). In integers:
-// every count is a whole number and the step's total below 2**53 (checked before), so every sum is exact, and an
-// addition waits one cycle on the one before.
-std::unique_ptr<int64_t[]> running_sums(const double* c, int64_t n) {
-  std::unique_ptr<int64_t[]> before(new int64_t[2 * (n + 1)]);
-  int64_t* b = before.get();
-  int64_t tokens = 0, nonempty = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    b[2 * i] = tokens;
-    b[2 * i + 1] = nonempty;
-    const int64_t x = static_cast<int64_t>(c[i]);
-    tokens += x;
-    nonempty += x > 0 ? 1 : 0;
-  }
-  b[2 * n] = tokens;
-  b[2 * n + 1] = nonempty;
-  return before;
-}
-
-// Each label's samples, non-empty samples and tokens, run by run from the running sums (exact).
-void label_sums(const Runs& runs, const int64_t* before, std::vector<double>& size, std::vector<double>& kept, std::vector<double>& tokens) {
+// Each label's samples, non-empty samples and tokens, run by run, each run's added from 0 in the samples' order:
+// exact (whole numbers below 2**53, checked before), and a run's short chain of additions overlaps the next run's.
+void label_sums(const Runs& runs, const double* c, std::vector<double>& size, std::vector<double>& kept, std::vector<double>& tokens) {
   const int64_t* start = runs.start.get();
-  if (runs.id.empty()) {  // each run a label of its own: the runs' sums are the labels'
+  const bool own = runs.id.empty();  // each run a label of its own: the runs' sums are the labels'
+  if (own) {
     size.resize(runs.runs);
     kept.resize(runs.runs);
     tokens.resize(runs.runs);
-    double* sz = size.data();
-    double* kp = kept.data();
-    double* tk = tokens.data();
-    for (int64_t k = 0; k < runs.runs; ++k) {
-      const int64_t a = start[k], b = start[k + 1];
-      sz[k] = static_cast<double>(b - a);
-      tk[k] = static_cast<double>(before[2 * b] - before[2 * a]);
-      kp[k] = static_cast<double>(before[2 * b + 1] - before[2 * a + 1]);
-    }
-    return;
+  } else {
+    size.assign(runs.labels, 0.0);
+    kept.assign(runs.labels, 0.0);
+    tokens.assign(runs.labels, 0.0);
   }
-  size.assign(runs.labels, 0.0);
-  kept.assign(runs.labels, 0.0);
-  tokens.assign(runs.labels, 0.0);
+  double* sz = size.data();
+  double* kp = kept.data();
+  double* tk = tokens.data();
   for (int64_t k = 0; k < runs.runs; ++k) {
-    const int64_t label = runs.id[k], a = start[k], b = start[k + 1];
-    size[label] += static_cast<double>(b - a);
-    tokens[label] += static_cast<double>(before[2 * b] - before[2 * a]);
-    kept[label] += static_cast<double>(before[2 * b + 1] - before[2 * a + 1]);
+    const int64_t a = start[k], b = start[k + 1];
+    double t = 0.0, nonempty = 0.0;
+    for (int64_t i = a; i < b; ++i) {
+      t += c[i];
+      nonempty += c[i] > 0.0 ? 1.0 : 0.0;
+    }
+    const int64_t label = own ? k : runs.id[k];
+    sz[label] = (own ? 0.0 : sz[label]) + static_cast<double>(b - a);
+    tk[label] = (own ? 0.0 : tk[label]) + t;
+    kp[label] = (own ? 0.0 : kp[label]) + nonempty;
   }
 }
 
@@ -300,13 +283,12 @@ Status totals(
   if (groups_in == nullptr && sessions_in == nullptr) {
     return kServed;
   }
-  const std::unique_ptr<int64_t[]> before = running_sums(c, n);
   int64_t groups = 0;
   if (groups_in != nullptr) {
     find_runs(groups_in, n, step.g);
     groups = step.g.labels;
     std::vector<double> size, kept;
-    label_sums(step.g, before.get(), size, kept, step.g_tokens);
+    label_sums(step.g, c, size, kept, step.g_tokens);
     int64_t groups_nonempty = 0;
     for (int64_t g = 0; g < groups; ++g) {
       if (check_groups && per_prompt >= 0 && size[g] != static_cast<double>(per_prompt)) {
@@ -320,7 +302,7 @@ Status totals(
   if (sessions_in != nullptr) {
     find_runs(sessions_in, n, step.s);
     const int64_t sessions = step.s.labels;
-    label_sums(step.s, before.get(), step.s_size, step.s_kept, step.s_tokens);
+    label_sums(step.s, c, step.s_size, step.s_kept, step.s_tokens);
     int64_t sessions_nonempty = 0;
     double largest = 0.0;
     for (int64_t s = 0; s < sessions; ++s) {
