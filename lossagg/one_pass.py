@@ -26,7 +26,7 @@ import torch
 
 from lossagg.config import LossAggregationConfig
 from lossagg.denom_program import DenomProduct
-from lossagg.modes import mode_spec
+from lossagg.modes import mode_registry, mode_spec
 from lossagg.ops import (
     _BELOW_AUTOGRAD,
     _REDUCE,
@@ -46,6 +46,18 @@ from lossagg.ops import (
 )
 from lossagg.step import StepPlan, plain_labels, plan_info
 from lossagg.validate import check_holds_data
+
+
+#: The native program and divisor of the last configs whose mode's d is one (``id(config)``: the config, the mode
+#: registry it was read under, the program as a list, the divisor); a config is immutable.
+_PROGRAMS: dict[int, tuple] = {}
+_PROGRAMS_SIZE = 16
+_STRIDED = torch.strided
+
+
+def _plain_cpu(t) -> bool:
+    """A plain dense CPU tensor: what :func:`lossagg.validate.check_holds_data` passes without a word."""
+    return type(t) is torch.Tensor and t.layout is _STRIDED and t.is_cpu
 
 
 def aggregate(
@@ -71,6 +83,25 @@ def aggregate(
     When the denominators come from ``mask`` itself (no ``rollout_mask``), the loss and the
     mask are read once (the one-pass route, above), with the bits of the plan-then-reduce route.
     """
+    if (
+        sample_denoms is None
+        and rollout_mask is None
+        and group_index is None
+        and session_index is None
+        and _plain_cpu(per_token_loss)
+        and _plain_cpu(mask)
+        and (cu_seqlens is None or _plain_cpu(cu_seqlens))
+    ):  # the usual call of a mode whose d is a native program: the checks below pass, and the config's program is known
+        hit = _PROGRAMS.get(id(config))
+        if (
+            hit is not None
+            and hit[0] is config
+            and hit[1] is mode_registry()
+            and per_token_loss.dim() == (1 if cu_seqlens is not None else 2)
+            and not torch.compiler.is_compiling()
+        ):
+            plan = lambda m: StepPlan(config, m).sample_denoms  # noqa: E731
+            return _by_program(per_token_loss, mask, cu_seqlens, hit[2], hit[3], plan)
     # the arguments read below, named as this function names them (not as the helpers it calls do)
     for name, t in (
         ("per_token_loss", per_token_loss),
@@ -95,6 +126,9 @@ def aggregate(
             program = denoms.program(config.empty_samples) if type(denoms) is DenomProduct else None
             plan = lambda m: StepPlan(config, m, group_index=group_index, session_index=session_index).sample_denoms  # noqa: E731
             if program is not None:
+                if len(_PROGRAMS) >= _PROGRAMS_SIZE:
+                    _PROGRAMS.pop(next(iter(_PROGRAMS)))
+                _PROGRAMS[id(config)] = (config, mode_registry(), list(program), config.divisor)
                 return reduce_by_program(per_token_loss, mask, cu_seqlens, program, config.divisor, plan)
             planned = reduce_by_plan(config, per_token_loss, mask, cu_seqlens, group_index, session_index)
             return reduce_with_counts(per_token_loss, mask, cu_seqlens, plan) if planned is None else planned
@@ -161,6 +195,11 @@ def reduce_by_program(
         or torch.compiler.is_compiling()
     ):
         return reduce_with_counts(values, mask, cu_seqlens, denoms_of)
+    return _by_program(values, mask, cu_seqlens, denom_program, divisor, denoms_of)
+
+
+def _by_program(values, mask, cu_seqlens, denom_program, divisor, denoms_of) -> torch.Tensor:
+    """:func:`reduce_by_program` of CPU tensors in the token layout, outside ``torch.compile``."""
     grad_mode = torch.is_grad_enabled()
     needs_grad = grad_mode and values.requires_grad
     tensors = (values, mask, cu_seqlens)

@@ -784,11 +784,12 @@ def aggregate_by_program(
     gradient is needed (``needs_grad``: gradients on and ``values`` requires grad)."""
     if needs_grad is None:
         needs_grad = torch.is_grad_enabled() and values.requires_grad
+    program = program if type(program) is list else list(program)
     try:
         if needs_grad:
-            return _Aggregate.apply(values, mask, cu_seqlens, _AGGREGATE, list(program), divisor)
+            return _Aggregate.apply(values, mask, cu_seqlens, _AGGREGATE, program, divisor)
         with _BELOW_AUTOGRAD():
-            return _AGGREGATE(values, mask, cu_seqlens, list(program), divisor)[0]
+            return _AGGREGATE(values, mask, cu_seqlens, program, divisor)[0]
     except RuntimeError as exc:
         raise python_error(exc) from None
 

@@ -376,6 +376,36 @@ def test_a_registered_product_mode_runs_natively_with_the_plans_bits():
         lossagg.unregister_mode(spec.name)
 
 
+def test_a_config_used_again_reads_the_program_its_mode_has_now():
+    """aggregate keeps each config's native program for its next call (a config is immutable): every call has the
+    plan's bits and is one native op, and a mode registered again under the same name is read anew."""
+    b = make_batch("packed32", requires_grad=True)
+    name = "one_pass_again"
+    spec = lossagg.register_mode(_product_mode(name, lossagg.DenomProduct("N", "c(T)")))
+    config = lossagg.LossAggregationConfig(mode=name)
+    try:
+        for product, totals in ((("N", "c(T)"), ("num_samples", "total_tokens")), (("N", "c(M[i])"), ("num_samples",))):
+            if product != ("N", "c(T)"):  # the same name, another d: the next call must not reuse the first program
+                lossagg.unregister_mode(name)
+                spec = lossagg.register_mode(_product_mode(name, lossagg.DenomProduct(*product), totals=totals))
+            want = _plan_then_reduce(config, b.values, b.mask, b.cu_seqlens, None)
+            (g_want,) = torch.autograd.grad(want, b.values)
+            for _ in range(3):
+                with torch.autograd.profiler.profile() as prof:
+                    got = lossagg.aggregate(config, b.values, b.mask, cu_seqlens=b.cu_seqlens)
+                assert [e.name for e in prof.function_events if e.name.startswith("lossagg::")] == ["lossagg::aggregate"]
+                (g_got,) = torch.autograd.grad(got, b.values)
+                assert torch.equal(bits(got), bits(want)) and torch.equal(bits(g_got), bits(g_want)), product
+                with torch.no_grad():
+                    assert torch.equal(bits(lossagg.aggregate(config, b.values, b.mask, cu_seqlens=b.cu_seqlens)), bits(want.detach()))
+    finally:
+        lossagg.unregister_mode(spec.name)
+    with pytest.raises(ValueError, match="per_token_loss must hold data"):  # the checks the usual call skips still name their argument
+        lossagg.aggregate(
+            lossagg.LossAggregationConfig(mode="sample_mean"), torch.zeros(5, device="meta"), torch.ones(5), cu_seqlens=torch.tensor([0, 5])
+        )
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
