@@ -47,7 +47,6 @@ from lossagg.ops import (
 from lossagg.step import StepPlan, plain_labels, plan_info
 from lossagg.validate import check_holds_data
 
-
 #: The native program and divisor of the last configs whose mode's d is one (``id(config)``: the config, the mode
 #: registry it was read under, the program as a list, the divisor); a config is immutable.
 _PROGRAMS: dict[int, tuple] = {}
