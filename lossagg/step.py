@@ -375,12 +375,13 @@ class StepPlan(Plan):
         by the Python route, which raises naming a d[i] that is not finite and > 0, as a build would have."""
         if name not in _DENOMS_WHEN_READ or "_info" not in self.__dict__:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        info = self.__dict__.pop("_info")
+        info = self.__dict__["_info"]  # (kept until the d are made: a second thread reading meanwhile makes them too)
         native = _native_route(self.config, info, self.samples, None, None, None, None, None)
         if native is not None:
             self._keep_native(native[2], native[3])
         else:
             self._make_denoms()
+        self.__dict__.pop("_info", None)
         return self.__dict__[name]
 
     def _denoms(self, term, bounds: list | None = None) -> torch.Tensor:
