@@ -44,7 +44,7 @@ from lossagg.ops import (
     reduce,
     segment_sum_and_count,
 )
-from lossagg.step import StepPlan, plain_labels, plan_info
+from lossagg.step import StepPlan, plain_labels, plan_info, remember
 from lossagg.validate import check_holds_data
 
 #: The native program and divisor of the last configs whose mode's d is one (``id(config)``: the config, the mode
@@ -125,9 +125,7 @@ def aggregate(
             program = denoms.program(config.empty_samples) if type(denoms) is DenomProduct else None
             plan = lambda m: StepPlan(config, m, group_index=group_index, session_index=session_index).sample_denoms  # noqa: E731
             if program is not None:
-                if len(_PROGRAMS) >= _PROGRAMS_SIZE:
-                    _PROGRAMS.pop(next(iter(_PROGRAMS)))
-                _PROGRAMS[id(config)] = (config, mode_registry(), list(program), config.divisor)
+                remember(_PROGRAMS, _PROGRAMS_SIZE, id(config), (config, mode_registry(), list(program), config.divisor))
                 return reduce_by_program(per_token_loss, mask, cu_seqlens, program, config.divisor, plan)
             planned = reduce_by_plan(config, per_token_loss, mask, cu_seqlens, group_index, session_index)
             return reduce_with_counts(per_token_loss, mask, cu_seqlens, plan) if planned is None else planned

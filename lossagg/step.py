@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -116,6 +117,16 @@ _SCALARS = 9  # the native output's scalars: status, then the slots above
 _SERVED, _NOT_FLOAT32 = 0.0, 7.0  # the statuses the native route serves (7: the float32 table is d itself)
 _INFO: dict[int, tuple[Any, Any, _PlanInfo]] = {}
 _INFO_SIZE = 64
+_CACHE_LOCK = threading.Lock()
+
+
+def remember(cache: dict, size: int, key: int, entry: tuple) -> None:
+    """Keep ``entry`` under ``key`` in ``cache``, dropping its oldest entry when it holds ``size``: under a lock, as
+    threads planning at once would otherwise drop the same oldest entry twice (a ``KeyError``)."""
+    with _CACHE_LOCK:
+        while len(cache) >= size:
+            cache.pop(next(iter(cache)), None)
+        cache[key] = entry
 
 
 def _factor_codes(term, empty: str) -> list[int] | None:
@@ -182,9 +193,7 @@ def plan_info(config: LossAggregationConfig) -> _PlanInfo:
         divisors=[0.0 if t.divisor is None else float(t.divisor) for t in terms],
         blocks=[slot[1] for name in names if isinstance(slot := _NATIVE_TOTALS.get(name), tuple)],
     )
-    if len(_INFO) >= _INFO_SIZE:
-        _INFO.pop(next(iter(_INFO)))
-    _INFO[id(config)] = (config, registry, info)
+    remember(_INFO, _INFO_SIZE, id(config), (config, registry, info))
     return info
 
 
