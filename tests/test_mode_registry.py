@@ -25,6 +25,7 @@ from batches import random_float64_step
 
 import lossagg
 from lossagg.modes import ModeSpec, register_mode, unregister_mode
+from lossagg.step import plan_info
 from lossagg.testing import check_split_invariance, rank_totals, reference_loss
 
 THROWAWAY = "sample_sq"
@@ -376,3 +377,30 @@ def test_readers_never_see_the_registry_change_under_them(eager_thread_switches)
 def test_unregister_names_what_it_was_given(name, kind, message):
     with pytest.raises(kind, match=re.escape(message)):
         unregister_mode(name)
+
+
+def test_threads_planning_with_new_configs_at_once_share_the_config_caches_without_error(eager_thread_switches):
+    """Each new config misses the caches of ``plan_info`` and ``aggregate`` and drops their oldest entry; threads doing so at
+    once must not drop the same entry twice (a ``KeyError``) or walk a cache another thread is changing."""
+    values, mask, cu = torch.randn(8, dtype=torch.float64), torch.ones(8), torch.tensor([0, 3, 8])
+    want = lossagg.aggregate(lossagg.LossAggregationConfig(mode="sample_mean"), values, mask, cu_seqlens=cu)
+    stop, errors = threading.Event(), []
+
+    def work():
+        while not stop.is_set():
+            try:
+                config = lossagg.LossAggregationConfig(mode="sample_mean")
+                plan_info(config)
+                assert torch.equal(lossagg.aggregate(config, values, mask, cu_seqlens=cu), want)
+            except BaseException as exc:  # noqa: BLE001 - any failure is the finding
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors, repr(errors[0])

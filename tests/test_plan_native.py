@@ -329,39 +329,3 @@ def test_a_closed_plans_d_is_made_when_read_as_a_build_makes_it(divisor, decline
     assert closed.plan._kernel_tables[torch.float32][0].dtype == built._kernel_tables[torch.float32][0].dtype == torch.float64
     with pytest.raises(AttributeError, match="no attribute 'denoms'"):
         closed.plan.denoms  # noqa: B018
-
-
-def test_threads_planning_with_new_configs_at_once_share_the_config_caches_without_error():
-    """Each new config misses the caches of ``plan_info`` and ``aggregate`` and drops their oldest entry; threads doing so at
-    once must not drop the same entry twice (a ``KeyError``) or walk a cache another thread is changing."""
-    import sys
-    import threading
-    import time
-
-    values, mask, cu = torch.randn(8, dtype=torch.float64), torch.ones(8), torch.tensor([0, 3, 8])
-    want = lossagg.aggregate(lossagg.LossAggregationConfig(mode="sample_mean"), values, mask, cu_seqlens=cu)
-    stop, errors = threading.Event(), []
-
-    def work():
-        while not stop.is_set():
-            try:
-                config = lossagg.LossAggregationConfig(mode="sample_mean")
-                step_module.plan_info(config)
-                assert torch.equal(lossagg.aggregate(config, values, mask, cu_seqlens=cu), want)
-            except BaseException as exc:  # noqa: BLE001 - any failure is the finding
-                errors.append(exc)
-                return
-
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
-    try:
-        threads = [threading.Thread(target=work) for _ in range(4)]
-        for t in threads:
-            t.start()
-        time.sleep(1.5)
-        stop.set()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(interval)
-    assert not errors, repr(errors[0])
