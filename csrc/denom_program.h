@@ -72,14 +72,38 @@ inline std::string program_text(const std::vector<int64_t>& program) {
 
 // d[i] for b samples with token counts `counts`, as the header describes: d is set to the first
 // factor, then multiplied by each next one in turn (per element the left fold; each pass is a
-// plain loop over b doubles). Returns the index of the first d[i] that is not finite and > 0
-// (a product that overflowed), or -1.
-inline int64_t eval_denom_program(const std::vector<int64_t>& program, double divisor, const int64_t* counts, int64_t b, double* d) {
+// plain loop over b doubles); the step totals are counted only when the program reads them.
+// Returns the index of the first d[i] that is not finite and > 0 (a product that overflowed), or
+// -1. With `divisible` given, *divisible tells whether every d[i], rounded to the accumulation
+// dtype (float64 when in_double, else float32), is finite and a normal number: the test
+// check_sample_denoms_data makes before a division, so that a caller told true need not make it.
+inline int64_t eval_denom_program(
+    const std::vector<int64_t>& program,
+    double divisor,
+    const int64_t* counts,
+    int64_t b,
+    double* d,
+    bool in_double = true,
+    bool* divisible = nullptr) {
+  bool reads[kFactorOwnTokens + 1] = {};
+  for (const int64_t f : program) {
+    reads[f] = true;
+  }
   int64_t nonempty = 0, tokens = 0, max_tokens = 0;
-  for (int64_t i = 0; i < b; ++i) {
-    nonempty += counts[i] > 0;
-    tokens += counts[i];
-    max_tokens = std::max(max_tokens, counts[i]);
+  if (reads[kFactorNonemptySamples]) {
+    for (int64_t i = 0; i < b; ++i) {
+      nonempty += counts[i] > 0;
+    }
+  }
+  if (reads[kFactorTokens]) {
+    for (int64_t i = 0; i < b; ++i) {
+      tokens += counts[i];
+    }
+  }
+  if (reads[kFactorMaxTokens]) {
+    for (int64_t i = 0; i < b; ++i) {
+      max_tokens = std::max(max_tokens, counts[i]);
+    }
   }
   const auto c = [](double x) { return std::max(x, 1.0); };
   double scalar[kFactorOwnTokens + 1] = {};
@@ -90,30 +114,45 @@ inline int64_t eval_denom_program(const std::vector<int64_t>& program, double di
   scalar[kFactorDivisor] = divisor;
   for (size_t k = 0; k < program.size(); ++k) {
     const int64_t f = program[k];
-    if (f == kFactorOwnTokens) {
+    if (f == kFactorOwnTokens && k == 0) {
       for (int64_t i = 0; i < b; ++i) {
-        const double m = c(static_cast<double>(counts[i]));
-        d[i] = k == 0 ? m : d[i] * m;
+        d[i] = c(static_cast<double>(counts[i]));
       }
+    } else if (f == kFactorOwnTokens) {
+      for (int64_t i = 0; i < b; ++i) {
+        d[i] *= c(static_cast<double>(counts[i]));
+      }
+    } else if (k == 0) {
+      std::fill(d, d + b, scalar[f]);
     } else {
       const double v = scalar[f];
       for (int64_t i = 0; i < b; ++i) {
-        d[i] = k == 0 ? v : d[i] * v;
+        d[i] *= v;
       }
     }
   }
-  int64_t ok = 0;  // counted branch-free, then the first bad one looked for only when there is one
-  for (int64_t i = 0; i < b; ++i) {
-    ok += d[i] > 0 && d[i] < std::numeric_limits<double>::infinity();
+  // counted branch-free in the accumulation dtype (a d[i] that passes there is finite and > 0 in float64 too), then
+  // the first bad one looked for only when there is one
+  bool ok = true;
+  if (in_double) {
+    for (int64_t i = 0; i < b; ++i) {
+      ok &= (d[i] >= std::numeric_limits<double>::min()) & (d[i] <= std::numeric_limits<double>::max());
+    }
+  } else {
+    for (int64_t i = 0; i < b; ++i) {
+      const float x = static_cast<float>(d[i]);
+      ok &= (x >= std::numeric_limits<float>::min()) & (x <= std::numeric_limits<float>::max());
+    }
   }
-  if (ok == b) {
-    return -1;
+  if (divisible) {
+    *divisible = ok;
   }
-  for (int64_t i = 0;; ++i) {
+  for (int64_t i = 0; !ok && i < b; ++i) {
     if (!(d[i] > 0 && d[i] < std::numeric_limits<double>::infinity())) {
       return i;
     }
   }
+  return -1;
 }
 
 }  // namespace lossagg

@@ -104,9 +104,12 @@ Tensor sums_and_counts(const TokenCall& call, const Tensor& mask, const std::opt
 
 // J from the sums and d [B] float64 as reduce adds the quotients (weighted_total, d rounded once to the accumulation
 // dtype as kernel_denoms does). d is divided in the accumulation dtype: checked there by reduce's own check, so that
-// these routes refuse what plan-then-reduce refuses, with its message.
-Tensor total_of(const Tensor& values, const Tensor& sums, const Tensor& d) {
-  check_sample_denoms_data("reduce", d, values.scalar_type());
+// these routes refuse what plan-then-reduce refuses, with its message (not checked again when the caller has
+// `divisible` from eval_denom_program, the same test).
+Tensor total_of(const Tensor& values, const Tensor& sums, const Tensor& d, bool divisible = false) {
+  if (!divisible) {
+    check_sample_denoms_data("reduce", d, values.scalar_type());
+  }
   const ScalarType acc_dtype = acc_scalar_type(values.scalar_type());
   Tensor out = new_tensor(values, {}, acc_dtype);
   dispatch_values(acc_dtype, "values", [&]<typename A>(type_tag<A>) {
@@ -125,17 +128,17 @@ std::tuple<Tensor, Tensor> aggregate(
     const std::optional<Tensor>& cu_seqlens,
     const std::vector<int64_t>& denom_program,
     double divisor) {
-  (void)values_dtype;
   std::vector<int64_t> counts;
   const Tensor sums = sums_and_counts(call, mask, cu_seqlens, counts);
   const int64_t b = call.layout.num_segments;
   Tensor d = new_tensor(*call.values, {b}, ScalarType::Double);
   double* dd = d.mutable_data_ptr<double>();
-  const int64_t bad = eval_denom_program(denom_program, divisor, counts.data(), b, dd);
+  bool divisible = false;
+  const int64_t bad = eval_denom_program(denom_program, divisor, counts.data(), b, dd, values_dtype == ScalarType::Double, &divisible);
   LOSSAGG_CHECK_VALUE(
       bad < 0, "lossagg.aggregate: ", kDenomsNotPositive, ": d[", bad, "] = ", dd[bad < 0 ? 0 : bad], " (program ", program_text(denom_program),
       ", divisor ", divisor, ")");
-  return {total_of(*call.values, sums, d), d};
+  return {total_of(*call.values, sums, d, divisible), d};
 }
 
 // J and d of a one-process step whose d[i] is a plan's product (its prompt groups and sessions included), from one
