@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from lossagg.ops import reduce, reduce_terms_of, segment_sum
+from lossagg.ops import _readable, reduce, reduce_terms_of, segment_sum
 from lossagg.validate import check_holds_data
 
 Samples = slice | Sequence[int] | torch.Tensor
@@ -184,8 +184,8 @@ def table_rows(tables: dict, cut, device) -> dict:
     views, or their positions), on ``device``."""
     out = {}
     for acc, (d, w) in tables.items():
-        d, w = d[:, cut], None if w is None else w[:, cut]
-        out[acc] = (d.to(device), None if w is None else w.to(device))
+        d, w = d[:, cut], None if w is None else w[:, cut]  # contiguous: a column cut of K > 1 rows is copied here once, not per call
+        out[acc] = (d.to(device).contiguous(), None if w is None else w.to(device).contiguous())
     return out
 
 
@@ -224,6 +224,18 @@ class MicroBatch:
         self.tables = tables
         # a DeferredPlan's record of what this micro-batch's loss returned (the terms' J_k)
         self.log = log
+        self._readable = None  # whether the layout and tables pass ops._readable's test (tested on first use)
+
+    def layout_read(self) -> bool:
+        """The mask, ``cu_seqlens`` and every table pass :func:`lossagg.ops._readable`'s test as if saved
+        for the backward: tested once (the kernels read them where they lie); not while torch.compile traces
+        (the usual route then, whose fake kernels check what a trace can see)."""
+        if self._readable is None:
+            if torch.compiler.is_compiling():
+                return False
+            tables = [t for pair in self.tables.values() for t in pair]
+            self._readable = _readable((self.mask, self.cu_seqlens, *tables), True)
+        return self._readable
 
     @property
     def num_samples(self) -> int:
@@ -345,6 +357,14 @@ def reduce_micro_batch(values, mb: MicroBatch, *, terms=None, coefficients: bool
     a trainer that applies the coefficient itself takes it): a 0-dim tensor differentiable in every
     term's values, in the widest accumulation dtype of the terms; with ``parts``, also each term's
     ``J_k`` before its coefficient, detached, by name."""
+    if type(values) is dict and terms is None and coefficients and not parts and len(mb.names) > 1 and (mb.log is None or not mb.log.parts):
+        seq = [values.get(n) for n in mb.names]  # the usual call: each term's tensor by name, the checks below passed
+        if len(values) == len(seq) and _plain(seq, mb.mask) and mb.layout_read():
+            d, w = mb.tables[torch.float64 if seq[0].dtype is torch.float64 else torch.float32]
+            total, split = reduce_terms_of(seq, mb.mask, mb.cu_seqlens, d, w, mb.coefficients, _labels(mb.names, False), True)
+            if mb.log is not None:
+                mb.log.parts.update(zip(mb.names, split, strict=True))
+            return total
     names, rows = _selected(mb, terms, what)
     seq = _term_values(values, names, what, terms is None)
     labels = _labels(names, isinstance(values, torch.Tensor))

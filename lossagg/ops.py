@@ -504,17 +504,26 @@ def reduce_terms(
 
 
 def reduce_terms_of(
-    values: list, mask, cu_seqlens, sample_denoms, sample_weights, coefficients: list[float], names: tuple[str, ...] | None = None
+    values: list,
+    mask,
+    cu_seqlens,
+    sample_denoms,
+    sample_weights,
+    coefficients: list[float],
+    names: tuple[str, ...] | None = None,
+    layout_read: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`reduce_terms` for a caller that passes ``values`` as a list and ``coefficients`` as
     a list of floats (lossagg/micro_batch.py): every check of the tensors, none of the parsing;
-    ``names``, the values as the caller's user named them (``values['kl']``), for the messages."""
+    ``names``, the values as the caller's user named them (``values['kl']``), for the messages.
+    ``layout_read``: the caller knows the tensors besides ``values`` to pass :func:`_readable`'s
+    test (a micro-batch's, tested once), so that only the values are tested here."""
     if torch.compiler.is_compiling():  # the fake kernel checks what a trace can see
         return torch.ops.lossagg.reduce_terms(values, mask, cu_seqlens, sample_denoms, sample_weights, coefficients)
     grad_mode = torch.is_grad_enabled()
     needs_grad = grad_mode and any(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
     tensors = (*values, mask, cu_seqlens, sample_denoms, sample_weights)
-    if not _readable(tensors, needs_grad):
+    if not _readable(values if layout_read else tensors, needs_grad):
         names = (*(names or (f"values[{k}]" for k in range(len(values)))), "mask", "cu_seqlens", "sample_denoms", "sample_weights")
         check_readable(
             "reduce_terms", names, tensors, (_reduce_terms_fake, (values, mask, cu_seqlens, sample_denoms, sample_weights, coefficients)), needs_grad

@@ -218,3 +218,47 @@ def test_slices_lists_and_layouts_are_named_as_the_user_wrote_them():
             plan.micro_batch(slice(0, 6), m)
     with pytest.raises(ValueError, match=r"with step_layout=True, .* cu_seqlens ends at 6, the mask has shape \(5,\)"):
         plans[0].micro_batch(slice(0, 2), m[:5], cu, step_layout=True)
+
+
+@pytest.mark.parametrize("kind", ["step", "deferred"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_usual_call_of_a_whole_loss_has_the_bits_and_checks_of_the_general_route(kind, dtype):
+    """``plan.loss(values, mb)`` with every term's tensor by name takes a short route (lossagg/micro_batch.py):
+    the same J and gradients, bit for bit, as the general route (``parts=True``), on micro-batches cut by a
+    slice (their [K, B] tables contiguous, copied once when made) and by positions; a mask made under
+    ``torch.inference_mode()`` is still refused by name when the values require grad."""
+    lengths, cu, mask, values, weights = _step(seed=3, n=8)
+    if kind == "step":
+        config = LossAggregationConfig.from_dict({"mode": "sample_mean", "weighting": "mean", "terms": TERMS})
+        plan = StepPlan.from_mask(config, mask, cu, sample_weights=weights)
+    else:  # a DeferredPlan's terms divide by the PG term's step-level factors
+        config = LossAggregationConfig.from_dict({"mode": "sample_mean", "terms": {"entropy": {"coefficient": -0.01}, "kl": {"coefficient": 0.05}}})
+    total = 0.0
+    for samples in (slice(0, 3), [3, 5, 4], slice(6, 8)):
+        lo = [int(cu[i]) for i in (range(8)[samples] if isinstance(samples, slice) else samples)]
+        hi = [int(cu[i + 1]) for i in (range(8)[samples] if isinstance(samples, slice) else samples)]
+        idx = torch.cat([torch.arange(a, b) for a, b in zip(lo, hi, strict=True)])
+        mb_cu = lossagg.cu_seqlens_from_lengths(torch.tensor([b - a for a, b in zip(lo, hi, strict=True)])).long()
+        got, want = [], []
+        for route in ("usual", "general"):
+            leaves = {k: v[idx].to(dtype).requires_grad_(True) for k, v in values.items()}
+            if kind == "deferred":
+                plan = DeferredPlan(config, 8)
+            mb = plan.micro_batch(samples, mask[idx], mb_cu)
+            assert all(t is None or t.is_contiguous() for pair in mb.tables.values() for t in pair)
+            j = plan.loss(leaves, mb) if route == "usual" else plan.loss(leaves, mb, parts=True)[0]
+            j.backward()
+            (got if route == "usual" else want).append((j.detach(), [leaves[k].grad for k in leaves]))
+        assert torch.equal(got[0][0], want[0][0])
+        assert all(torch.equal(a, b) for a, b in zip(got[0][1], want[0][1], strict=True))
+        total += float(got[0][0])
+    if kind == "step":
+        assert total == pytest.approx(float(_whole_step(config, values, mask, cu, weights=weights)), rel=1e-5)
+    with torch.inference_mode():
+        frozen = mask.clone()
+    if kind == "deferred":
+        plan = DeferredPlan(config, 8)
+    mb = plan.micro_batch(slice(None), frozen, cu)
+    leaves = {k: v.to(dtype).requires_grad_(True) for k, v in values.items()}
+    with pytest.raises(ValueError, match=r"mask was made under torch.inference_mode\(\)"):
+        plan.loss(leaves, mb)
