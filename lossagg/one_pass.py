@@ -28,6 +28,7 @@ from lossagg.config import LossAggregationConfig
 from lossagg.denom_program import DenomProduct
 from lossagg.modes import mode_registry, mode_spec
 from lossagg.ops import (
+    _AGGREGATE,
     _BELOW_AUTOGRAD,
     _REDUCE,
     _SEGMENT_SUM_ARGS,
@@ -48,7 +49,7 @@ from lossagg.step import StepPlan, plain_labels, plan_info, remember
 from lossagg.validate import check_holds_data
 
 #: The native program and divisor of the last configs whose mode's d is one (``id(config)``: the config, the mode
-#: registry it was read under, the program as a list, the divisor); a config is immutable.
+#: registry it was read under, the program as a list, the divisor, and as the op takes it); a config is immutable.
 _PROGRAMS: dict[int, tuple] = {}
 _PROGRAMS_SIZE = 16
 _STRIDED = torch.strided
@@ -99,6 +100,14 @@ def aggregate(
             and per_token_loss.dim() == (1 if cu_seqlens is not None else 2)
             and not torch.compiler.is_compiling()
         ):
+            if not (torch.is_grad_enabled() and (per_token_loss.requires_grad or mask.requires_grad)) and (
+                per_token_loss.is_contiguous() and mask.is_contiguous() and (cu_seqlens is None or cu_seqlens.is_contiguous())
+            ):  # no gradient: the op alone (an error it raises is met again below, and named there)
+                try:
+                    with _BELOW_AUTOGRAD():
+                        return _AGGREGATE(per_token_loss, mask, cu_seqlens, hit[2], hit[4])[0]
+                except RuntimeError:
+                    pass
             plan = lambda m: StepPlan(config, m).sample_denoms  # noqa: E731
             return _by_program(per_token_loss, mask, cu_seqlens, hit[2], hit[3], plan)
     # the arguments read below, named as this function names them (not as the helpers it calls do)
@@ -125,7 +134,9 @@ def aggregate(
             program = denoms.program(config.empty_samples) if type(denoms) is DenomProduct else None
             plan = lambda m: StepPlan(config, m, group_index=group_index, session_index=session_index).sample_denoms  # noqa: E731
             if program is not None:
-                remember(_PROGRAMS, _PROGRAMS_SIZE, id(config), (config, mode_registry(), list(program), config.divisor))
+                remember(
+                    _PROGRAMS, _PROGRAMS_SIZE, id(config), (config, mode_registry(), list(program), config.divisor, float(config.divisor or 0.0))
+                )
                 return reduce_by_program(per_token_loss, mask, cu_seqlens, program, config.divisor, plan)
             planned = reduce_by_plan(config, per_token_loss, mask, cu_seqlens, group_index, session_index)
             return reduce_with_counts(per_token_loss, mask, cu_seqlens, plan) if planned is None else planned

@@ -400,6 +400,18 @@ def test_a_config_used_again_reads_the_program_its_mode_has_now():
                     assert torch.equal(bits(lossagg.aggregate(config, b.values, b.mask, cu_seqlens=b.cu_seqlens)), bits(want.detach()))
     finally:
         lossagg.unregister_mode(spec.name)
+    # a config seen before, without a gradient: the op alone, and still the refusals of the general route
+    config, values, cu = lossagg.LossAggregationConfig(mode="sample_mean"), torch.randn(6), torch.tensor([0, 2, 6])
+    want = lossagg.aggregate(config, values, torch.ones(6), cu_seqlens=cu)
+    strided = torch.randn(12)[::2]  # not contiguous: read through the general route's checks
+    with torch.no_grad():
+        got = lossagg.aggregate(config, strided, torch.ones(6), cu_seqlens=cu)
+    assert torch.equal(bits(got), bits(lossagg.aggregate(config, strided.contiguous(), torch.ones(6), cu_seqlens=cu)))
+    with pytest.raises(ValueError, match=r"lossagg.reduce: not differentiable in mask, which requires grad"):
+        lossagg.aggregate(config, values, torch.ones(6, requires_grad=True), cu_seqlens=cu)
+    with pytest.raises(ValueError, match=r"lossagg.aggregate: .*cu_seqlens"):
+        lossagg.aggregate(config, values, torch.ones(6), cu_seqlens=torch.tensor([0, 2, 7]))
+    assert torch.equal(bits(lossagg.aggregate(config, values, torch.ones(6), cu_seqlens=cu)), bits(want))
     with pytest.raises(ValueError, match="per_token_loss must hold data"):  # the checks the usual call skips still name their argument
         lossagg.aggregate(
             lossagg.LossAggregationConfig(mode="sample_mean"), torch.zeros(5, device="meta"), torch.ones(5), cu_seqlens=torch.tensor([0, 5])
@@ -557,8 +569,9 @@ def test_denominator_zero_in_the_division_dtype_is_refused_on_every_route():
     config = LossAggregationConfig(mode="constant", divisor=1e-46)
     values, mask, cu = torch.ones(3), torch.ones(3, dtype=torch.bool), torch.tensor([0, 3])
     message = r"lossagg.reduce: sample_denoms\[0\] = 1e-46 is 0 in Float, the dtype the division happens in for Float values"
-    with pytest.raises(ValueError, match=message):
-        lossagg.aggregate(config, values, mask, cu_seqlens=cu)
+    for _ in range(2):  # the second call of the config takes the op alone first (lossagg/one_pass.py): the same error
+        with pytest.raises(ValueError, match=message):
+            lossagg.aggregate(config, values, mask, cu_seqlens=cu)
     with pytest.raises(ValueError, match=message):
         plan_route(config, values, mask, cu)()
     with pytest.raises(RuntimeError, match="ValueError: " + message):  # the raw op: the stable ABI's RuntimeError, the message's kind first
