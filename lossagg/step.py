@@ -47,7 +47,7 @@ from lossagg.micro_batch import (
 from lossagg.modes import METRIC_MODE, mode_registry, mode_spec
 from lossagg.ops import plan_totals as native_plan_totals
 from lossagg.samples import RankSamples
-from lossagg.totals import BASE_TOTALS, TOTALS, StepTotals, mode_totals, plan_totals, read_totals, stand_in
+from lossagg.totals import BASE_TOTALS, LATER, TOTALS, StepTotals, mode_totals, plan_totals, read_totals, stand_in
 from lossagg.validate import as_int, check_holds_data, check_process_group
 
 GRADIENT_CONVENTIONS = ("sum", "mean", "micro_batch_mean", "megatron")
@@ -215,7 +215,16 @@ def plain_labels(t, n: int) -> bool:
 
 
 def _native_route(
-    config, info: _PlanInfo, counts, group_index, session_index, sample_weights, num_group_labels, num_session_labels, with_denoms: bool = True
+    config,
+    info: _PlanInfo,
+    counts,
+    group_index,
+    session_index,
+    sample_weights,
+    num_group_labels,
+    num_session_labels,
+    with_denoms: bool = True,
+    blocks: bool = True,
 ):
     """(samples, totals, each term's d, the kernels' tables) of a one-process plan from one native pass
     (csrc/cpu/plan_totals.cpp), or None where the Python route (lossagg/totals.py, lossagg/denominators.py) takes
@@ -223,7 +232,8 @@ def _native_route(
     mode reads them (and any the mode does not read), no weights or label bounds; given alone or as a :class:`RankSamples` holding just those), or a
     step the native pass declines (a count that is not a whole number >= 0, a group or session of the wrong size, a
     d[i] that is not finite and > 0: the Python route raises naming it). Without ``with_denoms`` the pass makes the
-    totals only (no term's d: the d returned is None)."""
+    totals only (no term's d: the d returned is None), and without ``blocks`` too the per-sample totals are made when
+    first read (by the pass again)."""
     if type(counts) is RankSamples:  # a record given alone (a closing DeferredPlan's): its fields
         if any(x is not None for x in (group_index, session_index, sample_weights, num_group_labels, num_session_labels)):
             return None  # the Python route refuses it, naming them
@@ -248,7 +258,7 @@ def _native_route(
         -1 if per_prompt is None else per_prompt,
         info.check_groups,
         info.sessions_in_groups,
-        info.blocks,
+        info.blocks if with_denoms or blocks else [],
         not as_given,
         info.program if with_denoms else [],
         info.divisors if with_denoms else [],
@@ -258,20 +268,40 @@ def _native_route(
         return None
     values: dict[str, Any] = {}
     at = 1
+    later, pending = not (with_denoms or blocks), False
     for name in info.names:
         slot = _NATIVE_TOTALS[name]
         if isinstance(slot, tuple):
-            values[name], at = out[at], at + 1
+            if later:
+                values[name], pending = LATER, True
+            else:
+                values[name], at = out[at], at + 1
         else:
             values[name] = scalars[slot] if name in _FLOAT_TOTALS else int(scalars[slot])
     counts64 = counts if as_given else out[at]
     samples = RankSamples(n, counts64, group_index, session_index)
+    if later:  # the per-sample totals from the pass again, when first read (a closing DeferredPlan's are seldom read)
+        made = _per_sample_later(config, info, samples) if pending else None
+        return samples, StepTotals(values, info.mode, made), None, None
     if not with_denoms:
         return samples, StepTotals(values, info.mode), None, None
     d, d32 = out[-2], out[-1]
     if scalars[0] == _NOT_FLOAT32:  # some d[i] is not a normal finite float32: the float32 kernels read d itself
         d32 = d
     return samples, StepTotals(values, info.mode), d, {torch.float32: (d32, None), torch.float64: (d, None)}
+
+
+def _per_sample_later(config, info: _PlanInfo, samples: RankSamples):
+    """The call that makes a plan's per-sample totals, left for later by :func:`_native_route`."""
+
+    def made() -> dict[str, Any]:
+        native = _native_route(config, info, samples, None, None, None, None, None, with_denoms=False)
+        if native is None:  # not met: the same pass served these samples once
+            raise RuntimeError("lossagg: the native pass declined the samples it served before")
+        totals = native[1]
+        return {name: totals[name] for name in info.names if isinstance(_NATIVE_TOTALS[name], tuple)}
+
+    return made
 
 
 def _holds_data(t) -> bool:
@@ -331,7 +361,16 @@ class StepPlan(Plan):
         # a closing DeferredPlan's record too
         if process_group is None and _totals is None and _problem is None and info.native:
             native = _native_route(
-                config, info, token_counts, group_index, session_index, sample_weights, num_group_labels, num_session_labels, not _denoms_when_read
+                config,
+                info,
+                token_counts,
+                group_index,
+                session_index,
+                sample_weights,
+                num_group_labels,
+                num_session_labels,
+                not _denoms_when_read,
+                not _denoms_when_read,
             )
         if native is not None:  # one process, counts on the CPU: the step totals and every d_k from one native pass
             samples, self.totals, d, tables = native

@@ -91,20 +91,34 @@ class StepTotal:
             raise ValueError(f"StepTotal {self.name!r}: combine must be one of {', '.join(COMBINES)}, got {self.combine!r}")
 
 
+#: A per-sample total a plan makes when first read (:class:`StepTotals`' ``later``).
+LATER = object()
+
+
 class StepTotals(Mapping):
     """The totals a plan holds, by name; read as attributes (``totals.num_samples``).
 
-    Only the totals the mode declared are here: reading another one raises an error naming it.
+    Only the totals the mode declared are here: reading another one raises an error naming it. ``later``, where
+    given, makes the values held as :data:`LATER` (a closing plan's per-sample totals) when one is first read.
     """
 
-    def __init__(self, values: Mapping[str, Any], mode: str | None = None):
+    def __init__(self, values: Mapping[str, Any], mode: str | None = None, later: Callable[[], Mapping[str, Any]] | None = None):
         object.__setattr__(self, "_values", dict(values))
         object.__setattr__(self, "_mode", mode)
+        object.__setattr__(self, "_later", later)
+
+    def _value(self, name: str):
+        values = object.__getattribute__(self, "_values")
+        value = values[name]
+        if value is LATER:  # made once (a second thread reading meanwhile makes the same values)
+            values.update(object.__getattribute__(self, "_later")())
+            value = values[name]
+        return value
 
     def __getattr__(self, name: str):
         values = object.__getattribute__(self, "_values")
         if name in values:
-            return values[name]
+            return self._value(name)
         if name.startswith("_") or name not in TOTALS:
             raise AttributeError(name)
         mode = object.__getattribute__(self, "_mode")
@@ -117,7 +131,7 @@ class StepTotals(Mapping):
         raise AttributeError("StepTotals is read-only")
 
     def __getitem__(self, name: str):
-        return self._values[name]
+        return self._value(name)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._values)
@@ -126,7 +140,7 @@ class StepTotals(Mapping):
         return len(self._values)
 
     def __repr__(self) -> str:
-        shown = {k: (v if isinstance(v, (int, float)) else f"<{type(v).__name__}>") for k, v in self._values.items()}
+        shown = {k: (v if isinstance(v, (int, float)) else f"<{type(v).__name__}>") for k, v in ((k, self._value(k)) for k in self._values)}
         return f"StepTotals({shown})"
 
 

@@ -284,7 +284,7 @@ def test_a_deferred_plan_closes_through_the_native_route_as_through_pythons(mode
         counts, group, session = step_of(4, 5, "dense", torch.int64, shuffled=False)  # halves of whole groups
         calls.clear()
         fast = closed_step(config, counts, group, session)
-        assert calls, f"{mode}: the close did not take the native route"
+        assert len(calls) == 1, f"{mode}: the close did not take the native route, in one call"
         with monkeypatch.context() as m:
             python_route(m)
             slow = closed_step(config, counts, group, session)
@@ -292,15 +292,18 @@ def test_a_deferred_plan_closes_through_the_native_route_as_through_pythons(mode
         for field in ("scale", "metric_scale", "loss", "terms", "metrics"):
             assert same(getattr(fast, field), getattr(slow, field)), f"{what}: {field}"
         assert list(fast.plan.totals) == list(slow.plan.totals), what
+        # the per-sample totals (a session's size for each sample, ...) are made by the pass again when first read
+        per_sample = any(isinstance(step_module._NATIVE_TOTALS[name], tuple) for name in slow.plan.totals)
         for name in slow.plan.totals:
             assert same(fast.plan.totals[name], slow.plan.totals[name]), f"{what}: {name}"
-        assert len(calls) == 1, what
+        assert len(calls) == 1 + per_sample, what
+        assert repr(fast.plan.totals) == repr(slow.plan.totals), what
         for name in slow.plan.term_denoms:
             assert same(fast.plan.term_denoms[name], slow.plan.term_denoms[name]), f"{what}: d of {name}"
-        assert len(calls) == 2, f"{what}: the plan's d is made once, when first read"
+        assert len(calls) == 2 + per_sample, f"{what}: the plan's d is made once, when first read"
         for dtype, (table, weights) in slow.plan._kernel_tables.items():
             assert same(fast.plan._kernel_tables[dtype][0], table) and fast.plan._kernel_tables[dtype][1] is weights is None, what
-        assert same(fast.plan.sample_denoms, slow.plan.sample_denoms) and len(calls) == 2, what
+        assert same(fast.plan.sample_denoms, slow.plan.sample_denoms) and len(calls) == 2 + per_sample, what
 
 
 @pytest.mark.parametrize("divisor", [1e39, 1e308])

@@ -52,37 +52,73 @@ constexpr int64_t kDivisor = -1, kCounts = -2, kFactorFields = 4;
 constexpr double kWhole = 9007199254740992.0;  // 2**53
 
 // The runs of one set of labels (a run: consecutive samples of one label, as a step's samples of one prompt group
-// or session usually lie): run k holds the samples [start[k], start[k + 1]); run_of[i] is sample i's run; id[k]
-// the dense id (0, 1, ... in any order) of run k's label, or none where each run is a label of its own, in order
-// (id[k] = k); labels, how many distinct labels there are. Only finding the runs reads every sample; the rest is
-// done run by run.
+// or session usually lie): run k holds the samples [start[k], start[k + 1]); id[k] the dense id (0, 1, ... in any
+// order) of run k's label, or none where each run is a label of its own, in order (id[k] = k); labels, how many
+// distinct labels there are. Only finding the runs reads every label; the rest is done run by run.
 struct Runs {
-  std::unique_ptr<int64_t[]> start, run_of;  // uninitialised until written: no pass to zero them
+  const int64_t* labels = nullptr;   // [n], as given: read again where a per-sample block is made
+  std::unique_ptr<int64_t[]> start;  // [runs + 1]; uninitialised until written: no pass to zero it
   std::vector<int64_t> id;
-  int64_t runs = 0, labels = 0;
+  int64_t runs = 0, labels_count = 0;
 };
 
-// The runs of `labels`, in one pass over the samples without a branch, then each run's label made dense.
+void dense_ids(Runs& runs);
+
+// The runs of `labels`: where each starts, in one pass over the samples without a branch (each sample's index is
+// written to the slot after the last run found, which the next run's first sample keeps), then each run's label
+// made dense.
 void find_runs(const int64_t* labels, int64_t n, Runs& runs) {
+  runs.labels = labels;
   runs.start.reset(new int64_t[n + 1]);
-  runs.run_of.reset(new int64_t[std::max<int64_t>(n, 1)]);
   int64_t* start = runs.start.get();
-  int64_t* run_of = runs.run_of.get();
   int64_t r = 0;
   start[0] = 0;
-  run_of[0] = 0;
   for (int64_t i = 1; i < n; ++i) {
+    start[r + 1] = i;
     r += labels[i] != labels[i - 1] ? 1 : 0;
-    start[r] = i;  // written again until the run ends: start[r] holds run r's last sample
-    run_of[i] = r;
   }
-  const int64_t count = n > 0 ? r + 1 : 0;
-  for (int64_t k = count - 1; k >= 1; --k) {  // each run's first sample: one past the last of the run before
-    start[k] = start[k - 1] + 1;
+  runs.runs = n > 0 ? r + 1 : 0;
+  start[runs.runs] = n;
+  dense_ids(runs);
+}
+
+// The runs of the prompt groups and of the sessions together, in one pass as find_runs makes each; besides,
+// whether a session run crosses a group boundary (a group's first sample is not a session's), and each group run's
+// first session run (first [group runs + 1], its last slot the session runs' count).
+bool find_both_runs(const int64_t* groups, const int64_t* sessions, int64_t n, Runs& g, Runs& s, std::unique_ptr<int64_t[]>& first) {
+  g.labels = groups;
+  s.labels = sessions;
+  g.start.reset(new int64_t[n + 1]);
+  s.start.reset(new int64_t[n + 1]);
+  first.reset(new int64_t[n + 1]);
+  int64_t* g_start = g.start.get();
+  int64_t* s_start = s.start.get();
+  int64_t* g_first = first.get();
+  int64_t rg = 0, rs = 0, crosses = 0;
+  g_start[0] = s_start[0] = g_first[0] = 0;
+  for (int64_t i = 1; i < n; ++i) {
+    const int64_t g_new = groups[i] != groups[i - 1] ? 1 : 0, s_new = sessions[i] != sessions[i - 1] ? 1 : 0;
+    g_start[rg + 1] = i;
+    s_start[rs + 1] = i;
+    g_first[rg + 1] = rs + s_new;  // the session run holding sample i: kept where a group run starts
+    crosses |= g_new & (s_new ^ 1);
+    rg += g_new;
+    rs += s_new;
   }
-  start[0] = 0;
-  start[count] = n;
-  runs.runs = count;
+  g.runs = n > 0 ? rg + 1 : 0;
+  s.runs = n > 0 ? rs + 1 : 0;
+  g_start[g.runs] = s_start[s.runs] = n;
+  g_first[g.runs] = s.runs;
+  dense_ids(g);
+  dense_ids(s);
+  return crosses != 0;
+}
+
+// Each run's label made dense (runs.id, runs.labels_count).
+void dense_ids(Runs& runs) {
+  const int64_t* labels = runs.labels;
+  const int64_t* start = runs.start.get();
+  const int64_t count = runs.runs;
   runs.id.clear();
   // each run's label made dense. The common case first: labels rising run by run, so each run is a label of its own
   bool rising = true;
@@ -90,7 +126,7 @@ void find_runs(const int64_t* labels, int64_t n, Runs& runs) {
     rising &= labels[start[k]] > labels[start[k - 1]];
   }
   if (rising) {
-    runs.labels = count;
+    runs.labels_count = count;
     return;
   }
   runs.id.resize(count);
@@ -119,49 +155,61 @@ void find_runs(const int64_t* labels, int64_t n, Runs& runs) {
       runs.id[k] = it->second;
     }
   }
-  runs.labels = distinct;
+  runs.labels_count = distinct;
 }
 
-// Each label's samples, non-empty samples and tokens, run by run, each run's added from 0 in the samples' order:
-// exact (whole numbers below 2**53, checked before), and a run's short chain of additions overlaps the next run's.
-void label_sums(const Runs& runs, const double* c, std::vector<double>& size, std::vector<double>& kept, std::vector<double>& tokens) {
+// Each label's samples, non-empty samples and tokens, from the running sums of the counts and of the non-empty
+// samples (`before[i]`: the samples before sample i), each run's the difference of two: exact, every sum a whole
+// number below 2**53 (checked before). A label of several runs adds its runs' in their order.
+void label_sums(
+    const Runs& runs,
+    const uint64_t* tokens_before,
+    const uint64_t* kept_before,
+    std::vector<double>& size,
+    std::vector<double>& kept,
+    std::vector<double>& tokens) {
   const int64_t* start = runs.start.get();
-  const bool own = runs.id.empty();  // each run a label of its own: the runs' sums are the labels'
-  if (own) {
-    size.resize(runs.runs);
-    kept.resize(runs.runs);
-    tokens.resize(runs.runs);
-  } else {
-    size.assign(runs.labels, 0.0);
-    kept.assign(runs.labels, 0.0);
-    tokens.assign(runs.labels, 0.0);
-  }
-  double* sz = size.data();
-  double* kp = kept.data();
-  double* tk = tokens.data();
-  for (int64_t k = 0; k < runs.runs; ++k) {
-    const int64_t a = start[k], b = start[k + 1];
-    double t = 0.0, nonempty = 0.0;
-    for (int64_t i = a; i < b; ++i) {
-      t += c[i];
-      nonempty += c[i] > 0.0 ? 1.0 : 0.0;
+  const int64_t count = runs.runs;
+  if (runs.id.empty()) {  // each run a label of its own: the runs' sums are the labels'
+    size.resize(count);
+    kept.resize(count);
+    tokens.resize(count);
+    double* sz = size.data();
+    double* kp = kept.data();
+    double* tk = tokens.data();
+    for (int64_t k = 0; k < count; ++k) {
+      const int64_t a = start[k], b = start[k + 1];
+      sz[k] = static_cast<double>(b - a);
+      tk[k] = static_cast<double>(tokens_before[b] - tokens_before[a]);
+      kp[k] = static_cast<double>(kept_before[b] - kept_before[a]);
     }
-    const int64_t label = own ? k : runs.id[k];
-    sz[label] = (own ? 0.0 : sz[label]) + static_cast<double>(b - a);
-    tk[label] = (own ? 0.0 : tk[label]) + t;
-    kp[label] = (own ? 0.0 : kp[label]) + nonempty;
+    return;
+  }
+  size.assign(runs.labels_count, 0.0);
+  kept.assign(runs.labels_count, 0.0);
+  tokens.assign(runs.labels_count, 0.0);
+  for (int64_t k = 0; k < count; ++k) {
+    const int64_t a = start[k], b = start[k + 1], label = runs.id[k];
+    size[label] += static_cast<double>(b - a);
+    tokens[label] += static_cast<double>(tokens_before[b] - tokens_before[a]);
+    kept[label] += static_cast<double>(kept_before[b] - kept_before[a]);
   }
 }
 
-// The step's samples as the passes read them: counts (as float64), labels' runs and what each label holds.
+// The step's samples as the passes read them: counts (as float64), their running sums, labels' runs and what each
+// label holds.
 struct Step {
   int64_t n = 0;
-  double* counts = nullptr;  // [n]: the output's counts where it returns them, else `own`
+  const double* counts = nullptr;  // [n]: float64 counts as given, else the output's counts where it returns them, else `own`
   std::unique_ptr<double[]> own;
+  std::unique_ptr<uint64_t[]> tokens_before, kept_before;  // [n + 1], where labels are read
   Runs g, s;
+  bool crosses = false;              // with both labels: some session run crosses a group boundary
+  std::unique_ptr<int64_t[]> first;  // with both labels: each group run's first session run, [group runs + 1]
   std::vector<double> g_tokens, s_size, s_kept, s_tokens, g_held, g_held_kept;
 
-  // Per-sample block b (0..5, see kBlocks) into out [n]: each sample's run's label's value.
+  // Per-sample block b (0..5, see kBlocks) into out [n]: each sample's run's label's value, the runs counted again
+  // along the labels (no branch, no per-sample table of runs kept).
   void per_sample(int64_t block, double* out) const {
     const std::vector<double>& table = block == 0   ? g_tokens
                                        : block == 1 ? s_size
@@ -170,24 +218,51 @@ struct Step {
                                        : block == 4 ? g_held
                                                     : g_held_kept;
     const Runs& runs = block == 0 || block >= 4 ? g : s;
-    if (table.empty()) {  // the groups' sessions of a mode that does not read them
+    if (table.empty() || n == 0) {  // the groups' sessions of a mode that does not read them
       std::fill(out, out + n, 0.0);
       return;
     }
-    const int64_t* run_of = runs.run_of.get();
+    const int64_t* labels = runs.labels;
     const double* v = table.data();
+    int64_t r = 0;
     if (runs.id.empty()) {
-      for (int64_t i = 0; i < n; ++i) {
-        out[i] = v[run_of[i]];
+      out[0] = v[0];
+      for (int64_t i = 1; i < n; ++i) {
+        r += labels[i] != labels[i - 1] ? 1 : 0;
+        out[i] = v[r];
       }
       return;
     }
     const int64_t* id = runs.id.data();
-    for (int64_t i = 0; i < n; ++i) {
-      out[i] = v[id[run_of[i]]];
+    out[0] = v[id[0]];
+    for (int64_t i = 1; i < n; ++i) {
+      r += labels[i] != labels[i - 1] ? 1 : 0;
+      out[i] = v[id[r]];
     }
   }
 };
+
+// The running sums of the counts and of the non-empty samples into step.tokens_before and step.kept_before, in
+// integers (each count a whole number below 2**53, their total too: checked before), so that no addition waits on
+// a floating-point one.
+void running_sums(Step& step) {
+  const int64_t n = step.n;
+  step.tokens_before.reset(new uint64_t[n + 1]);
+  step.kept_before.reset(new uint64_t[n + 1]);
+  uint64_t* t = step.tokens_before.get();
+  uint64_t* k = step.kept_before.get();
+  const double* c = step.counts;
+  uint64_t tokens = 0, kept = 0;
+  t[0] = 0;
+  k[0] = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t x = static_cast<uint64_t>(static_cast<int64_t>(c[i]));
+    tokens += x;
+    kept += x != 0 ? 1 : 0;
+    t[i + 1] = tokens;
+    k[i + 1] = kept;
+  }
+}
 
 // Two doubles at a time: SSE2's own intrinsics on x86-64, GCC and Clang vector types elsewhere (NEON on arm64).
 // Scalar loops compile to a compare and a flag per element, with a branch to clamp; on x86-64, vector types
@@ -196,11 +271,11 @@ using Double2 = double __attribute__((vector_size(16)));
 using Long2 = int64_t __attribute__((vector_size(16)));
 using Float2 = float __attribute__((vector_size(8)));
 
-// The counts as float64 into step.counts; false when one is not a whole number in [0, 2**53). Each loop has no
+// The counts as float64 into `into` (none: float64 counts read where they are); false when one is not a whole number
+// in [0, 2**53). Each loop has no
 // branch and only 8-byte lanes, so it vectorises (SSE2 has no int64 -> double conversion: the exact one below).
-bool read_counts(Step& step, const int64_t* counts_long, const double* counts_double) {
-  const int64_t n = step.n;
-  double* c = step.counts;
+bool read_counts(int64_t n, const int64_t* counts_long, const double* counts_double, double* into) {
+  double* c = into;
   constexpr double kTwo52 = 4503599627370496.0;            // 2**52
   constexpr uint64_t kExponent52 = 0x4330000000000000ULL;  // the bits of 2**52: 2**52 + m for m < 2**52 is exponent | m
   if (counts_long != nullptr) {
@@ -217,34 +292,108 @@ bool read_counts(Step& step, const int64_t* counts_long, const double* counts_do
   }
   // whole in [0, 2**53): at or above 2**52 every double is whole; below it, (x + 2**52) - 2**52 is x rounded to a
   // whole number (no fused multiply-add: -ffp-contract=off), which is x exactly when x is whole
-  int64_t i = 0;
+  const auto check = [&]<bool kCopy>() {
+    int64_t i = 0;
 #if defined(__SSE2__)
-  __m128d whole2 = _mm_castsi128_pd(_mm_set1_epi64x(-1));  // all ones while every count holds
-  const __m128d zero = _mm_setzero_pd(), whole_from = _mm_set1_pd(kWhole), two52 = _mm_set1_pd(kTwo52);
-  for (; i + 2 <= n; i += 2) {
-    const __m128d x = _mm_loadu_pd(counts_double + i);
-    const __m128d rounded = _mm_sub_pd(_mm_add_pd(x, two52), two52);
-    const __m128d is_whole = _mm_or_pd(_mm_cmpge_pd(x, two52), _mm_cmpeq_pd(rounded, x));
-    whole2 = _mm_and_pd(whole2, _mm_and_pd(_mm_and_pd(_mm_cmpge_pd(x, zero), _mm_cmplt_pd(x, whole_from)), is_whole));
-    _mm_storeu_pd(c + i, x);
-  }
-  bool whole = _mm_movemask_pd(whole2) == 3;
+    __m128d whole2 = _mm_castsi128_pd(_mm_set1_epi64x(-1));  // all ones while every count holds
+    const __m128d zero = _mm_setzero_pd(), whole_from = _mm_set1_pd(kWhole), two52 = _mm_set1_pd(kTwo52);
+    for (; i + 2 <= n; i += 2) {
+      const __m128d x = _mm_loadu_pd(counts_double + i);
+      const __m128d rounded = _mm_sub_pd(_mm_add_pd(x, two52), two52);
+      const __m128d is_whole = _mm_or_pd(_mm_cmpge_pd(x, two52), _mm_cmpeq_pd(rounded, x));
+      whole2 = _mm_and_pd(whole2, _mm_and_pd(_mm_and_pd(_mm_cmpge_pd(x, zero), _mm_cmplt_pd(x, whole_from)), is_whole));
+      if constexpr (kCopy) {
+        _mm_storeu_pd(c + i, x);
+      }
+    }
+    bool whole = _mm_movemask_pd(whole2) == 3;
 #else
-  Long2 whole2 = {-1, -1};  // all ones while every count holds
-  for (; i + 2 <= n; i += 2) {
-    Double2 x;
-    std::memcpy(&x, counts_double + i, sizeof(x));
-    whole2 &= (x >= 0.0) & (x < kWhole) & ((x >= kTwo52) | ((x + kTwo52) - kTwo52 == x));
-    std::memcpy(c + i, &x, sizeof(x));
-  }
-  bool whole = (whole2[0] & whole2[1]) == -1;
+    Long2 whole2 = {-1, -1};  // all ones while every count holds
+    for (; i + 2 <= n; i += 2) {
+      Double2 x;
+      std::memcpy(&x, counts_double + i, sizeof(x));
+      whole2 &= (x >= 0.0) & (x < kWhole) & ((x >= kTwo52) | ((x + kTwo52) - kTwo52 == x));
+      if constexpr (kCopy) {
+        std::memcpy(c + i, &x, sizeof(x));
+      }
+    }
+    bool whole = (whole2[0] & whole2[1]) == -1;
 #endif
-  for (; i < n; ++i) {
-    const double x = counts_double[i];
-    whole &= (x >= 0.0) & (x < kWhole) & ((x >= kTwo52) | ((x + kTwo52) - kTwo52 == x));
-    c[i] = x;
+    for (; i < n; ++i) {
+      const double x = counts_double[i];
+      whole &= (x >= 0.0) & (x < kWhole) & ((x >= kTwo52) | ((x + kTwo52) - kTwo52 == x));
+      if constexpr (kCopy) {
+        c[i] = x;
+      }
+    }
+    return whole;
+  };
+  return c == nullptr ? check.template operator()<false>() : check.template operator()<true>();
+}
+
+// The sessions each prompt group holds (step.g_held), and of them the non-empty (step.g_held_kept); a status where
+// a session holds samples of several groups, or a group another number of sessions than per_prompt (>= 0).
+Status sessions_of_groups(Step& step, int64_t per_prompt) {
+  const int64_t groups = step.g.labels_count, sessions = step.s.labels_count;
+  double lane_largest[4] = {};  // in four lanes: no maximum waits on the one before
+  int64_t i = 0;
+  for (; i + 4 <= sessions; i += 4) {
+    for (int l = 0; l < 4; ++l) {
+      lane_largest[l] = lane_largest[l] < step.s_size[i + l] ? step.s_size[i + l] : lane_largest[l];
+    }
   }
-  return whole;
+  for (; i < sessions; ++i) {
+    lane_largest[0] = std::max(lane_largest[0], step.s_size[i]);
+  }
+  const double largest = std::max(std::max(lane_largest[0], lane_largest[1]), std::max(lane_largest[2], lane_largest[3]));
+  const double labels = static_cast<double>(std::max<int64_t>(groups, 1) - 1);
+  if (labels * labels * largest >= kWhole) {
+    return kTooManyForTheCheck;
+  }
+  if (step.crosses) {
+    return kSessionInGroups;
+  }
+  // no session run crosses a group boundary, so group run r holds the session runs first[r] .. first[r + 1] - 1
+  const int64_t* first = step.first.get();
+  const int64_t s_runs = step.s.runs;
+  step.g_held.assign(groups, 0.0);
+  step.g_held_kept.assign(groups, 0.0);
+  const int64_t* g_id = step.g.id.empty() ? nullptr : step.g.id.data();
+  if (step.s.id.empty()) {                         // each session one run: a group run's sessions are the session runs from its first on
+    std::vector<int64_t> kept_before(s_runs + 1);  // the non-empty sessions before each session run
+    for (int64_t k = 0; k < s_runs; ++k) {
+      kept_before[k + 1] = kept_before[k] + (step.s_kept[k] > 0.0 ? 1 : 0);
+    }
+    for (int64_t r = 0; r < step.g.runs; ++r) {
+      const int64_t g = g_id == nullptr ? r : g_id[r];
+      step.g_held[g] += static_cast<double>(first[r + 1] - first[r]);
+      step.g_held_kept[g] += static_cast<double>(kept_before[first[r + 1]] - kept_before[first[r]]);
+    }
+  } else {  // a session of several runs: each in the same group
+    std::vector<int64_t> group_of(sessions, -1);
+    for (int64_t r = 0; r < step.g.runs; ++r) {
+      const int64_t group = g_id == nullptr ? r : g_id[r];
+      for (int64_t k = first[r]; k < first[r + 1]; ++k) {
+        int64_t& g = group_of[step.s.id[k]];
+        if (g >= 0 && g != group) {
+          return kSessionInGroups;
+        }
+        g = group;
+      }
+    }
+    for (int64_t s = 0; s < sessions; ++s) {
+      step.g_held[group_of[s]] += 1.0;
+      step.g_held_kept[group_of[s]] += step.s_kept[s] > 0.0 ? 1.0 : 0.0;
+    }
+  }
+  if (per_prompt >= 0) {
+    for (int64_t g = 0; g < groups; ++g) {
+      if (step.g_held[g] != static_cast<double>(per_prompt)) {
+        return kSessionsPerGroup;
+      }
+    }
+  }
+  return kServed;
 }
 
 // The totals into o[1..8] and the labels' tables into `step`; a status when the route declines the step.
@@ -283,87 +432,44 @@ Status totals(
   if (groups_in == nullptr && sessions_in == nullptr) {
     return kServed;
   }
+  running_sums(step);
+  const uint64_t* tokens_before = step.tokens_before.get();
+  const uint64_t* kept_before = step.kept_before.get();
+  if (groups_in != nullptr && sessions_in != nullptr) {
+    step.crosses = find_both_runs(groups_in, sessions_in, n, step.g, step.s, step.first);
+  } else if (groups_in != nullptr || sessions_in != nullptr) {
+    find_runs(groups_in != nullptr ? groups_in : sessions_in, n, groups_in != nullptr ? step.g : step.s);
+  }
   int64_t groups = 0;
   if (groups_in != nullptr) {
-    find_runs(groups_in, n, step.g);
-    groups = step.g.labels;
+    groups = step.g.labels_count;
     std::vector<double> size, kept;
-    label_sums(step.g, c, size, kept, step.g_tokens);
+    label_sums(step.g, tokens_before, kept_before, size, kept, step.g_tokens);
     int64_t groups_nonempty = 0;
+    bool sized = true;
     for (int64_t g = 0; g < groups; ++g) {
-      if (check_groups && per_prompt >= 0 && size[g] != static_cast<double>(per_prompt)) {
-        return kGroupSize;
-      }
+      sized &= size[g] == static_cast<double>(per_prompt);
       groups_nonempty += kept[g] > 0.0 ? 1 : 0;
+    }
+    if (check_groups && per_prompt >= 0 && !sized) {
+      return kGroupSize;
     }
     o[5] = static_cast<double>(groups);
     o[6] = static_cast<double>(groups_nonempty);
   }
   if (sessions_in != nullptr) {
-    find_runs(sessions_in, n, step.s);
-    const int64_t sessions = step.s.labels;
-    label_sums(step.s, c, step.s_size, step.s_kept, step.s_tokens);
+    const int64_t sessions = step.s.labels_count;
+    label_sums(step.s, tokens_before, kept_before, step.s_size, step.s_kept, step.s_tokens);
     int64_t sessions_nonempty = 0;
-    double largest = 0.0;
     for (int64_t s = 0; s < sessions; ++s) {
       sessions_nonempty += step.s_kept[s] > 0.0 ? 1 : 0;
-      largest = std::max(largest, step.s_size[s]);
     }
     o[7] = static_cast<double>(sessions);
     o[8] = static_cast<double>(sessions_nonempty);
     if (sessions_in_groups && groups_in != nullptr) {
-      const double labels = static_cast<double>(std::max<int64_t>(groups, 1) - 1);
-      if (labels * labels * largest >= kWhole) {
-        return kTooManyForTheCheck;
-      }
-      // a session run lies in one prompt group when its first and last samples lie in one group run (two runs side
-      // by side have two labels), and a session of several runs when each lies in the same group
-      const int64_t* g_run = step.g.run_of.get();
-      const int64_t* s_start = step.s.start.get();
-      step.g_held.assign(groups, 0.0);
-      step.g_held_kept.assign(groups, 0.0);
-      if (step.s.id.empty()) {  // each session one run: a group run's sessions are the session runs that start in it
-        bool crosses = false;
-        for (int64_t k = 0; k < step.s.runs; ++k) {
-          crosses |= g_run[s_start[k]] != g_run[s_start[k + 1] - 1];
-        }
-        if (crosses) {
-          return kSessionInGroups;
-        }
-        std::vector<int64_t> kept_before(step.s.runs + 1);  // the non-empty sessions before each session run
-        for (int64_t k = 0; k < step.s.runs; ++k) {
-          kept_before[k + 1] = kept_before[k] + (step.s_kept[k] > 0.0 ? 1 : 0);
-        }
-        const int64_t* s_run = step.s.run_of.get();
-        const int64_t* g_start = step.g.start.get();
-        for (int64_t j = 0; j < step.g.runs; ++j) {
-          const int64_t first = s_run[g_start[j]], last = s_run[g_start[j + 1] - 1] + 1;
-          const int64_t g = step.g.id.empty() ? j : step.g.id[j];
-          step.g_held[g] += static_cast<double>(last - first);
-          step.g_held_kept[g] += static_cast<double>(kept_before[last] - kept_before[first]);
-        }
-      } else {
-        std::vector<int64_t> group_of(sessions, -1);
-        for (int64_t k = 0; k < step.s.runs; ++k) {
-          const int64_t first = g_run[s_start[k]], last = g_run[s_start[k + 1] - 1];
-          int64_t& g = group_of[step.s.id[k]];
-          const int64_t group = step.g.id.empty() ? first : step.g.id[first];
-          if (first != last || (g >= 0 && g != group)) {
-            return kSessionInGroups;
-          }
-          g = group;
-        }
-        for (int64_t s = 0; s < sessions; ++s) {
-          step.g_held[group_of[s]] += 1.0;
-          step.g_held_kept[group_of[s]] += step.s_kept[s] > 0.0 ? 1.0 : 0.0;
-        }
-      }
-      if (per_prompt >= 0) {
-        for (int64_t g = 0; g < groups; ++g) {
-          if (step.g_held[g] != static_cast<double>(per_prompt)) {
-            return kSessionsPerGroup;
-          }
-        }
+      const Status status = sessions_of_groups(step, per_prompt);
+      if (status != kServed) {
+        return status;
       }
     }
   }
@@ -556,13 +662,15 @@ std::vector<Tensor> plan_totals(
   out.push_back(new_tensor(counts, {terms, n}, ScalarType::Float));
   double* o = out[0].mutable_data_ptr<double>();
   std::fill(o, o + kScalars, 0.0);
+  double* into = nullptr;  // float64 counts are read where they are, and returned only as given (with_counts is for int64)
   if (with_counts) {
-    step.counts = out[1 + blocks.size()].mutable_data_ptr<double>();
-  } else {
+    into = out[1 + blocks.size()].mutable_data_ptr<double>();
+  } else if (is_long) {
     step.own.reset(new double[std::max<int64_t>(n, 1)]);
-    step.counts = step.own.get();
+    into = step.own.get();
   }
-  Status status = read_counts(step, is_long ? counts.const_data_ptr<int64_t>() : nullptr, is_long ? nullptr : counts.const_data_ptr<double>())
+  step.counts = is_long || with_counts ? into : counts.const_data_ptr<double>();
+  Status status = read_counts(n, is_long ? counts.const_data_ptr<int64_t>() : nullptr, is_long ? nullptr : counts.const_data_ptr<double>(), into)
                       ? totals(step, labels[0], labels[1], per_prompt, check_groups, sessions_in_groups, o)
                       : kCountNotWhole;
   if (status == kServed) {
@@ -598,8 +706,8 @@ int64_t plan_denoms(
   step.own.reset(new double[std::max<int64_t>(n, 1)]);
   step.counts = step.own.get();
   double o[kScalars] = {};
-  Status status =
-      read_counts(step, counts, nullptr) ? totals(step, groups, sessions, per_prompt, check_groups, sessions_in_groups, o) : kCountNotWhole;
+  Status status = read_counts(n, counts, nullptr, step.own.get()) ? totals(step, groups, sessions, per_prompt, check_groups, sessions_in_groups, o)
+                                                                  : kCountNotWhole;
   if (status == kServed) {
     std::unique_ptr<float[]> d32(new float[std::max<int64_t>(n, 1)]);  // the rounding's own check; the table unread
     const double* written[kBlocks] = {};
