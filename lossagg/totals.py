@@ -139,6 +139,10 @@ class StepTotals(Mapping):
     def __len__(self) -> int:
         return len(self._values)
 
+    def __reduce__(self):
+        """Pickled (and copied) as the values themselves, those left for later made first."""
+        return (StepTotals, ({k: self._value(k) for k in self._values}, object.__getattribute__(self, "_mode")))
+
     def __repr__(self) -> str:
         shown = {k: (v if isinstance(v, (int, float)) else f"<{type(v).__name__}>") for k, v in ((k, self._value(k)) for k in self._values)}
         return f"StepTotals({shown})"

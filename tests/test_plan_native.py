@@ -6,6 +6,9 @@ its error or serves it, exactly as without the native route."""
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 
@@ -298,6 +301,13 @@ def test_a_deferred_plan_closes_through_the_native_route_as_through_pythons(mode
             assert same(fast.plan.totals[name], slow.plan.totals[name]), f"{what}: {name}"
         assert len(calls) == 1 + per_sample, what
         assert repr(fast.plan.totals) == repr(slow.plan.totals), what
+        if per_sample:  # pickled and copied with every value made, as a plan built whole is
+            before = len(calls)
+            pickled = pickle.loads(pickle.dumps(closed_step(config, counts, group, session).plan.totals))
+            assert len(calls) == before + 2, f"{what}: a second close and the pickle's read"
+            del calls[before:]
+            for kept in (pickled, copy.deepcopy(fast.plan.totals)):
+                assert list(kept) == list(slow.plan.totals) and all(same(kept[k], slow.plan.totals[k]) for k in kept), what
         for name in slow.plan.term_denoms:
             assert same(fast.plan.term_denoms[name], slow.plan.term_denoms[name]), f"{what}: d of {name}"
         assert len(calls) == 2 + per_sample, f"{what}: the plan's d is made once, when first read"
