@@ -57,5 +57,11 @@ STABLE_TORCH_LIBRARY(lossagg, m) {
   // d float64 [K, N], d float32 [K, N]], csrc/cpu/plan_totals.cpp. CPU kernel only; lossagg/step.py calls it.
   m.def(
       "plan_totals(Tensor counts, Tensor? group_index, Tensor? session_index, int per_prompt, bool check_groups, "
-      "bool sessions_in_groups, int[] blocks, bool with_counts, int[] program, float[] divisors) -> Tensor[]");
+      "bool sessions_in_groups, int[] blocks, bool with_counts, int[] program, float[] divisors, Tensor? layout=None) -> Tensor[]");
+  // The labels' half of plan_totals (their runs, the checks on them) for its layout argument, from a step's labels
+  // (int64 [N] each, at least one given) and plan_totals' arguments on them, done before the counts are known (a
+  // one-process lossagg.DeferredPlan's, read when it closes). CPU kernel only.
+  m.def(
+      "plan_layout(Tensor? group_index, Tensor? session_index, int per_prompt, bool check_groups, bool sessions_in_groups, "
+      "bool nonempty_read) -> Tensor");
 }

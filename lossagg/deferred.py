@@ -51,7 +51,7 @@ from lossagg.micro_batch import (
 )
 from lossagg.modes import ModeSpec
 from lossagg.samples import RankSamples
-from lossagg.step import StepPlan
+from lossagg.step import LabelLayout, StepPlan
 from lossagg.totals import MAX_GROUP_LABELS, TOTALS, all_reduce_with_head, mode_totals, rank_share, read_as, read_totals
 from lossagg.validate import check_holds_data, check_process_group, plain_number
 
@@ -274,6 +274,8 @@ class DeferredPlan(Plan):
         agreed = self.process_group is not None or self.cp_group is not None
         self._whole = whole
         self.ledger = StepLedger(n, [t.name for t in self._terms], list(metrics), self.group_index, self.session_index, whole, pg.mode, agreed)
+        # one process: the labels' runs found now, so that the close's native pass reads the counts only
+        self._layout = None if agreed else LabelLayout.of(config, self.samples)
         self._closed: DeferredStep | None = None
 
     # ---------------------------------------------------------------- set-up
@@ -414,7 +416,7 @@ class DeferredPlan(Plan):
                 moved = (None if t is None else t.to(counts.device) for t in (s.group_index, s.session_index, s.sample_weights))
                 samples = RankSamples(s.num_samples, counts, *moved, s.num_group_labels, s.num_session_labels)
                 # the close reads the plan's totals only: each d is made if the step's plan is read for it
-                return self._finish(StepPlan(self.config, samples, _denoms_when_read=True), values)
+                return self._finish(StepPlan(self.config, samples, _denoms_when_read=True, _layout=self._layout), values)
         sums = self.ledger.sums()
         if problem is not None or counts is None:  # the layout of a rank that cannot close, or holds no sample
             counts = torch.zeros(self.num_local_samples, dtype=torch.float64, device=None if counts is None else counts.device)

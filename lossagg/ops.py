@@ -905,22 +905,59 @@ _PLAN_TOTALS = torch.ops.lossagg.plan_totals.default
 
 
 def plan_totals(
-    counts, group_index, session_index, per_prompt: int, check_groups: bool, sessions_in_groups: bool, blocks, with_counts: bool, program, divisors
+    counts,
+    group_index,
+    session_index,
+    per_prompt: int,
+    check_groups: bool,
+    sessions_in_groups: bool,
+    blocks,
+    with_counts: bool,
+    program,
+    divisors,
+    layout=None,
 ) -> list[torch.Tensor]:
     """The step totals and every term's d[i] of a one-process plan in one native call (csrc/cpu/plan_totals.cpp):
     ``[scalars, *blocks, counts (with_counts), d, d32]``, the scalars float64 ``[9]`` with a status first (0 or 7:
     served; else the Python route takes the step), each block and the counts float64 ``[N]``, ``d`` float64 and
-    ``d32`` float32 ``[K, N]``. CPU tensors only: lossagg.StepPlan calls it with the arguments it checked
-    (lossagg/step.py)."""
+    ``d32`` float32 ``[K, N]``. ``layout``: :func:`plan_layout`'s of these labels, read in place of their pass. CPU
+    tensors only: lossagg.StepPlan calls it with the arguments it checked (lossagg/step.py)."""
     try:
-        return _PLAN_TOTALS(counts, group_index, session_index, per_prompt, check_groups, sessions_in_groups, blocks, with_counts, program, divisors)
+        return _PLAN_TOTALS(
+            counts, group_index, session_index, per_prompt, check_groups, sessions_in_groups, blocks, with_counts, program, divisors, layout
+        )
     except RuntimeError as exc:
         raise python_error(exc) from None
 
 
 @torch.library.register_fake("lossagg::plan_totals")
-def _plan_totals_fake(counts, group_index, session_index, per_prompt, check_groups, sessions_in_groups, blocks, with_counts, program, divisors):
+def _plan_totals_fake(
+    counts, group_index, session_index, per_prompt, check_groups, sessions_in_groups, blocks, with_counts, program, divisors, layout=None
+):
     n, k = counts.shape[0], len(divisors)
     per_sample = [counts.new_empty((n,), dtype=torch.float64) for _ in range(len(blocks) + int(with_counts))]
     d = [counts.new_empty((k, n), dtype=torch.float64), counts.new_empty((k, n), dtype=torch.float32)]
     return [counts.new_empty((9,), dtype=torch.float64), *per_sample, *d]
+
+
+# -------------------------------------------------------------------------- plan_layout
+_PLAN_LAYOUT = torch.ops.lossagg.plan_layout.default
+
+
+def plan_layout(group_index, session_index, per_prompt: int, check_groups: bool, sessions_in_groups: bool, nonempty_read: bool) -> torch.Tensor:
+    """The labels' half of :func:`plan_totals` (their runs, the checks on them) as its ``layout`` argument, from a step's
+    labels (CPU int64 ``[N]`` each, at least one given) and its arguments on them (``nonempty_read``: whether the call
+    reads P' or S'), done where the labels are known before the counts (lossagg/step.py's LabelLayout)."""
+    if group_index is None and session_index is None:  # no tensor to dispatch on: the kernel's own message
+        raise ValueError("lossagg.plan_layout: group_index or session_index must be given, got neither")
+    try:
+        return _PLAN_LAYOUT(group_index, session_index, per_prompt, check_groups, sessions_in_groups, nonempty_read)
+    except RuntimeError as exc:
+        raise python_error(exc) from None
+
+
+@torch.library.register_fake("lossagg::plan_layout")
+def _plan_layout_fake(group_index, session_index, per_prompt, check_groups, sessions_in_groups, nonempty_read):
+    like = group_index if group_index is not None else session_index
+    size = torch.library.get_ctx().new_dynamic_size()
+    return like.new_empty((size,), dtype=torch.int64)

@@ -20,7 +20,7 @@ import math
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -45,6 +45,7 @@ from lossagg.micro_batch import (
     term_tables,
 )
 from lossagg.modes import METRIC_MODE, mode_registry, mode_spec
+from lossagg.ops import plan_layout as native_plan_layout
 from lossagg.ops import plan_totals as native_plan_totals
 from lossagg.samples import RankSamples
 from lossagg.totals import BASE_TOTALS, LATER, TOTALS, StepTotals, mode_totals, plan_totals, read_totals, stand_in
@@ -214,6 +215,41 @@ def plain_labels(t, n: int) -> bool:
     return _plain_tensor(t, n, (torch.int64,))
 
 
+class LabelLayout(NamedTuple):
+    """The runs of a step's labels found before its counts are known (csrc/cpu/plan_totals.cpp's layout), which the
+    native route reads in place of the labels' pass: a one-process :class:`lossagg.DeferredPlan` makes it with the
+    plan and its close reads the counts only. Read only while the labels are the very tensors it was made of, not
+    written in place since (their ``_version``)."""
+
+    layout: torch.Tensor
+    labels: tuple  # (group_index, session_index), None where the mode reads none
+    versions: tuple
+
+    @classmethod
+    def of(cls, config, samples: RankSamples) -> LabelLayout | None:
+        """The layout of ``samples``' labels, or None where the native route would not read one (no label the mode
+        reads, or arguments it does not take: see :func:`_native_route`)."""
+        info = plan_info(config)
+        if not info.native or not (info.groups or info.sessions):
+            return None
+        if samples.sample_weights is not None or samples.num_group_labels is not None or samples.num_session_labels is not None:
+            return None
+        n = samples.num_samples
+        labels = (samples.group_index if info.groups else None, samples.session_index if info.sessions else None)
+        if any(t is not None and not (plain_labels(t, n) and t.is_contiguous()) for t in labels):
+            return None
+        per_prompt = -1 if config.n_samples_per_prompt is None else config.n_samples_per_prompt
+        nonempty = any(_NATIVE_TOTALS.get(name) in (6, 8) for name in info.names)  # P' or S': read from the counts
+        layout = native_plan_layout(*labels, per_prompt, info.check_groups, info.sessions_in_groups, nonempty)
+        return cls(layout, labels, tuple(None if t is None else t._version for t in labels))
+
+    def reads(self, group_index, session_index) -> bool:
+        """Whether the route may read the layout for these labels (those the mode reads, as passed)."""
+        return all(
+            a is b and (a is None or a._version == v) for a, b, v in zip((group_index, session_index), self.labels, self.versions, strict=True)
+        )
+
+
 def _native_route(
     config,
     info: _PlanInfo,
@@ -225,6 +261,7 @@ def _native_route(
     num_session_labels,
     with_denoms: bool = True,
     blocks: bool = True,
+    layout: LabelLayout | None = None,
 ):
     """(samples, totals, each term's d, the kernels' tables) of a one-process plan from one native pass
     (csrc/cpu/plan_totals.cpp), or None where the Python route (lossagg/totals.py, lossagg/denominators.py) takes
@@ -233,11 +270,13 @@ def _native_route(
     step the native pass declines (a count that is not a whole number >= 0, a group or session of the wrong size, a
     d[i] that is not finite and > 0: the Python route raises naming it). Without ``with_denoms`` the pass makes the
     totals only (no term's d: the d returned is None), and without ``blocks`` too the per-sample totals are made when
-    first read (by the pass again)."""
+    first read (by the pass again). ``layout``: the labels' runs found before (read where it :meth:`~LabelLayout.reads`
+    the labels passed)."""
+    record = None
     if type(counts) is RankSamples:  # a record given alone (a closing DeferredPlan's): its fields
         if any(x is not None for x in (group_index, session_index, sample_weights, num_group_labels, num_session_labels)):
             return None  # the Python route refuses it, naming them
-        r = counts
+        record = r = counts
         counts, group_index, session_index = r.token_counts, r.group_index, r.session_index
         sample_weights, num_group_labels, num_session_labels = r.sample_weights, r.num_group_labels, r.num_session_labels
     if sample_weights is not None or num_group_labels is not None or num_session_labels is not None:
@@ -251,10 +290,12 @@ def _native_route(
             return None
     per_prompt = config.n_samples_per_prompt
     as_given = counts.dtype is torch.float64
+    groups = group_index.contiguous() if info.groups else None
+    sessions = session_index.contiguous() if info.sessions else None
     out = native_plan_totals(
         counts.contiguous(),
-        group_index.contiguous() if info.groups else None,
-        session_index.contiguous() if info.sessions else None,
+        groups,
+        sessions,
         -1 if per_prompt is None else per_prompt,
         info.check_groups,
         info.sessions_in_groups,
@@ -262,6 +303,7 @@ def _native_route(
         not as_given,
         info.program if with_denoms else [],
         info.divisors if with_denoms else [],
+        layout.layout if layout is not None and layout.reads(groups, sessions) else None,
     )
     scalars = out[0].tolist()
     if scalars[0] not in (_SERVED, _NOT_FLOAT32):
@@ -279,7 +321,8 @@ def _native_route(
         else:
             values[name] = scalars[slot] if name in _FLOAT_TOTALS else int(scalars[slot])
     counts64 = counts if as_given else out[at]
-    samples = RankSamples(n, counts64, group_index, session_index)
+    # a record given with float64 counts is the plan's as it is (its labels held as given, no weight or bound)
+    samples = record if record is not None and as_given else RankSamples(n, counts64, group_index, session_index)
     if later:  # the per-sample totals from the pass again, when first read (a closing DeferredPlan's are seldom read)
         made = _per_sample_later(config, info, samples) if pending else None
         return samples, StepTotals(values, info.mode, made), None, None
@@ -352,6 +395,7 @@ class StepPlan(Plan):
         _problem: Exception | None = None,
         _fingerprint: str = "",
         _denoms_when_read: bool = False,
+        _layout: LabelLayout | None = None,
     ):
         if not isinstance(config, LossAggregationConfig):
             config = LossAggregationConfig.coerce(config)
@@ -371,6 +415,7 @@ class StepPlan(Plan):
                 num_session_labels,
                 not _denoms_when_read,
                 not _denoms_when_read,
+                _layout,
             )
         if native is not None:  # one process, counts on the CPU: the step totals and every d_k from one native pass
             samples, self.totals, d, tables = native

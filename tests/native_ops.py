@@ -16,7 +16,16 @@ OPS = (
     "reduce_backward",
     "reduce_terms_backward",
     "plan_totals",
+    "plan_layout",
 )
 #: The ops a gradient is not asked of through opcheck: the backward ops (their own backward is
 #: the forward op, checked by gradgradcheck) and the ones that are not differentiable.
-NOT_GRADCHECKED = ("segment_sum_backward", "reduce_backward", "reduce_terms_backward", "segment_sum_and_count", "token_counts", "plan_totals")
+NOT_GRADCHECKED = (
+    "segment_sum_backward",
+    "reduce_backward",
+    "reduce_terms_backward",
+    "segment_sum_and_count",
+    "token_counts",
+    "plan_totals",
+    "plan_layout",
+)

@@ -50,6 +50,7 @@ FRESH = textwrap.dedent(
         ],
         "reduce_terms_backward": [(torch.tensor(1.5, dtype=torch.float64), m, cu, torch.stack([d, d]), None, [1.0, 3.0], torch.float64)],
         "plan_totals": [(torch.tensor([3, 0, 5]), None, None, -1, False, False, [], True, [1, -2, 0, 1, 0], [0.0])],
+        "plan_layout": [(torch.tensor([0, 0, 1]), torch.tensor([4, 5, 6]), 2, True, True, False)],
     }
     for name, arg_sets in calls.items():
         for args in arg_sets:

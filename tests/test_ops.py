@@ -126,6 +126,11 @@ def sample_inputs(device, requires_grad):
         program = [3, 5, 0, 0, 0, 13, 0, 0, 0, 10, 0, 0, 0, 1, -2, 0, 1, 0]
         cases.append((torch.ops.lossagg.plan_totals.default, (counts, labels, labels * 2, 1, False, True, [4, 1], True, program, [0.0, 0.0])))
         cases.append((torch.ops.lossagg.plan_totals.default, (counts.double(), None, None, -1, False, False, [], False, [1, -1, 0, 0, 0], [8.0])))
+        # the labels' half done before (a closing DeferredPlan's layout), then read with the counts alone and with a block
+        laid = torch.ops.lossagg.plan_layout.default(labels, labels * 2, 1, False, True, False)
+        cases.append((torch.ops.lossagg.plan_layout.default, (labels, labels * 2, 1, False, True, False)))
+        cases.append((torch.ops.lossagg.plan_totals.default, (counts.double(), labels, labels * 2, 1, False, True, [], False, [], [], laid)))
+        cases.append((torch.ops.lossagg.plan_totals.default, (counts, labels, labels * 2, 1, False, True, [4, 1], True, program, [0.0, 0.0], laid)))
         # J and d of the step by the plan's passes: session_mean's S · K[s(i)] · c(M[i]), prompt_mean's P · c(Sg[g(i)])
         for layout in ("packed32", "padded"):
             b = make_batch(layout, dtype=torch.float32, device=device, requires_grad=requires_grad)

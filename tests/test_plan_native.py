@@ -286,8 +286,12 @@ def test_a_deferred_plan_closes_through_the_native_route_as_through_pythons(mode
             )
         counts, group, session = step_of(4, 5, "dense", torch.int64, shuffled=False)  # halves of whole groups
         calls.clear()
-        fast = closed_step(config, counts, group, session)
-        assert len(calls) == 1, f"{mode}: the close did not take the native route, in one call"
+        laid = []
+        with monkeypatch.context() as m:  # the close reads the labels' layout the plan made, where the mode reads labels
+            m.setattr(step_module, "native_plan_totals", lambda *a, laid=laid: laid.append(a[10] is not None) or calls.append(1) or real(*a))
+            fast = closed_step(config, counts, group, session)
+        labelled = any(t.spec.needs_groups or t.spec.needs_sessions for t in config.loss_terms)
+        assert len(calls) == 1 and laid == [labelled], f"{mode}: the close did not take the native route, in one call, with the layout"
         with monkeypatch.context() as m:
             python_route(m)
             slow = closed_step(config, counts, group, session)
@@ -326,7 +330,7 @@ def test_a_closed_plans_d_is_made_when_read_as_a_build_makes_it(divisor, decline
     counts = torch.tensor([3, 0, 5, 2])
     programs = []
     real = step_module.native_plan_totals
-    monkeypatch.setattr(step_module, "native_plan_totals", lambda *a: programs.append(a[-2]) or real(*a))
+    monkeypatch.setattr(step_module, "native_plan_totals", lambda *a: programs.append(a[8]) or real(*a))
     closed = closed_step(config, counts, None, None)
     assert programs == [[]]
     if declined:
@@ -342,3 +346,117 @@ def test_a_closed_plans_d_is_made_when_read_as_a_build_makes_it(divisor, decline
     assert closed.plan._kernel_tables[torch.float32][0].dtype == built._kernel_tables[torch.float32][0].dtype == torch.float64
     with pytest.raises(AttributeError, match="no attribute 'denoms'"):
         closed.plan.denoms  # noqa: B018
+
+
+LAYOUT_ARGS = [  # (per_prompt, check_groups, sessions_in_groups), as the modes pass them
+    (-1, False, False),
+    (GROUP, True, False),
+    (GROUP // SESSION, False, True),
+    (3, True, True),  # groups of another size than per_prompt: declined, by the layout's status as by the pass
+]
+
+
+@pytest.mark.parametrize("labels", ["dense", "sparse", "negative", "groups_relabelled"])
+@pytest.mark.parametrize("shuffled", [False, True])
+@pytest.mark.parametrize("given", ["both", "groups", "sessions"])
+def test_a_layout_gives_the_passes_own_totals(labels, shuffled, given):
+    """plan_totals given the layout plan_layout made of its labels (a closing DeferredPlan's) returns what it returns
+    without one, bit for bit: every block and d, the status where it declines; read for the counts alone (no block,
+    no d, P' and S' not read), the same scalars, P' and S' -1."""
+    ops = torch.ops.lossagg
+    # every block, and a d reading each (codes: lossagg/step.py's _factor_codes): P · Sp[g(i)] · K[s(i)] · c(M[i])
+    program = [4, 5, 0, 0, 0, 13, 0, 0, 0, 10, 0, 0, 0, -2, 0, 1, 0]
+    for seed in range(3):
+        counts, group, session = step_of(5, seed, labels, torch.int64, shuffled=shuffled)
+        g = group if given != "sessions" else None
+        s = session if given != "groups" else None
+        for per_prompt, check_groups, in_groups in LAYOUT_ARGS:
+            in_groups = in_groups and given == "both"
+            for nonempty in (False, True):
+                laid = ops.plan_layout(g, s, per_prompt, check_groups, in_groups, nonempty)
+                what = f"{labels} shuffled={shuffled} {given} {per_prompt, check_groups, in_groups} nonempty={nonempty} seed={seed}"
+                for blocks, prog, divisors in (([0, 1, 2, 3, 4, 5], program, [0.0]), ([], [], [])):
+                    for c in (counts, counts.double()):
+                        args = (c, g, s, per_prompt, check_groups, in_groups, blocks, c.dtype is torch.int64, prog, divisors)
+                        want, got = ops.plan_totals(*args), ops.plan_totals(*args, laid)
+                        assert len(got) == len(want), what
+                        lean = not blocks and not nonempty
+                        if lean and want[0][0] in (0, 7):  # served: P' and S' not made from the counts
+                            assert got[0][6] == got[0][8] == -1, what
+                            got[0][6], got[0][8] = want[0][6], want[0][8]
+                        for a, b in zip(want, got, strict=True):
+                            assert a.dtype == b.dtype and a.shape == b.shape, what
+                        assert want[0][0] == got[0][0], f"{what}: status {want[0][0]} {got[0][0]}"
+                        if want[0][0] in (0, 7):  # served (else nothing but the status is read)
+                            assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)), f"{what}: {want[0]} {got[0]}"
+        declined = ops.plan_totals(counts, group, session, 3, True, True, [], True, [], [], ops.plan_layout(group, session, 3, True, True, False))
+        assert declined[0][0] == 2, "groups of 4 samples with per_prompt 3: declined by the layout's status"
+    # a session whose samples lie in two groups (its run crosses a group boundary; in two runs once shuffled)
+    counts, group, session = step_of(5, 0, "dense", torch.int64, shuffled=False)
+    crossing = (torch.arange(counts.numel()) + 1) // SESSION
+    for perm in (torch.arange(counts.numel()), torch.randperm(counts.numel(), generator=torch.Generator().manual_seed(0))):
+        c, g, s = counts[perm], group[perm], crossing[perm]
+        laid = ops.plan_layout(g, s, GROUP // SESSION, False, True, False)
+        for blocks, prog, divisors in (([4, 5], program, [0.0]), ([], [], [])):
+            args = (c, g, s, GROUP // SESSION, False, True, blocks, True, prog, divisors)
+            assert ops.plan_totals(*args)[0][0] == ops.plan_totals(*args, laid)[0][0] == 3, "a session in two groups: declined"
+
+
+def test_a_layout_not_made_of_these_labels_and_arguments_is_refused():
+    """A layout that does not fit the call (another step's size, other label sets or arguments, a table cut short or
+    out of range) is refused naming it, never read past its end."""
+    ops = lossagg.ops  # the wrappers: the op's errors as Python's
+    counts, group, session = step_of(4, 0, "dense", torch.int64, shuffled=False)
+    laid = ops.plan_layout(group, session, 2, False, True, False)
+    every = ([0, 1, 2, 3, 4, 5], [4, 5, 0, 0, 0, 13, 0, 0, 0, 10, 0, 0, 0, -2, 0, 1, 0], [0.0])
+    ok = ops.plan_totals(counts, group, session, 2, False, True, *every[:1], True, *every[1:], laid)
+    assert ok[0][0] == 0
+
+    def broken(at: int, value: int) -> torch.Tensor:
+        t = laid.clone()
+        t[at] = value
+        return t
+
+    head = 13
+    bad = {
+        "another step's size": (counts[:-2], group[:-2], session[:-2], laid),
+        "other arguments": (counts, group, session, laid),  # called below with per_prompt 4
+        "groups not given": (counts, None, session, laid),
+        "cut short": (counts, group, session, laid[:-1]),
+        "a run's start out of range": (counts, group, session, broken(head + 1, 10**6)),
+        "runs not rising": (counts, group, session, broken(head + 2, 0)),
+        "more runs than samples": (counts, group, session, broken(1, 10**6)),
+        "a group's first session out of range": (counts, group, session, broken(-1, 10**6)),
+        "int32": (counts, group, session, laid.int()),
+        "a status unknown": (counts, group, session, broken(12, 99)),
+    }
+    tables = ("a run's start out of range", "runs not rising", "a group's first session out of range")
+    for what, (c, g, s, layout) in bad.items():
+        per_prompt = 4 if what == "other arguments" else 2
+        for blocks, program, divisors in (every, ([], [], [])):
+            if what in tables and not blocks:  # a call for the counts alone reads the layout's head only
+                assert torch.equal(ops.plan_totals(c, g, s, per_prompt, False, True, [], True, [], [], layout)[0][:6], ok[0][:6]), what
+                continue
+            with pytest.raises(ValueError, match="layout must be the one lossagg.plan_layout made") as raised:
+                ops.plan_totals(c, g, s, per_prompt, False, g is not None, blocks, True, program, divisors, layout)
+            assert "lossagg.plan_totals" in str(raised.value), what
+    with pytest.raises(ValueError, match="group_index or session_index must be given, got neither"):
+        ops.plan_layout(None, None, 2, False, True, False)
+    with pytest.raises(ValueError, match="contiguous int64 \\[N\\] tensor"):
+        ops.plan_layout(group, session[:-1], 2, False, True, False)
+
+
+def test_labels_written_after_the_layout_are_read_again(monkeypatch):
+    """A DeferredPlan whose labels are written in place after it made their layout closes from the labels as they
+    are then (the layout is read only while the labels are the tensors it was made of, unwritten since)."""
+    config = config_for("prompt_session_mean", "count", False)
+    counts, group, session = step_of(4, 1, "dense", torch.int64, shuffled=False)
+    real = step_module.native_plan_totals
+    laid = []
+    monkeypatch.setattr(step_module, "native_plan_totals", lambda *a: laid.append(a[10] is not None) or real(*a))
+    written = session.clone()
+    deferred = lossagg.DeferredPlan(config, counts.numel(), group_index=group, session_index=written)
+    assert deferred._layout is not None
+    written.add_(0)  # the same labels, written: the layout is not read
+    assert not deferred._layout.reads(group, written)
+    assert step_module.LabelLayout.of(config, deferred.samples).reads(group, written)

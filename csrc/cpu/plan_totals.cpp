@@ -53,12 +53,15 @@ constexpr double kWhole = 9007199254740992.0;  // 2**53
 
 // The runs of one set of labels (a run: consecutive samples of one label, as a step's samples of one prompt group
 // or session usually lie): run k holds the samples [start[k], start[k + 1]); id[k] the dense id (0, 1, ... in any
-// order) of run k's label, or none where each run is a label of its own, in order (id[k] = k); labels, how many
-// distinct labels there are. Only finding the runs reads every label; the rest is done run by run.
+// order) of run k's label, or none (nullptr) where each run is a label of its own, in order (id[k] = k); labels, how
+// many distinct labels there are. Only finding the runs reads every label; the rest is done run by run. The runs are
+// found here (held in own_start, own_id) or read from a layout made before (plan_layout; start and id point into it).
 struct Runs {
-  const int64_t* labels = nullptr;   // [n], as given: read again where a per-sample block is made
-  std::unique_ptr<int64_t[]> start;  // [runs + 1]; uninitialised until written: no pass to zero it
-  std::vector<int64_t> id;
+  const int64_t* labels = nullptr;       // [n], as given (dense_ids reads each run's)
+  const int64_t* start = nullptr;        // [runs + 1]
+  const int64_t* id = nullptr;           // [runs], or nullptr
+  std::unique_ptr<int64_t[]> own_start;  // uninitialised until written: no pass to zero it
+  std::vector<int64_t> own_id;
   int64_t runs = 0, labels_count = 0;
 };
 
@@ -69,8 +72,9 @@ void dense_ids(Runs& runs);
 // made dense.
 void find_runs(const int64_t* labels, int64_t n, Runs& runs) {
   runs.labels = labels;
-  runs.start.reset(new int64_t[n + 1]);
-  int64_t* start = runs.start.get();
+  runs.own_start.reset(new int64_t[n + 1]);
+  int64_t* start = runs.own_start.get();
+  runs.start = start;
   int64_t r = 0;
   start[0] = 0;
   for (int64_t i = 1; i < n; ++i) {
@@ -88,12 +92,14 @@ void find_runs(const int64_t* labels, int64_t n, Runs& runs) {
 bool find_both_runs(const int64_t* groups, const int64_t* sessions, int64_t n, Runs& g, Runs& s, std::unique_ptr<int64_t[]>& first) {
   g.labels = groups;
   s.labels = sessions;
-  g.start.reset(new int64_t[n + 1]);
-  s.start.reset(new int64_t[n + 1]);
+  g.own_start.reset(new int64_t[n + 1]);
+  s.own_start.reset(new int64_t[n + 1]);
   first.reset(new int64_t[n + 1]);
-  int64_t* g_start = g.start.get();
-  int64_t* s_start = s.start.get();
+  int64_t* g_start = g.own_start.get();
+  int64_t* s_start = s.own_start.get();
   int64_t* g_first = first.get();
+  g.start = g_start;
+  s.start = s_start;
   int64_t rg = 0, rs = 0, crosses = 0;
   g_start[0] = s_start[0] = g_first[0] = 0;
   for (int64_t i = 1; i < n; ++i) {
@@ -117,9 +123,10 @@ bool find_both_runs(const int64_t* groups, const int64_t* sessions, int64_t n, R
 // Each run's label made dense (runs.id, runs.labels_count).
 void dense_ids(Runs& runs) {
   const int64_t* labels = runs.labels;
-  const int64_t* start = runs.start.get();
+  const int64_t* start = runs.start;
   const int64_t count = runs.runs;
-  runs.id.clear();
+  runs.own_id.clear();
+  runs.id = nullptr;
   // each run's label made dense. The common case first: labels rising run by run, so each run is a label of its own
   bool rising = true;
   for (int64_t k = 1; k < count; ++k) {
@@ -129,7 +136,9 @@ void dense_ids(Runs& runs) {
     runs.labels_count = count;
     return;
   }
-  runs.id.resize(count);
+  runs.own_id.resize(count);
+  int64_t* id = runs.own_id.data();
+  runs.id = id;
   // else by direct address when the labels span little more than the runs, else by a hash map
   int64_t lo = labels[0], hi = labels[0];
   for (int64_t k = 1; k < count; ++k) {
@@ -144,7 +153,7 @@ void dense_ids(Runs& runs) {
     for (int64_t k = 0; k < count; ++k) {
       int64_t& s = slot[static_cast<uint64_t>(labels[start[k]]) - static_cast<uint64_t>(lo)];
       s = s < 0 ? distinct++ : s;
-      runs.id[k] = s;
+      id[k] = s;
     }
   } else {
     std::unordered_map<int64_t, int64_t> slot;
@@ -152,47 +161,35 @@ void dense_ids(Runs& runs) {
     for (int64_t k = 0; k < count; ++k) {
       auto [it, added] = slot.try_emplace(labels[start[k]], distinct);
       distinct += added ? 1 : 0;
-      runs.id[k] = it->second;
+      id[k] = it->second;
     }
   }
   runs.labels_count = distinct;
 }
 
-// Each label's samples, non-empty samples and tokens, from the running sums of the counts and of the non-empty
-// samples (`before[i]`: the samples before sample i), each run's the difference of two: exact, every sum a whole
-// number below 2**53 (checked before). A label of several runs adds its runs' in their order.
+// What each label holds: without the running sums (tokens_before nullptr), its samples into `first`, from its runs'
+// bounds (the labels only); with them, its non-empty samples into `first` and its tokens into `second`, from the
+// running sums of the counts and of the non-empty samples (`before[i]`: the samples before sample i), each run's
+// the difference of two: exact, every sum a whole number below 2**53 (checked before). A label of several runs adds
+// its runs' in their order.
 void label_sums(
-    const Runs& runs,
-    const uint64_t* tokens_before,
-    const uint64_t* kept_before,
-    std::vector<double>& size,
-    std::vector<double>& kept,
-    std::vector<double>& tokens) {
-  const int64_t* start = runs.start.get();
-  const int64_t count = runs.runs;
-  if (runs.id.empty()) {  // each run a label of its own: the runs' sums are the labels'
-    size.resize(count);
-    kept.resize(count);
-    tokens.resize(count);
-    double* sz = size.data();
-    double* kp = kept.data();
-    double* tk = tokens.data();
-    for (int64_t k = 0; k < count; ++k) {
-      const int64_t a = start[k], b = start[k + 1];
-      sz[k] = static_cast<double>(b - a);
-      tk[k] = static_cast<double>(tokens_before[b] - tokens_before[a]);
-      kp[k] = static_cast<double>(kept_before[b] - kept_before[a]);
+    const Runs& runs, const uint64_t* tokens_before, const uint64_t* kept_before, std::vector<double>& first, std::vector<double>& second) {
+  const int64_t* start = runs.start;
+  const int64_t* id = runs.id;
+  first.assign(runs.labels_count, 0.0);
+  double* one = first.data();
+  if (tokens_before == nullptr) {
+    for (int64_t k = 0; k < runs.runs; ++k) {
+      one[id == nullptr ? k : id[k]] += static_cast<double>(start[k + 1] - start[k]);
     }
     return;
   }
-  size.assign(runs.labels_count, 0.0);
-  kept.assign(runs.labels_count, 0.0);
-  tokens.assign(runs.labels_count, 0.0);
-  for (int64_t k = 0; k < count; ++k) {
-    const int64_t a = start[k], b = start[k + 1], label = runs.id[k];
-    size[label] += static_cast<double>(b - a);
-    tokens[label] += static_cast<double>(tokens_before[b] - tokens_before[a]);
-    kept[label] += static_cast<double>(kept_before[b] - kept_before[a]);
+  second.assign(runs.labels_count, 0.0);
+  double* two = second.data();
+  for (int64_t k = 0; k < runs.runs; ++k) {
+    const int64_t a = start[k], b = start[k + 1], label = id == nullptr ? k : id[k];
+    one[label] += static_cast<double>(kept_before[b] - kept_before[a]);
+    two[label] += static_cast<double>(tokens_before[b] - tokens_before[a]);
   }
 }
 
@@ -204,12 +201,17 @@ struct Step {
   std::unique_ptr<double[]> own;
   std::unique_ptr<uint64_t[]> tokens_before, kept_before;  // [n + 1], where labels are read
   Runs g, s;
-  bool crosses = false;              // with both labels: some session run crosses a group boundary
-  std::unique_ptr<int64_t[]> first;  // with both labels: each group run's first session run, [group runs + 1]
-  std::vector<double> g_tokens, s_size, s_kept, s_tokens, g_held, g_held_kept;
+  bool crosses = false;                  // with both labels: some session run crosses a group boundary
+  const int64_t* first = nullptr;        // with both labels: each group run's first session run, [group runs + 1]
+  std::unique_ptr<int64_t[]> own_first;  // where the runs are found here (not read from a layout)
+  bool laid_out = false;                 // the runs (and crosses, first) read from a layout
+  bool lean = false;                     // the layout's head only read: the labels' totals it holds, none from the counts
+  Status layout_status = kServed;        // the labels' status a layout holds
+  std::vector<double> g_size, g_tokens, s_size, s_kept, s_tokens, g_held, g_held_kept;
+  std::vector<int64_t> s_group;  // each session's group, where a session is several runs (sessions_of_groups)
 
-  // Per-sample block b (0..5, see kBlocks) into out [n]: each sample's run's label's value, the runs counted again
-  // along the labels (no branch, no per-sample table of runs kept).
+  // Per-sample block b (0..5, see kBlocks) into out [n]: each sample's run's label's value, filled run by run (the
+  // runs' bounds only: no label read again, so a layout's runs serve as found ones).
   void per_sample(int64_t block, double* out) const {
     const std::vector<double>& table = block == 0   ? g_tokens
                                        : block == 1 ? s_size
@@ -222,22 +224,11 @@ struct Step {
       std::fill(out, out + n, 0.0);
       return;
     }
-    const int64_t* labels = runs.labels;
     const double* v = table.data();
-    int64_t r = 0;
-    if (runs.id.empty()) {
-      out[0] = v[0];
-      for (int64_t i = 1; i < n; ++i) {
-        r += labels[i] != labels[i - 1] ? 1 : 0;
-        out[i] = v[r];
-      }
-      return;
-    }
-    const int64_t* id = runs.id.data();
-    out[0] = v[id[0]];
-    for (int64_t i = 1; i < n; ++i) {
-      r += labels[i] != labels[i - 1] ? 1 : 0;
-      out[i] = v[id[r]];
+    const int64_t* start = runs.start;
+    const int64_t* id = runs.id;
+    for (int64_t k = 0; k < runs.runs; ++k) {
+      std::fill(out + start[k], out + start[k + 1], v[id == nullptr ? k : id[k]]);
     }
   }
 };
@@ -331,8 +322,8 @@ bool read_counts(int64_t n, const int64_t* counts_long, const double* counts_dou
   return c == nullptr ? check.template operator()<false>() : check.template operator()<true>();
 }
 
-// The sessions each prompt group holds (step.g_held), and of them the non-empty (step.g_held_kept); a status where
-// a session holds samples of several groups, or a group another number of sessions than per_prompt (>= 0).
+// The sessions each prompt group holds (step.g_held), from the labels only; a status where a session holds samples
+// of several groups, or a group another number of sessions than per_prompt (>= 0).
 Status sessions_of_groups(Step& step, int64_t per_prompt) {
   const int64_t groups = step.g.labels_count, sessions = step.s.labels_count;
   double lane_largest[4] = {};  // in four lanes: no maximum waits on the one before
@@ -354,27 +345,19 @@ Status sessions_of_groups(Step& step, int64_t per_prompt) {
     return kSessionInGroups;
   }
   // no session run crosses a group boundary, so group run r holds the session runs first[r] .. first[r + 1] - 1
-  const int64_t* first = step.first.get();
-  const int64_t s_runs = step.s.runs;
+  const int64_t* first = step.first;
   step.g_held.assign(groups, 0.0);
-  step.g_held_kept.assign(groups, 0.0);
-  const int64_t* g_id = step.g.id.empty() ? nullptr : step.g.id.data();
-  if (step.s.id.empty()) {                         // each session one run: a group run's sessions are the session runs from its first on
-    std::vector<int64_t> kept_before(s_runs + 1);  // the non-empty sessions before each session run
-    for (int64_t k = 0; k < s_runs; ++k) {
-      kept_before[k + 1] = kept_before[k] + (step.s_kept[k] > 0.0 ? 1 : 0);
-    }
+  const int64_t* g_id = step.g.id;
+  if (step.s.id == nullptr) {  // each session one run: a group run's sessions are the session runs from its first on
     for (int64_t r = 0; r < step.g.runs; ++r) {
-      const int64_t g = g_id == nullptr ? r : g_id[r];
-      step.g_held[g] += static_cast<double>(first[r + 1] - first[r]);
-      step.g_held_kept[g] += static_cast<double>(kept_before[first[r + 1]] - kept_before[first[r]]);
+      step.g_held[g_id == nullptr ? r : g_id[r]] += static_cast<double>(first[r + 1] - first[r]);
     }
   } else {  // a session of several runs: each in the same group
-    std::vector<int64_t> group_of(sessions, -1);
+    step.s_group.assign(sessions, -1);
     for (int64_t r = 0; r < step.g.runs; ++r) {
       const int64_t group = g_id == nullptr ? r : g_id[r];
       for (int64_t k = first[r]; k < first[r + 1]; ++k) {
-        int64_t& g = group_of[step.s.id[k]];
+        int64_t& g = step.s_group[step.s.id[k]];
         if (g >= 0 && g != group) {
           return kSessionInGroups;
         }
@@ -382,8 +365,7 @@ Status sessions_of_groups(Step& step, int64_t per_prompt) {
       }
     }
     for (int64_t s = 0; s < sessions; ++s) {
-      step.g_held[group_of[s]] += 1.0;
-      step.g_held_kept[group_of[s]] += step.s_kept[s] > 0.0 ? 1.0 : 0.0;
+      step.g_held[step.s_group[s]] += 1.0;
     }
   }
   if (per_prompt >= 0) {
@@ -396,7 +378,68 @@ Status sessions_of_groups(Step& step, int64_t per_prompt) {
   return kServed;
 }
 
-// The totals into o[1..8] and the labels' tables into `step`; a status when the route declines the step.
+// Of the sessions each prompt group holds, the non-empty (step.g_held_kept), after sessions_of_groups served.
+void kept_sessions_of_groups(Step& step) {
+  const int64_t sessions = step.s.labels_count;
+  const int64_t* first = step.first;
+  const int64_t* g_id = step.g.id;
+  step.g_held_kept.assign(step.g.labels_count, 0.0);
+  if (step.s.id == nullptr) {
+    const int64_t s_runs = step.s.runs;
+    std::vector<int64_t> kept_before(s_runs + 1);  // the non-empty sessions before each session run
+    for (int64_t k = 0; k < s_runs; ++k) {
+      kept_before[k + 1] = kept_before[k] + (step.s_kept[k] > 0.0 ? 1 : 0);
+    }
+    for (int64_t r = 0; r < step.g.runs; ++r) {
+      step.g_held_kept[g_id == nullptr ? r : g_id[r]] += static_cast<double>(kept_before[first[r + 1]] - kept_before[first[r]]);
+    }
+    return;
+  }
+  for (int64_t s = 0; s < sessions; ++s) {
+    step.g_held_kept[step.s_group[s]] += step.s_kept[s] > 0.0 ? 1.0 : 0.0;
+  }
+}
+
+// The runs of the labels given (groups, sessions: nullptr where the mode reads none) into step.g and step.s, and
+// with both, whether a session run crosses a group boundary and each group run's first session run.
+void find_label_runs(Step& step, const int64_t* groups, const int64_t* sessions) {
+  if (groups != nullptr && sessions != nullptr) {
+    step.crosses = find_both_runs(groups, sessions, step.n, step.g, step.s, step.own_first);
+    step.first = step.own_first.get();
+  } else if (groups != nullptr || sessions != nullptr) {
+    find_runs(groups != nullptr ? groups : sessions, step.n, groups != nullptr ? step.g : step.s);
+  }
+}
+
+// The labels' half of the totals, from their runs alone: each label's samples, P and S into o[5] and o[7], and the
+// checks on them (each group's samples, each group's sessions); a status when the route declines the step. A
+// layout holds what this found for its labels (plan_layout).
+Status label_totals(Step& step, bool groups, bool sessions, int64_t per_prompt, bool check_groups, bool sessions_in_groups, double* o) {
+  if (groups) {
+    label_sums(step.g, nullptr, nullptr, step.g_size, step.g_size);
+    o[5] = static_cast<double>(step.g.labels_count);
+    bool sized = true;
+    for (const double size : step.g_size) {
+      sized &= size == static_cast<double>(per_prompt);
+    }
+    if (check_groups && per_prompt >= 0 && !sized) {
+      return kGroupSize;
+    }
+  }
+  if (sessions) {
+    label_sums(step.s, nullptr, nullptr, step.s_size, step.s_size);
+    o[7] = static_cast<double>(step.s.labels_count);
+    if (sessions_in_groups && groups) {
+      return sessions_of_groups(step, per_prompt);
+    }
+  }
+  return kServed;
+}
+
+// The totals into o[1..8] and the labels' tables into `step`; a status when the route declines the step. The
+// counts' own first (N, N', T, L_max); then the labels' half (label_totals), or what a layout read lean holds; the
+// counts' half of the labels' totals last: each label's tokens and non-empty samples (P', S'), each group's
+// non-empty sessions.
 Status totals(
     Step& step, const int64_t* groups_in, const int64_t* sessions_in, int64_t per_prompt, bool check_groups, bool sessions_in_groups, double* o) {
   const int64_t n = step.n;
@@ -432,45 +475,40 @@ Status totals(
   if (groups_in == nullptr && sessions_in == nullptr) {
     return kServed;
   }
+  if (step.lean) {  // the labels' totals the layout holds; none from the counts: P', S' -1 (not read)
+    o[5] = groups_in != nullptr ? static_cast<double>(step.g.labels_count) : 0.0;
+    o[6] = o[8] = -1.0;
+    o[7] = sessions_in != nullptr ? static_cast<double>(step.s.labels_count) : 0.0;
+    return step.layout_status;
+  }
+  const bool groups = groups_in != nullptr, sessions = sessions_in != nullptr;
+  if (!step.laid_out) {  // else read from a layout made before (read_layout)
+    find_label_runs(step, groups_in, sessions_in);
+  }
+  const Status status = label_totals(step, groups, sessions, per_prompt, check_groups, sessions_in_groups, o);
+  if (status != kServed) {
+    return status;
+  }
   running_sums(step);
   const uint64_t* tokens_before = step.tokens_before.get();
   const uint64_t* kept_before = step.kept_before.get();
-  if (groups_in != nullptr && sessions_in != nullptr) {
-    step.crosses = find_both_runs(groups_in, sessions_in, n, step.g, step.s, step.first);
-  } else if (groups_in != nullptr || sessions_in != nullptr) {
-    find_runs(groups_in != nullptr ? groups_in : sessions_in, n, groups_in != nullptr ? step.g : step.s);
+  const auto nonempty_of = [](const std::vector<double>& kept) {
+    int64_t count = 0;
+    for (const double k : kept) {
+      count += k > 0.0 ? 1 : 0;
+    }
+    return static_cast<double>(count);
+  };
+  if (groups) {
+    std::vector<double> kept;
+    label_sums(step.g, tokens_before, kept_before, kept, step.g_tokens);
+    o[6] = nonempty_of(kept);
   }
-  int64_t groups = 0;
-  if (groups_in != nullptr) {
-    groups = step.g.labels_count;
-    std::vector<double> size, kept;
-    label_sums(step.g, tokens_before, kept_before, size, kept, step.g_tokens);
-    int64_t groups_nonempty = 0;
-    bool sized = true;
-    for (int64_t g = 0; g < groups; ++g) {
-      sized &= size[g] == static_cast<double>(per_prompt);
-      groups_nonempty += kept[g] > 0.0 ? 1 : 0;
-    }
-    if (check_groups && per_prompt >= 0 && !sized) {
-      return kGroupSize;
-    }
-    o[5] = static_cast<double>(groups);
-    o[6] = static_cast<double>(groups_nonempty);
-  }
-  if (sessions_in != nullptr) {
-    const int64_t sessions = step.s.labels_count;
-    label_sums(step.s, tokens_before, kept_before, step.s_size, step.s_kept, step.s_tokens);
-    int64_t sessions_nonempty = 0;
-    for (int64_t s = 0; s < sessions; ++s) {
-      sessions_nonempty += step.s_kept[s] > 0.0 ? 1 : 0;
-    }
-    o[7] = static_cast<double>(sessions);
-    o[8] = static_cast<double>(sessions_nonempty);
-    if (sessions_in_groups && groups_in != nullptr) {
-      const Status status = sessions_of_groups(step, per_prompt);
-      if (status != kServed) {
-        return status;
-      }
+  if (sessions) {
+    label_sums(step.s, tokens_before, kept_before, step.s_kept, step.s_tokens);
+    o[8] = nonempty_of(step.s_kept);
+    if (sessions_in_groups && groups) {
+      kept_sessions_of_groups(step);
     }
   }
   return kServed;
@@ -610,6 +648,137 @@ Status denoms(
   return fits ? kServed : kServedNotFloat32;
 }
 
+// A layout: the labels' half of plan_totals (their runs, the checks on them), done once (plan_layout) where the
+// labels are known before the counts (a one-process lossagg.DeferredPlan's, made with the plan), then read by
+// plan_totals in place of that half. Where the call asks for nothing per label from the counts (no block, no term's
+// d, no P' or S'), the close reads the counts and the layout's head only. int64: a head of kLayoutHead (n; for the
+// groups, then the sessions: runs, -1 where not given, labels, 1 where ids follow; 1 where a session run crosses a
+// group boundary; per_prompt, check_groups, sessions_in_groups, as given; 1 where P' or S' is read; the labels'
+// status), then for each label set given its start [runs + 1] and, where its runs are not each a label of their
+// own, its id [runs]; with both, first [group runs + 1].
+constexpr int64_t kLayoutHead = 13;
+constexpr const char* kNotLayout = "lossagg.plan_totals: layout must be the one lossagg.plan_layout made of these labels and arguments";
+
+// The label tensor given (a contiguous int64 [n] one) as a pointer; nullptr for none.
+const int64_t* labels_of(const std::optional<Tensor>& given, int64_t n, const char* op) {
+  if (!given.has_value()) {
+    return nullptr;
+  }
+  const Tensor& t = *given;
+  LOSSAGG_CHECK_VALUE(
+      t.dim() == 1 && t.numel() == n && t.is_contiguous() && t.scalar_type() == ScalarType::Long, "lossagg.", op,
+      ": each label tensor must be a contiguous int64 [N] tensor of the step's N samples");
+  return t.const_data_ptr<int64_t>();
+}
+
+// group_index and session_index (int64 [N], at least one), and plan_totals' arguments on them -> their layout (above).
+Tensor plan_layout(
+    const std::optional<Tensor>& group_index,
+    const std::optional<Tensor>& session_index,
+    int64_t per_prompt,
+    bool check_groups,
+    bool sessions_in_groups,
+    bool nonempty_read) {
+  const std::optional<Tensor>& like = group_index.has_value() ? group_index : session_index;
+  LOSSAGG_CHECK_VALUE(like.has_value(), "lossagg.plan_layout: group_index or session_index must be given, got neither");
+  Step step;
+  step.n = like->dim() == 1 ? like->numel() : -1;
+  const int64_t* groups = labels_of(group_index, step.n, "plan_layout");
+  const int64_t* sessions = labels_of(session_index, step.n, "plan_layout");
+  find_label_runs(step, groups, sessions);
+  double o[kScalars] = {};
+  const Status status = label_totals(step, groups != nullptr, sessions != nullptr, per_prompt, check_groups, sessions_in_groups, o);
+  const Runs* sets[2] = {groups != nullptr ? &step.g : nullptr, sessions != nullptr ? &step.s : nullptr};
+  int64_t size = kLayoutHead + (groups != nullptr && sessions != nullptr ? step.g.runs + 1 : 0);
+  for (const Runs* r : sets) {
+    size += r == nullptr ? 0 : r->runs + 1 + (r->id != nullptr ? r->runs : 0);
+  }
+  Tensor out = new_tensor(*like, {size}, ScalarType::Long);
+  int64_t* w = out.mutable_data_ptr<int64_t>();
+  int64_t* at = w + kLayoutHead;
+  w[0] = step.n;
+  for (int k = 0; k < 2; ++k) {
+    const Runs* r = sets[k];
+    w[1 + 3 * k] = r == nullptr ? -1 : r->runs;
+    w[2 + 3 * k] = r == nullptr ? 0 : r->labels_count;
+    w[3 + 3 * k] = r != nullptr && r->id != nullptr ? 1 : 0;
+    if (r != nullptr) {
+      at = std::copy(r->start, r->start + r->runs + 1, at);
+      at = r->id != nullptr ? std::copy(r->id, r->id + r->runs, at) : at;
+    }
+  }
+  const int64_t head[] = {step.crosses ? 1 : 0, per_prompt, check_groups ? 1 : 0, sessions_in_groups ? 1 : 0, nonempty_read ? 1 : 0, status};
+  std::copy(std::begin(head), std::end(head), w + 7);
+  if (groups != nullptr && sessions != nullptr) {
+    std::copy(step.first, step.first + step.g.runs + 1, at);
+  }
+  return out;
+}
+
+// A layout's head checked against plan_totals' arguments (the labels given, of n samples); then, unless the call
+// reads the head only (`lean`: it asks for nothing per label from the counts), its runs into step, their tables
+// pointing into it, each bound and id checked to lie in range, so that no pass reads outside a table. That the runs
+// are these labels' is the caller's to know (lossagg/step.py reads a layout only with the labels it was made of).
+// Returns the labels' status the layout holds.
+Status read_layout(
+    const Tensor& layout, Step& step, bool groups, bool sessions, int64_t per_prompt, bool check_groups, bool sessions_in_groups, bool asked) {
+  LOSSAGG_CHECK_VALUE(
+      layout.dim() == 1 && layout.is_contiguous() && layout.scalar_type() == ScalarType::Long && layout.numel() >= kLayoutHead, kNotLayout);
+  const int64_t* w = layout.const_data_ptr<int64_t>();
+  const int64_t n = step.n, size = layout.numel(), status = w[12];
+  LOSSAGG_CHECK_VALUE(
+      w[0] == n && (w[7] == 0 || w[7] == 1) && w[8] == per_prompt && w[9] == (check_groups ? 1 : 0) && w[10] == (sessions_in_groups ? 1 : 0) &&
+          (w[11] == 0 || w[11] == 1) && status >= kServed && status <= kTooManyForTheCheck,
+      kNotLayout);
+  step.lean = !asked && w[11] == 0;
+  int64_t at = kLayoutHead;
+  Runs* sets[2] = {&step.g, &step.s};
+  const bool given[2] = {groups, sessions};
+  for (int k = 0; k < 2; ++k) {
+    const int64_t runs = w[1 + 3 * k], labels = w[2 + 3 * k], dense = w[3 + 3 * k];
+    if (!given[k]) {
+      LOSSAGG_CHECK_VALUE(runs == -1, kNotLayout);
+      continue;
+    }
+    // a run for each change of label (none for no sample), no more labels than runs (as many where each run is one)
+    LOSSAGG_CHECK_VALUE(
+        runs >= (n > 0 ? 1 : 0) && runs <= n && (dense == 0 || dense == 1) && labels >= (runs > 0 ? 1 : 0) && labels <= runs &&
+            (dense == 1 || labels == runs) && size - at >= runs + 1 + dense * runs,
+        kNotLayout);
+    Runs& r = *sets[k];
+    r.labels_count = labels;
+    at += runs + 1 + dense * runs;
+    if (step.lean) {
+      continue;
+    }
+    r.start = w + at - (runs + 1 + dense * runs);
+    r.id = dense == 1 ? r.start + runs + 1 : nullptr;
+    r.runs = runs;
+    bool ok = r.start[0] == 0 && r.start[runs] == n;
+    for (int64_t j = 0; j < runs; ++j) {
+      ok &= r.start[j] < r.start[j + 1];
+    }
+    for (int64_t j = 0; j < dense * runs; ++j) {
+      ok &= static_cast<uint64_t>(r.id[j]) < static_cast<uint64_t>(labels);
+    }
+    LOSSAGG_CHECK_VALUE(ok, kNotLayout);
+  }
+  const int64_t g_runs = w[1];
+  LOSSAGG_CHECK_VALUE(size - at == (groups && sessions ? g_runs + 1 : 0), kNotLayout);
+  if (groups && sessions && !step.lean) {  // each group run's first session run: from 0 to the session runs, never falling
+    const int64_t* first = w + at;
+    bool ok = first[0] == 0 && first[g_runs] == step.s.runs;
+    for (int64_t r = 0; r < g_runs; ++r) {
+      ok &= first[r] <= first[r + 1];
+    }
+    LOSSAGG_CHECK_VALUE(ok, kNotLayout);
+    step.first = first;
+    step.crosses = w[7] == 1;
+  }
+  step.laid_out = !step.lean;
+  return static_cast<Status>(status);
+}
+
 // counts [N] (int64 or float64, contiguous), group_index and session_index [N] int64 or None; per_prompt < 0 for
 // none; check_groups: whether the step's groups must hold per_prompt samples (the mode reads P); sessions_in_groups:
 // whether the mode reads the sessions of each group (Sp, Sp'), which must then hold per_prompt sessions; blocks:
@@ -629,24 +798,18 @@ std::vector<Tensor> plan_totals(
     std::vector<int64_t> blocks,
     bool with_counts,
     std::vector<int64_t> program,
-    std::vector<double> divisors) {
+    std::vector<double> divisors,
+    const std::optional<Tensor>& layout) {
   LOSSAGG_CHECK_VALUE(counts.dim() == 1 && counts.is_contiguous(), "lossagg.plan_totals: counts must be a contiguous [N] tensor");
   const bool is_long = counts.scalar_type() == ScalarType::Long;
   LOSSAGG_CHECK_VALUE(is_long || counts.scalar_type() == ScalarType::Double, "lossagg.plan_totals: counts must be int64 or float64");
   Step step;
   step.n = counts.numel();
   const int64_t n = step.n;
-  const int64_t* labels[2] = {nullptr, nullptr};
-  int li = 0;
-  for (const std::optional<Tensor>* given : {&group_index, &session_index}) {
-    if (given->has_value()) {
-      const Tensor& t = **given;
-      LOSSAGG_CHECK_VALUE(
-          t.dim() == 1 && t.numel() == n && t.is_contiguous() && t.scalar_type() == ScalarType::Long,
-          "lossagg.plan_totals: each label tensor must be a contiguous int64 [N] tensor beside the counts");
-      labels[li] = t.const_data_ptr<int64_t>();
-    }
-    ++li;
+  const int64_t* labels[2] = {labels_of(group_index, n, "plan_totals"), labels_of(session_index, n, "plan_totals")};
+  if (layout.has_value()) {
+    const bool asked = !blocks.empty() || !program.empty();
+    step.layout_status = read_layout(*layout, step, labels[0] != nullptr, labels[1] != nullptr, per_prompt, check_groups, sessions_in_groups, asked);
   }
   for (int64_t b : blocks) {
     LOSSAGG_CHECK_VALUE(b >= 0 && b < kBlocks, "lossagg.plan_totals: a block is out of range");
@@ -716,6 +879,9 @@ int64_t plan_denoms(
   return status;
 }
 
-STABLE_TORCH_LIBRARY_IMPL(lossagg, CPU, m) { m.impl("plan_totals", TORCH_BOX(&plan_totals)); }
+STABLE_TORCH_LIBRARY_IMPL(lossagg, CPU, m) {
+  m.impl("plan_totals", TORCH_BOX(&plan_totals));
+  m.impl("plan_layout", TORCH_BOX(&plan_layout));
+}
 
 }  // namespace lossagg::cpu
