@@ -1,10 +1,10 @@
-"""The plan's cost in two builds of lossagg: building a :class:`lossagg.StepPlan` from token counts (one process)
-and closing a :class:`lossagg.DeferredPlan` (one process, its micro-batch run beforehand), every built-in mode at
+"""The plan's cost in two builds of lossagg: building a :class:`lossagg.StepPlan` from token counts (one process),
+making a :class:`lossagg.DeferredPlan` and closing one (one process, its micro-batch run beforehand), every built-in mode at
 64 and 4,096 samples (benchmarks/bench_plan.py's steps), with one ``lossagg.reduce`` of a 16-token micro-batch as
 the per-call floor, in this checkout's build and in a baseline's.
 
 Each build runs in a process of its own (two builds of the same ops cannot share one), three runs each in
-alternating order; each figure is the best of its runs: a build is ``timeit``'s best of 7 repeats of 300 calls,
+alternating order; each figure is the best of its runs: a build or a make is ``timeit``'s best of 7 repeats of 300 calls,
 a close the best single call over 5 x 200 fresh plans.
 
     python benchmarks/compare_plan_builds.py --baseline /path/to/folder/holding/old/lossagg [--runs 3]
@@ -40,6 +40,8 @@ for mode in lossagg.MODES:
         counts, groups, sessions = bench_plan.step_samples(n)
         labels = bench_plan.labels_for(mode, groups, sessions)
         out[f"build {mode} {n}"] = best(lambda: lossagg.StepPlan(config, counts, **labels))
+        # a DeferredPlan made (the labels' half of its close is done here where the mode reads labels), then closed
+        out[f"make {mode} {n}"] = best(lambda: lossagg.DeferredPlan(config, n, **labels))
         make = bench_plan.deferred_close(config, counts, labels)
         t = []
         for _ in range(5):

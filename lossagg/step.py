@@ -215,6 +215,12 @@ def plain_labels(t, n: int) -> bool:
     return _plain_tensor(t, n, (torch.int64,))
 
 
+#: The fewest samples for which a one-process DeferredPlan does the labels' half of its close when it is made (a
+#: LabelLayout): at 4,096 samples the close then takes ~20 us less and the make as much more (docs/benchmarks.md);
+#: below this the layout's own call costs more than it saves.
+LAYOUT_FROM = 1024
+
+
 class LabelLayout(NamedTuple):
     """The runs of a step's labels found before its counts are known (csrc/cpu/plan_totals.cpp's layout), which the
     native route reads in place of the labels' pass: a one-process :class:`lossagg.DeferredPlan` makes it with the
@@ -228,9 +234,10 @@ class LabelLayout(NamedTuple):
     @classmethod
     def of(cls, config, samples: RankSamples) -> LabelLayout | None:
         """The layout of ``samples``' labels, or None where the native route would not read one (no label the mode
-        reads, or arguments it does not take: see :func:`_native_route`)."""
+        reads, or arguments it does not take: see :func:`_native_route`) or it would not pay (fewer samples than
+        :data:`LAYOUT_FROM`)."""
         info = plan_info(config)
-        if not info.native or not (info.groups or info.sessions):
+        if samples.num_samples < LAYOUT_FROM or not info.native or not (info.groups or info.sessions):
             return None
         if samples.sample_weights is not None or samples.num_group_labels is not None or samples.num_session_labels is not None:
             return None

@@ -247,8 +247,9 @@ def test_what_the_native_route_leaves_to_python(monkeypatch):
     assert calls == [1]
 
 
-def closed_step(config, counts, group, session):
-    """A one-process DeferredPlan over the step's samples in two micro-batches, closed: its DeferredStep."""
+def closed_step(config, counts, group, session, before_close=None):
+    """A one-process DeferredPlan over the step's samples in two micro-batches, closed: its DeferredStep
+    (``before_close`` called first with the plan)."""
     n = counts.numel()
     labels = {}
     if any(t.spec.needs_groups for t in config.loss_terms):
@@ -267,6 +268,8 @@ def closed_step(config, counts, group, session):
         values = torch.randn(mask.numel(), generator=g, dtype=torch.float64)
         terms = {t.name: values * (k + 1) for k, t in enumerate(config.loss_terms)}
         deferred.loss(terms if len(terms) > 1 else values, deferred.micro_batch(part, mask, cu))
+    if before_close is not None:
+        before_close(deferred)
     return deferred.close()
 
 
@@ -286,6 +289,7 @@ def test_a_deferred_plan_closes_through_the_native_route_as_through_pythons(mode
             )
         counts, group, session = step_of(4, 5, "dense", torch.int64, shuffled=False)  # halves of whole groups
         calls.clear()
+        monkeypatch.setattr(step_module, "LAYOUT_FROM", 0)  # a layout made for these few samples too
         laid = []
         with monkeypatch.context() as m:  # the close reads the labels' layout the plan made, where the mode reads labels
             m.setattr(step_module, "native_plan_totals", lambda *a, laid=laid: laid.append(a[10] is not None) or calls.append(1) or real(*a))
@@ -447,16 +451,30 @@ def test_a_layout_not_made_of_these_labels_and_arguments_is_refused():
 
 
 def test_labels_written_after_the_layout_are_read_again(monkeypatch):
-    """A DeferredPlan whose labels are written in place after it made their layout closes from the labels as they
-    are then (the layout is read only while the labels are the tensors it was made of, unwritten since)."""
+    """A DeferredPlan whose labels are written in place after it made their layout closes without it, from the
+    labels as they are then (the layout is read only while the labels are the tensors it was made of, unwritten
+    since); a plan of fewer samples than LAYOUT_FROM makes none."""
     config = config_for("prompt_session_mean", "count", False)
     counts, group, session = step_of(4, 1, "dense", torch.int64, shuffled=False)
+    assert lossagg.DeferredPlan(config, counts.numel(), group_index=group, session_index=session)._layout is None, "too few to pay"
+    monkeypatch.setattr(step_module, "LAYOUT_FROM", counts.numel())
     real = step_module.native_plan_totals
     laid = []
     monkeypatch.setattr(step_module, "native_plan_totals", lambda *a: laid.append(a[10] is not None) or real(*a))
-    written = session.clone()
-    deferred = lossagg.DeferredPlan(config, counts.numel(), group_index=group, session_index=written)
-    assert deferred._layout is not None
-    written.add_(0)  # the same labels, written: the layout is not read
-    assert not deferred._layout.reads(group, written)
-    assert step_module.LabelLayout.of(config, deferred.samples).reads(group, written)
+    made = []
+    fast = closed_step(config, counts, group, session, made.append)
+    assert laid == [True] and made[0]._layout.reads(group, session)
+
+    def write(deferred):  # the same labels, written in place: the layout is not read
+        deferred.session_index.add_(0)
+        assert not deferred._layout.reads(deferred.group_index, deferred.session_index)
+
+    laid.clear()
+    written = closed_step(config, counts, group.clone(), session.clone(), write)
+    assert laid == [False]
+    with monkeypatch.context() as m:
+        python_route(m)
+        slow = closed_step(config, counts, group, session)
+    for step in (fast, written):
+        assert step.scale == slow.scale and step.loss == slow.loss and list(step.plan.totals) == list(slow.plan.totals)
+        assert all(same(step.plan.totals[k], slow.plan.totals[k]) for k in slow.plan.totals)
