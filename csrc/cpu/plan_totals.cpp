@@ -210,8 +210,7 @@ struct Step {
   std::vector<double> g_size, g_tokens, s_size, s_kept, s_tokens, g_held, g_held_kept;
   std::vector<int64_t> s_group;  // each session's group, where a session is several runs (sessions_of_groups)
 
-  // Per-sample block b (0..5, see kBlocks) into out [n]: each sample's run's label's value, filled run by run (the
-  // runs' bounds only: no label read again, so a layout's runs serve as found ones).
+  // Per-sample block b (0..5, see kBlocks) into out [n]: each sample's run's label's value.
   void per_sample(int64_t block, double* out) const {
     const std::vector<double>& table = block == 0   ? g_tokens
                                        : block == 1 ? s_size
@@ -225,10 +224,21 @@ struct Step {
       return;
     }
     const double* v = table.data();
-    const int64_t* start = runs.start;
     const int64_t* id = runs.id;
-    for (int64_t k = 0; k < runs.runs; ++k) {
-      std::fill(out + start[k], out + start[k + 1], v[id == nullptr ? k : id[k]]);
+    if (laid_out) {  // a layout's runs: filled run by run from their bounds (the labels are not read)
+      const int64_t* start = runs.start;
+      for (int64_t k = 0; k < runs.runs; ++k) {
+        std::fill(out + start[k], out + start[k + 1], v[id == nullptr ? k : id[k]]);
+      }
+      return;
+    }
+    // else the runs counted again along the labels, with no branch (no per-sample table of runs kept)
+    const int64_t* labels = runs.labels;
+    int64_t r = 0;
+    out[0] = v[id == nullptr ? 0 : id[0]];
+    for (int64_t i = 1; i < n; ++i) {
+      r += labels[i] != labels[i - 1] ? 1 : 0;
+      out[i] = v[id == nullptr ? r : id[r]];
     }
   }
 };
