@@ -40,7 +40,7 @@ for mode in lossagg.MODES:
         counts, groups, sessions = bench_plan.step_samples(n)
         labels = bench_plan.labels_for(mode, groups, sessions)
         out[f"build {mode} {n}"] = best(lambda: lossagg.StepPlan(config, counts, **labels))
-        # a DeferredPlan made (the labels' half of its close is done here where the mode reads labels), then closed
+        # a DeferredPlan made (the labels' half of its close is done here where the mode reads sessions), then closed
         out[f"make {mode} {n}"] = best(lambda: lossagg.DeferredPlan(config, n, **labels))
         make = bench_plan.deferred_close(config, counts, labels)
         t = []

@@ -215,9 +215,10 @@ def plain_labels(t, n: int) -> bool:
     return _plain_tensor(t, n, (torch.int64,))
 
 
-#: The fewest samples for which a one-process DeferredPlan does the labels' half of its close when it is made (a
-#: LabelLayout): at 4,096 samples the close then takes ~20 us less and the make as much more (docs/benchmarks.md);
-#: below this the layout's own call costs more than it saves.
+#: The fewest samples for which a one-process DeferredPlan whose mode reads sessions does the labels' half of its close
+#: when it is made (a LabelLayout): at 4,096 samples the close then takes 10-20 us less and the make as much more
+#: (docs/benchmarks.md); below this the layout's own call costs more than it saves. Modes with prompt groups alone make
+#: none: their close is within 50 us without it, and the layout cost their make more than it saved the close.
 LAYOUT_FROM = 1024
 
 
@@ -235,9 +236,9 @@ class LabelLayout(NamedTuple):
     def of(cls, config, samples: RankSamples) -> LabelLayout | None:
         """The layout of ``samples``' labels, or None where the native route would not read one (no label the mode
         reads, or arguments it does not take: see :func:`_native_route`) or it would not pay (fewer samples than
-        :data:`LAYOUT_FROM`)."""
+        :data:`LAYOUT_FROM`, or a mode that reads no sessions)."""
         info = plan_info(config)
-        if samples.num_samples < LAYOUT_FROM or not info.native or not (info.groups or info.sessions):
+        if samples.num_samples < LAYOUT_FROM or not info.native or not info.sessions:
             return None
         if samples.sample_weights is not None or samples.num_group_labels is not None or samples.num_session_labels is not None:
             return None

@@ -291,10 +291,10 @@ def test_a_deferred_plan_closes_through_the_native_route_as_through_pythons(mode
         calls.clear()
         monkeypatch.setattr(step_module, "LAYOUT_FROM", 0)  # a layout made for these few samples too
         laid = []
-        with monkeypatch.context() as m:  # the close reads the labels' layout the plan made, where the mode reads labels
+        with monkeypatch.context() as m:  # the close reads the labels' layout the plan made, where the mode reads sessions
             m.setattr(step_module, "native_plan_totals", lambda *a, laid=laid: laid.append(a[10] is not None) or calls.append(1) or real(*a))
             fast = closed_step(config, counts, group, session)
-        labelled = any(t.spec.needs_groups or t.spec.needs_sessions for t in config.loss_terms)
+        labelled = any(t.spec.needs_sessions for t in config.loss_terms)
         assert len(calls) == 1 and laid == [labelled], f"{mode}: the close did not take the native route, in one call, with the layout"
         with monkeypatch.context() as m:
             python_route(m)
