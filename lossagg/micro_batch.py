@@ -317,6 +317,21 @@ def _term_values(values, names: tuple[str, ...], what: str, every: bool = True) 
     return [values[n] for n in names]
 
 
+def _usual(seq: list) -> bool:
+    """The terms of the usual call as :func:`reduce_terms_of` reads them untested: each a plain floating tensor of
+    one dtype, dense and contiguous, not made under inference mode where a gradient may be recorded. Their shapes
+    and devices are the op's own checks: a call it refuses is taken again by the general route, which names the
+    term. A test per term of four reads, where the general route's two tests read eight."""
+    first = seq[0]
+    if type(first) is not torch.Tensor or not first.is_floating_point():
+        return False
+    dtype, grad = first.dtype, torch.is_grad_enabled() and not torch.compiler.is_compiling()  # a trace has no inference tensors to test
+    for t in seq:
+        if type(t) is not torch.Tensor or t.dtype is not dtype or t.layout is not _STRIDED or not t.is_contiguous() or (grad and t.is_inference()):
+            return False
+    return True
+
+
 def _plain(seq: list, mask) -> bool:
     """Every term a dense tensor of the mask's shape, one dtype and device: the usual call, whose
     named checks are skipped (the op checks the rest)."""
@@ -359,12 +374,16 @@ def reduce_micro_batch(values, mb: MicroBatch, *, terms=None, coefficients: bool
     ``J_k`` before its coefficient, detached, by name."""
     if type(values) is dict and terms is None and coefficients and not parts and len(mb.names) > 1 and (mb.log is None or not mb.log.parts):
         seq = [values.get(n) for n in mb.names]  # the usual call: each term's tensor by name, the checks below passed
-        if len(values) == len(seq) and _plain(seq, mb.mask) and mb.layout_read():
+        if len(values) == len(seq) and _usual(seq) and mb.layout_read():
             d, w = mb.tables[torch.float64 if seq[0].dtype is torch.float64 else torch.float32]
-            total, split = reduce_terms_of(seq, mb.mask, mb.cu_seqlens, d, w, mb.coefficients, _labels(mb.names, False), True)
-            if mb.log is not None:
-                mb.log.parts.update(zip(mb.names, split, strict=True))
-            return total
+            try:
+                total, split = reduce_terms_of(seq, mb.mask, mb.cu_seqlens, d, w, mb.coefficients, _labels(mb.names, False), True, True)
+            except (TypeError, ValueError):  # a term of another shape or device than the mask's: the route below names it
+                pass
+            else:
+                if mb.log is not None:
+                    mb.log.parts.update(zip(mb.names, split, strict=True))
+                return total
     names, rows = _selected(mb, terms, what)
     seq = _term_values(values, names, what, terms is None)
     labels = _labels(names, isinstance(values, torch.Tensor))
@@ -441,6 +460,12 @@ class Plan:
     handle (``micro_batch``, each plan's own) and its reduction, :meth:`loss`, the one way a micro-batch's
     share of the step's loss is computed (:func:`reduce_micro_batch`)."""
 
+    _loss_what = "Plan.loss"  # each plan's own name in its messages
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._loss_what = f"{cls.__name__}.loss"
+
     def _made(self, samples, mask, cu_seqlens) -> MicroBatch:  # the plan's own handle of (mask, samples, cu_seqlens)
         raise NotImplementedError
 
@@ -478,7 +503,9 @@ class Plan:
         dtypes one call each, each accumulating as ``reduce`` does for its dtype, the total in
         the widest (lossagg/micro_batch.py).
         """
-        what = f"{type(self).__name__}.loss"
+        what = self._loss_what
+        if type(micro_batch) is MicroBatch and micro_batch.owner is self and samples is None and cu_seqlens is None:  # its own handle
+            return self._reduce(values, micro_batch, False, terms=terms, coefficients=coefficients, parts=parts, what=what)
         mb, made = self._handle(micro_batch, samples, cu_seqlens, what)
         return self._reduce(values, mb, made, terms=terms, coefficients=coefficients, parts=parts, what=what)
 

@@ -512,18 +512,20 @@ def reduce_terms_of(
     coefficients: list[float],
     names: tuple[str, ...] | None = None,
     layout_read: bool = False,
+    values_read: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`reduce_terms` for a caller that passes ``values`` as a list and ``coefficients`` as
     a list of floats (lossagg/micro_batch.py): every check of the tensors, none of the parsing;
     ``names``, the values as the caller's user named them (``values['kl']``), for the messages.
     ``layout_read``: the caller knows the tensors besides ``values`` to pass :func:`_readable`'s
-    test (a micro-batch's, tested once), so that only the values are tested here."""
+    test (a micro-batch's, tested once), so that only the values are tested here; with ``values_read`` too, the
+    caller tested the values as well (lossagg/micro_batch.py's ``_usual``), so nothing is."""
     if torch.compiler.is_compiling():  # the fake kernel checks what a trace can see
         return torch.ops.lossagg.reduce_terms(values, mask, cu_seqlens, sample_denoms, sample_weights, coefficients)
     grad_mode = torch.is_grad_enabled()
     needs_grad = grad_mode and any(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
     tensors = (*values, mask, cu_seqlens, sample_denoms, sample_weights)
-    if not _readable(values if layout_read else tensors, needs_grad):
+    if not (layout_read and values_read) and not _readable(values if layout_read else tensors, needs_grad):
         names = (*(names or (f"values[{k}]" for k in range(len(values)))), "mask", "cu_seqlens", "sample_denoms", "sample_weights")
         check_readable(
             "reduce_terms", names, tensors, (_reduce_terms_fake, (values, mask, cu_seqlens, sample_denoms, sample_weights, coefficients)), needs_grad
@@ -531,8 +533,10 @@ def reduce_terms_of(
     try:
         if grad_mode:
             _not_differentiable("reduce_terms", mask=mask, sample_denoms=sample_denoms, sample_weights=sample_weights)
-        if needs_grad:
-            return _ReduceTerms.apply(mask, cu_seqlens, sample_denoms, sample_weights, coefficients, *values)
+        if needs_grad:  # J alone is the Function's output; the parts (never differentiable) come back beside it
+            parts = []
+            out = _ReduceTerms.apply((mask, cu_seqlens, sample_denoms, sample_weights, coefficients, parts), *values)
+            return out, parts[0]
         with _BELOW_AUTOGRAD():
             return _REDUCE_TERMS(values, mask, cu_seqlens, sample_denoms, sample_weights, coefficients)
     except RuntimeError as exc:
@@ -617,22 +621,27 @@ def _save_reduce_terms(ctx, mask, cu_seqlens, sample_denoms, sample_weights, coe
 
 class _ReduceTerms(torch.autograd.Function):
     """reduce_terms with its backward, as the wrapper :func:`reduce_terms` calls it (see _Reduce);
-    the values come last, one argument each, so that autograd gives each its gradient."""
+    the values come last, one argument each, so that autograd gives each its gradient. J is its one
+    output: the op's parts ``[K]`` are appended to the list the call passes (a second output, marked
+    not differentiable, cost every forward and backward some 8 µs at 16k tokens: its wrapping and the
+    zeros autograd makes for its gradient)."""
 
     @staticmethod
-    def forward(ctx, mask, cu_seqlens, sample_denoms, sample_weights, coefficients, *values):
+    def forward(ctx, how, *values):
+        mask, cu_seqlens, sample_denoms, sample_weights, coefficients, parts = how
         with _BELOW_AUTOGRAD():
-            out, parts = _REDUCE_TERMS(list(values), mask, cu_seqlens, sample_denoms, sample_weights, coefficients)
-        ctx.mark_non_differentiable(parts)
+            out, split = _REDUCE_TERMS(list(values), mask, cu_seqlens, sample_denoms, sample_weights, coefficients)
+        parts.append(split)
         _save_reduce_terms(ctx, mask, cu_seqlens, sample_denoms, sample_weights, coefficients, values[0].dtype)
-        return out, parts
+        return out
 
     @staticmethod
-    def backward(ctx, grad, grad_parts):
-        if not any(ctx.needs_input_grad[5:]):
-            return (None,) * (5 + len(ctx.needs_input_grad[5:]))
+    def backward(ctx, grad):
+        wanted = ctx.needs_input_grad[1:]
+        if not any(wanted):
+            return (None,) * (1 + len(wanted))
         grads = _reduce_terms_grads(ctx, grad)
-        return (None, None, None, None, None, *(g if need else None for g, need in zip(grads, ctx.needs_input_grad[5:], strict=True)))
+        return (None, *(g if need else None for g, need in zip(grads, wanted, strict=True)))
 
 
 def _setup_reduce_terms(ctx, inputs, output):
