@@ -117,7 +117,7 @@ def main(argv=None) -> None:
     cu16, d16 = torch.tensor([0, 4, 8, 12, 16]), torch.full((4,), 4.0, dtype=torch.float64)
     print("| mode | samples | StepPlan build (µs) | DeferredPlan close (µs) | reduce, 16 tokens (µs) | build / reduce | close / reduce |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    worst = 0.0
+    worst = worst_ratio = 0.0
     for mode in args.modes:
         config = config_for(mode)
         for n in args.sizes:
@@ -133,11 +133,16 @@ def main(argv=None) -> None:
             t = bench_reduce.interleaved_medians(runners, "cpu", args.rounds)
             us = {k: v * 1e3 for k, v in t.items()}
             worst = max(worst, us["build"], us["close"])
+            worst_ratio = max(worst_ratio, us["build"] / us["reduce"], us["close"] / us["reduce"])
             print(
                 f"| {mode} | {n} | {us['build']:.1f} | {us['close']:.1f} | {us['reduce']:.1f} | "
                 f"{us['build'] / us['reduce']:.1f}x | {us['close'] / us['reduce']:.1f}x |"
             )
-    print(f"\nslowest build or close: {worst:.0f} µs (goal: <= 50 µs)")
+    print(f"\nslowest build or close: {worst:.0f} µs, cache-cold (goal: <= 50 µs on the issue's machine, timed alone)")
+    print(
+        f"slowest build or close against the reduce of the same round: {worst_ratio:.1f}x "
+        f"(the goal in those units: 50 µs where the reduce took 8.6 µs, {50 / 8.6:.1f}x)"
+    )
 
 
 if __name__ == "__main__":
